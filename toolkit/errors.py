@@ -1,0 +1,31 @@
+"""The one exception type for mistakes a user can fix.
+
+Anything raised as `UserError` reaches the user as one line on stderr (no traceback) and a non-zero
+exit code; see `toolkit.cli.main`. Raise it before anything is written, so that bad input never
+leaves a half-written output behind.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Iterable
+
+
+class UserError(Exception):
+    """A problem with the user's input, explained in one line that says what to do."""
+
+
+def closest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
+    """The valid choices nearest to a misspelled `word`, best first."""
+    choices = list(choices)
+    matches = difflib.get_close_matches(word, choices, n=n, cutoff=0.4)
+    if not matches:
+        lowered = word.lower()
+        matches = [c for c in choices if lowered in c.lower()][:n]
+    return matches
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """' Did you mean: a, b?' or '' when nothing is close."""
+    matches = closest(word, choices)
+    return f" Did you mean: {', '.join(matches)}?" if matches else ""
