@@ -1,0 +1,136 @@
+"""The toolkit's inference checkpoint: a directory that `generate`, fine-tuning and export read.
+
+    <dir>/model.safetensors     weights, toolkit names (a tied output head is stored once)
+    <dir>/model_config.json     `Config` fields
+    <dir>/tokenizer.json ...    tokenizer files, so the directory is self-contained
+
+Directories are written atomically: into a temporary sibling that is renamed into place at the
+end, so an interrupted write never leaves a directory that looks complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Mapping, Optional
+
+from toolkit.errors import UserError
+from toolkit.models.config import CONFIG_FILENAME, Config
+
+WEIGHTS_FILENAME = "model.safetensors"
+
+
+def is_checkpoint_dir(path: Path | str) -> bool:
+    path = Path(path)
+    return (path / CONFIG_FILENAME).is_file() and (path / WEIGHTS_FILENAME).is_file()
+
+
+def require_checkpoint_dir(path: Path | str) -> Path:
+    """The path, or a one-line error that says what a checkpoint directory is and how to get one."""
+    path = Path(path)
+    if not path.exists():
+        raise UserError(f"Checkpoint directory {path} does not exist.")
+    if (path / "config.json").is_file() and not (path / CONFIG_FILENAME).is_file():
+        raise UserError(
+            f"{path} is a Hugging Face model, not a toolkit checkpoint: convert it first with "
+            f"`toolkit convert_from_hf {path} <out_dir>`."
+        )
+    if not is_checkpoint_dir(path):
+        raise UserError(
+            f"{path} is not a toolkit checkpoint (expected {CONFIG_FILENAME} and {WEIGHTS_FILENAME}): "
+            "use the `final` folder of a training run, or `toolkit convert_from_hf` for a Hugging Face model."
+        )
+    return path
+
+
+@contextmanager
+def atomic_directory(out_dir: Path | str, overwrite: bool = False) -> Iterator[Path]:
+    """Yield a temporary directory next to `out_dir`; on success it replaces `out_dir` in one rename.
+
+    On failure the temporary directory is removed and `out_dir` is left as it was.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise UserError(f"{out_dir} already exists and is not empty; choose another directory or pass --overwrite true.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        yield tmp
+        if out_dir.exists():
+            old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def weights_for_saving(state_dict: Mapping, config: Config) -> dict:
+    """Contiguous CPU tensors with the tied head dropped (safetensors stores each tensor once)."""
+    out = {}
+    for name, tensor in state_dict.items():
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def save_checkpoint_files(directory: Path, state_dict: Mapping, config: Config, tokenizer_dir: Optional[Path] = None) -> None:
+    """Write weights, config and tokenizer files into an existing directory (see `atomic_directory`)."""
+    from safetensors.torch import save_file
+
+    from toolkit.tokenizer import TOKENIZER_FILES
+
+    save_file(weights_for_saving(state_dict, config), str(directory / WEIGHTS_FILENAME), metadata={"format": "pt"})
+    config.save(directory)
+    if tokenizer_dir is not None:
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            src = Path(tokenizer_dir) / name
+            if src.is_file() and not (directory / name).exists():
+                shutil.copy2(src, directory / name)
+
+
+def load_state_dict(checkpoint_dir: Path | str, device: str = "cpu") -> dict:
+    """The weights of a checkpoint (safetensors; no pickle is ever loaded), tied head restored."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(checkpoint_dir) / WEIGHTS_FILENAME
+    try:
+        state_dict = load_file(str(path), device=device)
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
+    config = Config.from_file(checkpoint_dir)
+    if config.tie_embeddings and "lm_head.weight" not in state_dict and "embed.weight" in state_dict:
+        state_dict["lm_head.weight"] = state_dict["embed.weight"]
+    return state_dict
+
+
+def load_model(checkpoint_dir: Path | str, device: str = "cpu", dtype=None):
+    """A GPT with the checkpoint's weights, in eval mode."""
+    import torch
+
+    from toolkit.models.gpt import GPT
+
+    checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
+    config = Config.from_file(checkpoint_dir)
+    with torch.device("meta"):
+        model = GPT(config)
+    state_dict = load_state_dict(checkpoint_dir, device=device)
+    try:
+        model.load_state_dict(state_dict, strict=True, assign=True)
+    except RuntimeError as err:
+        first = str(err).strip().splitlines()[0:2]
+        raise UserError(f"Weights in {checkpoint_dir} do not match its {CONFIG_FILENAME}: {' '.join(first)}") from None
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    if dtype is not None:
+        model = model.to(dtype)
+    return model.eval()

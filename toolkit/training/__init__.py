@@ -1,0 +1,1 @@
+"""Distributed set-up and batch math for training (see `toolkit.training.distributed`)."""
