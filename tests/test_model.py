@@ -1,0 +1,108 @@
+"""The model: presets, configuration validation, KV-cache generation."""
+
+import pytest
+import torch
+
+from toolkit.errors import UserError
+from toolkit.generate import generate_tokens
+from toolkit.models.config import Config
+from toolkit.models.gpt import GPT, IGNORE_INDEX, init_weights
+from toolkit.models.presets import PRESETS, find_preset
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if "expected_params" in p], ids=lambda p: p["name"])
+def test_every_preset_has_the_published_parameter_count(preset):
+    config = Config.from_name(preset["name"])
+    with torch.device("meta"):
+        model = GPT(config)
+    counted = sum(p.numel() for p in model.parameters())  # tied weights are one Parameter, counted once
+    assert abs(counted - preset["expected_params"]) <= 0.005 * preset["expected_params"]
+    assert config.num_parameters() == counted
+
+
+@pytest.mark.parametrize("preset", [p for p in PRESETS if "expected_params" not in p], ids=lambda p: p["name"])
+def test_debug_presets_instantiate_and_train_one_step(preset):
+    config = Config.from_name(preset["name"])
+    torch.manual_seed(0)
+    model = GPT(config)
+    init_weights(model, config.n_layer)
+    ids = torch.randint(0, config.vocab_size, (2, 16))
+    loss = model(ids, labels=ids)
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_lookup_by_alias_and_hf_repo_id():
+    assert Config.from_name("tiny-llama").name == "tiny-llama-1.1b"
+    assert Config.from_name("meta-llama/Llama-3.2-1B").name == "llama-3.2-1b"
+    assert Config.from_name("PYTHIA-14M").name == "pythia-14m"
+
+
+def test_unknown_model_names_the_closest_presets():
+    with pytest.raises(UserError, match="Did you mean: .*llama-3-8b"):
+        find_preset("llama-3-8")
+    with pytest.raises(UserError, match="toolkit list"):
+        Config.from_name("no-such-model-at-all-xyz")
+
+
+def test_config_validation_and_round_trip(tmp_path):
+    with pytest.raises(UserError, match="n_query_groups"):
+        Config(n_embd=64, n_head=4, n_query_groups=3)
+    with pytest.raises(UserError, match="Unknown model config field 'n_layers'.*n_layer"):
+        Config.from_name("debug", n_layers=2)
+    config = Config.from_name("llama-3.1-8b")
+    config.save(tmp_path)
+    assert Config.from_file(tmp_path) == config
+    assert config.head_size == 128 and config.kv_heads == 8 and config.rope_n_elem == 128
+    assert Config.from_name("pythia-14m").rope_n_elem == 8  # 25% of 32
+
+
+def test_summed_loss_ignores_masked_labels():
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("debug-llama2"))
+    ids = torch.randint(0, 32000, (1, 8))
+    labels = ids.clone()
+    labels[0, :5] = IGNORE_INDEX
+    full = torch.nn.functional.cross_entropy(model(ids)[0, 5:], ids[0, 5:], reduction="sum")
+    torch.testing.assert_close(model(ids, labels=labels), full)
+
+
+@pytest.mark.parametrize("name", ["debug", "debug-neox", "debug-gemma", "debug-phi"])
+def test_kv_cache_generation_equals_full_recomputation(name):
+    torch.manual_seed(0)
+    config = Config.from_name(name)
+    model = GPT(config).eval()
+    init_weights(model, config.n_layer, std=0.2)  # larger weights: non-trivial, varied next tokens
+    prompt = torch.randint(0, config.vocab_size, (7,))
+    cached = generate_tokens(model, prompt, max_new_tokens=12, temperature=0.0, top_k=None)
+
+    # The same greedy decoding, recomputing the whole sequence each time without a cache.
+    tokens = prompt
+    with torch.no_grad():
+        for _ in range(12):
+            logits = model(tokens[None])[0, -1]
+            tokens = torch.cat([tokens, logits.argmax()[None]])
+    assert torch.equal(cached, tokens)
+
+    # And the cached logits match the uncached ones position by position.
+    with torch.no_grad():
+        full = model(tokens[None])[0]
+        model.set_kv_cache(1, tokens.numel())
+        step_logits = [model(tokens[None, :7], input_pos=0)[0]]
+        for pos in range(7, tokens.numel()):
+            step_logits.append(model(tokens[None, pos : pos + 1], input_pos=pos)[0])
+        model.clear_kv_cache()
+    torch.testing.assert_close(torch.cat(step_logits), full, atol=2e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_with_a_cache_matches_one_pass():
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("debug")).eval()
+    ids = torch.randint(0, 4096, (2, 20))
+    with torch.no_grad():
+        full = model(ids)
+        model.set_kv_cache(2, 20)
+        parts = [model(ids[:, :8], input_pos=0), model(ids[:, 8:15], input_pos=8), model(ids[:, 15:], input_pos=15)]
+        model.clear_kv_cache()
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)

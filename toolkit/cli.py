@@ -1,0 +1,138 @@
+"""The `toolkit` command: a table of typed entry functions turned into subcommands by jsonargparse.
+
+`toolkit --help` imports nothing heavy: the table holds import paths, and only the chosen
+subcommand's module is imported. Every subcommand takes `--config file.yaml` and dotted overrides.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Callable, Optional
+
+from toolkit.errors import UserError, closest, did_you_mean
+
+# subcommand -> (module:function, one-line summary)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "pretrain": ("toolkit.pretrain:pretrain", "Pretrain a model from scratch on text or litdata streams."),
+    "generate": ("toolkit.generate:generate", "Sample text from a checkpoint."),
+    "list": ("toolkit.cli:list_models", "List the model presets."),
+    "convert_from_hf": ("toolkit.convert:convert_from_hf", "Convert a Hugging Face checkpoint to a toolkit checkpoint."),
+    "convert_to_hf": ("toolkit.convert:convert_to_hf", "Export a toolkit checkpoint as a Hugging Face model directory."),
+    "convert_pretrained_checkpoint": (
+        "toolkit.convert:convert_pretrained_checkpoint",
+        "Turn a training checkpoint (with optimizer state) into an inference checkpoint.",
+    ),
+    "download": ("toolkit.download:download", "Download a model from the Hugging Face Hub and convert it."),
+}
+
+
+def list_models(hf: bool = False) -> None:
+    """List the model presets.
+
+    Args:
+        hf: Also show the Hugging Face repository each preset mirrors.
+    """
+    from toolkit.models.presets import PRESETS
+
+    for preset in PRESETS:
+        aliases = preset.get("aliases", [])
+        line = preset["name"] + (f"  (alias: {', '.join(aliases)})" if aliases else "")
+        if hf and preset.get("hf_repo_id"):
+            line += f"  [{preset['hf_repo_id']}]"
+        print(line)
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    lines = ["usage: toolkit <command> [--config FILE.yaml] [--option value ...]", "", "commands:"]
+    lines += [f"  {name.ljust(width)}  {summary}" for name, (_, summary) in COMMANDS.items()]
+    lines += ["", "Run `toolkit <command> --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _load(target: str) -> Callable:
+    module_name, func_name = target.split(":")
+    return getattr(importlib.import_module(module_name), func_name)
+
+
+def _option_names(parser) -> list[str]:
+    names = []
+    for action in parser._actions:
+        names.extend(s for s in action.option_strings if s.startswith("--"))
+    return names
+
+
+def build_parser(name: str, function: Callable):
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    doc = (function.__doc__ or "").strip().split("\n\n")[0]
+    parser = ArgumentParser(prog=f"toolkit {name}", description=doc, exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="A YAML file with any of the options below.")
+    parser.add_function_arguments(function, as_positional=True)
+    return parser
+
+
+def _explain_parse_error(parser, argv: list[str], error: Exception) -> str:
+    """One line: what was wrong, with the closest valid option names for a misspelled one."""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    known = _option_names(parser)
+    for arg in argv:
+        if arg.startswith("--"):
+            option = arg.split("=", 1)[0]
+            if option not in known and not any(option.startswith(k + ".") for k in known):
+                return f"Unknown option {option}.{did_you_mean(option, known)} See `{parser.prog} --help`."
+    return f"{message} See `{parser.prog} --help`."
+
+
+def run(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from toolkit import __version__
+
+        print(__version__)
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        matches = closest(name, COMMANDS)
+        hint = f" Did you mean: {', '.join(matches)}?" if matches else ""
+        print(f"toolkit: unknown command {name!r}.{hint} Run `toolkit --help` for the list.", file=sys.stderr)
+        return 2
+    function = _load(COMMANDS[name][0])
+    parser = build_parser(name, function)
+    try:
+        cfg = parser.parse_args(rest)
+    except SystemExit as exit_:  # --help
+        return int(exit_.code or 0)
+    except Exception as error:  # jsonargparse's ArgumentError and friends
+        if isinstance(error.__cause__, UserError) or isinstance(error, UserError):
+            cause = error if isinstance(error, UserError) else error.__cause__
+            print(f"toolkit {name}: error: {cause}", file=sys.stderr)
+            return 2
+        print(f"toolkit {name}: error: {_explain_parse_error(parser, rest, error)}", file=sys.stderr)
+        return 2
+    try:
+        init = parser.instantiate_classes(cfg)
+        kwargs = {k: v for k, v in init.items() if k != "config"}
+        function(**kwargs)
+    except UserError as error:
+        print(f"toolkit {name}: error: {error}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"toolkit {name}: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main() -> None:
+    # Keep tokenizers' Rust thread pool from fighting with forked data workers.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(run())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""`toolkit generate`: sample text from a checkpoint, with a KV cache."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from toolkit.errors import UserError
+
+
+@torch.inference_mode()
+def generate_tokens(
+    model,
+    prompt: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    top_p: Optional[float] = None,
+    eos_id: Optional[int] = None,
+    generator: Optional[torch.Generator] = None,
+) -> torch.Tensor:
+    """Prompt (T,) followed by up to `max_new_tokens` sampled tokens (greedy when temperature is 0).
+
+    The prompt is processed in one forward pass that fills the KV cache; each new token then costs
+    one forward pass over a single position.
+    """
+    total = min(prompt.numel() + max_new_tokens, model.config.block_size)
+    model.set_kv_cache(batch_size=1, max_seq_length=total, device=prompt.device)
+    try:
+        tokens = [prompt]
+        logits = model(prompt[None], input_pos=0)[0, -1]  # (V,)
+        position = prompt.numel()
+        while position < total:
+            next_token = sample(logits, temperature, top_k, top_p, generator)
+            tokens.append(next_token[None])
+            if eos_id is not None and int(next_token) == eos_id:
+                break
+            if position + 1 >= total:
+                break
+            logits = model(next_token.view(1, 1), input_pos=position)[0, -1]
+            position += 1
+        return torch.cat(tokens)
+    finally:
+        model.clear_kv_cache()
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float], generator=None) -> torch.Tensor:
+    """One token id from logits (V,)."""
+    if temperature <= 0:
+        return logits.argmax()
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    probs = logits.softmax(-1)
+    return torch.multinomial(probs, 1, generator=generator)[0]
+
+
+def generate(
+    checkpoint_dir: Path,
+    prompt: str = "",
+    max_new_tokens: int = 100,
+    temperature: float = 0.8,
+    top_k: Optional[int] = 50,
+    top_p: Optional[float] = None,
+    num_samples: int = 1,
+    seed: int = 1234,
+    device: str = "auto",
+    precision: Optional[str] = None,
+) -> list[str]:
+    """Sample text from a toolkit checkpoint.
+
+    Args:
+        checkpoint_dir: A toolkit checkpoint, e.g. `out/pretrain/debug/final`.
+        prompt: Text to continue.
+        max_new_tokens: Tokens to generate per sample (fewer if the model's context ends first).
+        temperature: Softmax temperature; 0 means greedy decoding.
+        top_k: Sample only among the k most likely tokens.
+        top_p: Sample only among the most likely tokens whose probabilities sum to p.
+        num_samples: Independent samples to draw.
+        seed: Random seed.
+        device: "auto", "cpu" or "cuda".
+        precision: "bf16-true" or "32-true"; default bf16 on GPUs that support it, float32 on CPU.
+    """
+    from toolkit.checkpoint import load_model, require_checkpoint_dir
+    from toolkit.tokenizer import Tokenizer
+
+    checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
+    if max_new_tokens < 1:
+        raise UserError("--max_new_tokens must be at least 1.")
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if precision is None:
+        precision = "bf16-true" if device == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
+    dtypes = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
+    if precision not in dtypes:
+        raise UserError(f"--precision must be one of {', '.join(dtypes)} for generation, got {precision!r}.")
+    tokenizer = Tokenizer(checkpoint_dir)
+    model = load_model(checkpoint_dir, device=device, dtype=dtypes[precision])
+    encoded = tokenizer.encode(prompt).to(device)
+    if encoded.numel() == 0:
+        if tokenizer.bos_id is None:
+            raise UserError("Empty prompt and the tokenizer has no BOS token to start from: pass --prompt.")
+        encoded = torch.tensor([tokenizer.bos_id], device=device)
+    if encoded.numel() >= model.config.block_size:
+        raise UserError(f"The prompt has {encoded.numel()} tokens; the model's context is {model.config.block_size}.")
+    generator = torch.Generator(device=device).manual_seed(seed)
+    samples = []
+    for _ in range(num_samples):
+        start = time.perf_counter()
+        out = generate_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, generator)
+        seconds = time.perf_counter() - start
+        text = tokenizer.decode(out)
+        samples.append(text)
+        print(text, flush=True)
+        new = out.numel() - encoded.numel()
+        print(f"\n[{new} tokens in {seconds:.2f} s: {new / seconds:.1f} tokens/s]", flush=True)
+    return samples

@@ -1,0 +1,102 @@
+"""`toolkit pretrain`: train a model from scratch on streamed token data."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from toolkit.data.pretrain import PretrainData
+from toolkit.errors import UserError
+from toolkit.models.config import Config
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.distributed import DistributedArgs
+
+NO_DATA_HELP = (
+    "No training data given. For text, pass --data TextFiles --data.train_path <file or folder of .txt/.jsonl>; "
+    "for pre-optimized litdata streams (local folders or s3:// URLs), pass "
+    "--config config_hub/pretrain/tinyllama.yaml --data.train_streams '[<stream>, ...]'."
+)
+
+
+def pretrain(
+    model_name: str,
+    out_dir: Path = Path("out/pretrain"),
+    data: Optional[PretrainData] = None,
+    tokenizer_dir: Optional[Path] = None,
+    train_tokenizer_vocab: Optional[int] = None,
+    model_overrides: Optional[dict[str, Any]] = None,
+    train: TrainArgs = TrainArgs(),
+    eval: EvalArgs = EvalArgs(),
+    log: LogArgs = LogArgs(),
+    distributed: DistributedArgs = DistributedArgs(),
+    devices: Union[int, str] = 1,
+    num_nodes: int = 1,
+    precision: Optional[str] = None,
+    seed: int = 42,
+    resume: Union[bool, str, Path] = False,
+) -> None:
+    """Pretrain a model from randomly initialised weights.
+
+    Args:
+        model_name: A preset name, alias or Hugging Face repo id (see `toolkit list`).
+        out_dir: Where logs, training checkpoints and the final model (`<out_dir>/final`) go.
+        data: The training data: `TextFiles` (text or JSON Lines, tokenized once and cached) or
+            `StreamMix` (pre-optimized litdata streams, local or s3://).
+        tokenizer_dir: A folder with a Hugging Face `tokenizer.json`.
+        train_tokenizer_vocab: Without --tokenizer_dir, train a byte-level BPE tokenizer of this many
+            tokens on the training text first (used by the offline quick start).
+        model_overrides: Config fields to change, e.g. '{n_layer: 2, vocab_size: 50304}'.
+        train: Optimisation and stopping (see `TrainArgs`).
+        eval: Validation cadence.
+        log: Logging cadence and destinations.
+        distributed: Sharding options, used when devices x num_nodes > 1.
+        devices: Devices per node ("auto" for all).
+        num_nodes: Number of nodes.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true; default: the best the device supports.
+        seed: Random seed for initialisation and data order.
+        resume: false; "auto" to continue from the newest checkpoint in out_dir if there is one; true
+            to require one; or the path of a training checkpoint.
+    """
+    from toolkit.training.session import Session
+
+    config = Config.from_name(model_name, **(model_overrides or {}))
+    if data is None:
+        raise UserError(NO_DATA_HELP)
+    if tokenizer_dir is None and train_tokenizer_vocab is None:
+        raise UserError("Pass --tokenizer_dir <folder with tokenizer.json>, or --train_tokenizer_vocab N to train one on the data.")
+    max_seq_length = train.max_seq_length or min(config.block_size, 2048)
+    if max_seq_length > config.block_size:
+        raise UserError(
+            f"--train.max_seq_length {max_seq_length} is larger than the context of {config.name} "
+            f"({config.block_size} tokens); use at most {config.block_size}."
+        )
+
+    session = Session.start(
+        kind="pretrain", out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
+        devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
+        max_seq_length=max_seq_length,
+    )
+    fabric = session.fabric
+    tokenizer = session.prepare_tokenizer(tokenizer_dir, train_tokenizer_vocab, data)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise UserError(
+            f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} only {config.vocab_size}: "
+            f"pass --model_overrides '{{vocab_size: {tokenizer.vocab_size}}}' or a matching model."
+        )
+    block_size = max_seq_length + 1  # inputs and their next-token targets
+    if fabric.global_rank == 0:
+        data.prepare(tokenizer, block_size, session.work_dir)
+    fabric.barrier()
+    if fabric.global_rank != 0:
+        data.connect(tokenizer, block_size, session.work_dir)
+    train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed)
+    val_loader = data.val_dataloader(train.micro_batch_size, block_size)
+
+    model = session.build_model(init="random")
+    optimizer = session.build_optimizer(model)
+    tokens_per_step = session.plan.tokens_per_step
+    total_steps = None
+    if train.max_steps or train.max_tokens:
+        total_steps = min(s for s in (train.max_steps, (train.max_tokens or 0) // tokens_per_step or None) if s)
+    session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=tokens_per_step)
+    session.export_final(model)

@@ -1,0 +1,96 @@
+"""Argument groups shared by every entry point (`--train.*`, `--eval.*`, `--log.*`).
+
+They are plain typed dataclasses: jsonargparse turns them into CLI options and YAML sections, so a
+misspelled option is an error, never a silent default.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from toolkit.errors import UserError
+
+
+@dataclass
+class TrainArgs:
+    """Optimisation and stopping. Batch sizes count sequences; steps count optimizer steps."""
+
+    global_batch_size: int = 16  # sequences per optimizer step, over all devices and nodes
+    micro_batch_size: int = 4  # sequences per forward/backward on one device
+    max_seq_length: Optional[int] = None  # tokens per sequence; None: the model's context (pretraining: min(context, 2048))
+    max_steps: Optional[int] = None  # stop after this many optimizer steps
+    max_tokens: Optional[int] = None  # stop before the step that would exceed this many input tokens
+    max_time: Optional[str] = None  # stop at the first step boundary after this long: "90s", "45m", "2h", "1d2h", "HH:MM:SS"
+    epochs: Optional[int] = None  # passes over the data (fine-tuning); pretraining streams until another limit
+    learning_rate: float = 3e-4
+    min_lr: float = 3e-5  # cosine decay ends here
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    warmup_steps: int = 100  # linear warmup from 0
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_norm: Optional[float] = 1.0  # gradient clipping by global norm; None disables
+    save_interval: Optional[int] = 1000  # optimizer steps between checkpoints; None: only the final one
+    keep_last: Optional[int] = 2  # training checkpoints to keep; None keeps all
+    compile: bool = False  # torch.compile the model (works on CPU and GPU)
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "micro_batch_size"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--train.{name} must be at least 1, got {getattr(self, name)}")
+        for name in ("max_steps", "max_tokens", "epochs", "save_interval", "keep_last", "max_seq_length"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"--train.{name} must be at least 1, got {value}")
+        if self.max_time is not None:
+            parse_duration(self.max_time)
+
+    @property
+    def max_seconds(self) -> Optional[float]:
+        return None if self.max_time is None else parse_duration(self.max_time)
+
+
+@dataclass
+class EvalArgs:
+    """Periodic validation."""
+
+    interval: int = 100  # optimizer steps between validations
+    max_iters: int = 50  # validation micro-batches per device (all of them if the set is smaller)
+    initial_validation: bool = False  # validate before the first step
+    final_validation: bool = True
+
+
+@dataclass
+class LogArgs:
+    """Where metrics go: CSV and TensorBoard files under <out_dir>/logs, and a progress line."""
+
+    interval: int = 1  # optimizer steps between log lines (the only points where the loop syncs with the device)
+    loggers: tuple[Literal["csv", "tensorboard"], ...] = ("csv", "tensorboard")
+    device_peak_flops: Optional[float] = None  # for MFU on devices without a known peak (CPU), FLOP/s
+
+
+_DURATION_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in "90", "90s", "1h30m", "2d" or "HH:MM:SS"/"DD:HH:MM:SS"."""
+    text = str(text).strip()
+    try:
+        if ":" in text:
+            parts = [float(p) for p in text.split(":")]
+            if len(parts) > 4:
+                raise ValueError
+            seconds = 0.0
+            for part, unit in zip(reversed(parts), (1, 60, 3600, 86400)):
+                seconds += part * unit
+            return seconds
+        if re.fullmatch(r"\d+(\.\d+)?", text):
+            return float(text)
+        matches = re.fullmatch(r"((\d+(\.\d+)?)[dhms])+", text)
+        if not matches:
+            raise ValueError
+        return sum(float(n) * _DURATION_UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([dhms])", text))
+    except ValueError:
+        raise UserError(f"Cannot read the duration {text!r}: use e.g. 90s, 45m, 2h, 1d2h or 01:30:00") from None

@@ -1,0 +1,258 @@
+"""The one training loop, shared by pretraining, full fine-tuning and LoRA.
+
+Entry points differ only in how they build the model, which parameters train and what they save;
+they pass those differences in. The loop knows nothing about FSDP: Fabric hides it.
+
+One optimizer step = `plan.gradient_accumulation_iters` micro-batches per rank. The loss of a step
+is the sum of token losses over every micro-batch of every rank, divided by the number of target
+tokens over all of them, so padding and prompt masking never change how samples are weighted.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
+
+import torch
+
+from toolkit.models.gpt import IGNORE_INDEX
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+
+
+@dataclass
+class TrainState:
+    """Counters that, with model, optimizer and data position, make a run resumable."""
+
+    step: int = 0  # optimizer steps taken
+    micro_step: int = 0  # micro-batches consumed per rank
+    tokens_seen: int = 0  # input tokens over all ranks
+    epoch: int = 0  # completed passes over the training data
+    best_val_loss: float = float("inf")
+    train_seconds: float = 0.0  # wall time spent training, summed over resumed runs
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LoopHooks:
+    """What an entry point plugs into the loop."""
+
+    # Called with the state at every save point; writes a resumable training checkpoint.
+    save_checkpoint: Optional[Callable[[TrainState], None]] = None
+    # FLOPs per trained token for MFU (see Config.flops_per_token).
+    flops_per_token: Optional[float] = None
+    # Peak FLOP/s of one device, for MFU; None means MFU is not reported.
+    device_peak_flops: Optional[float] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def lr_at(step: int, args: TrainArgs, total_steps: Optional[int]) -> float:
+    """Linear warmup for `warmup_steps`, then cosine decay to `min_lr` at `total_steps`.
+
+    Without a known number of steps (only --train.max_time), the rate stays flat after warmup.
+    """
+    if args.warmup_steps and step < args.warmup_steps:
+        return args.learning_rate * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant" or not total_steps:
+        return args.learning_rate
+    progress = min(1.0, (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps))
+    return args.min_lr + 0.5 * (args.learning_rate - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def fit(
+    fabric,
+    model,
+    optimizer,
+    train_loader: Iterable[dict],
+    val_loader: Optional[Iterable[dict]],
+    plan,
+    state: TrainState,
+    train: TrainArgs,
+    eval: EvalArgs,
+    log: LogArgs,
+    hooks: LoopHooks,
+    total_steps: Optional[int],
+    tokens_per_step: Optional[int] = None,
+) -> TrainState:
+    """Train until max_steps, max_tokens, max_time or the data (epochs) runs out; returns the final state.
+
+    `total_steps` is the step count the schedule decays over (None if only a time limit is known).
+    `tokens_per_step` is the input tokens per optimizer step over all ranks when every batch has
+    the same shape (pretraining); None makes the loop count tokens from the batches.
+    """
+    accumulation = plan.gradient_accumulation_iters
+    world_size = fabric.world_size
+    max_seconds = train.max_seconds
+    step_limit = _step_limit(train, tokens_per_step, total_steps)
+    batches = _micro_batches(train_loader, state, train.epochs)
+
+    if eval.initial_validation and val_loader is not None and state.step == 0:
+        _run_validation(fabric, model, val_loader, eval, state)
+
+    running_loss = torch.zeros((), device=fabric.device)  # sum of token losses since the last log
+    running_targets = torch.zeros((), device=fabric.device, dtype=torch.long)
+    window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+    run_start = time.perf_counter() - state.train_seconds
+    stop_reason = None
+    model.train()
+
+    while True:
+        stop_reason = _should_stop(fabric, state, train, step_limit, max_seconds, run_start)
+        if stop_reason:
+            break
+        group = _take(batches, accumulation)
+        if group is None:
+            stop_reason = f"end of data after {state.epoch} epoch(s)"
+            break
+        group = [fabric.to_device(b) for b in group]
+        # Target tokens of this optimizer step over every micro-batch and rank: the loss divisor.
+        targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in group)
+        global_targets = fabric.all_reduce(targets, reduce_op="sum") if world_size > 1 else targets
+        # Ranks' gradients are averaged by the strategy (divided by world_size): undo that here.
+        scale = world_size / global_targets.clamp(min=1)
+
+        lr = lr_at(state.step, train, total_steps)
+        for group_ in optimizer.param_groups:
+            group_["lr"] = lr
+        for i, batch in enumerate(group):
+            accumulating = i < accumulation - 1
+            with fabric.no_backward_sync(model, enabled=accumulating):
+                loss_sum = model(batch["input_ids"], labels=batch["labels"])
+                fabric.backward(loss_sum * scale)
+            running_loss += loss_sum.detach().float()
+            state.micro_step += 1
+        running_targets += targets
+        if train.max_norm is not None:
+            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm, error_if_nonfinite=False)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        state.step += 1
+        step_tokens = tokens_per_step if tokens_per_step is not None else _global_tokens(fabric, group)
+        state.tokens_seen += step_tokens
+        window_steps += 1
+        window_tokens += step_tokens
+
+        if state.step % log.interval == 0:
+            elapsed = time.perf_counter() - window_start
+            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit)
+            running_loss.zero_()
+            running_targets.zero_()
+            window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+        state.train_seconds = time.perf_counter() - run_start
+
+        if val_loader is not None and eval.interval and state.step % eval.interval == 0:
+            _run_validation(fabric, model, val_loader, eval, state)
+        if hooks.save_checkpoint is not None and train.save_interval and state.step % train.save_interval == 0:
+            hooks.save_checkpoint(state)
+
+    state.train_seconds = time.perf_counter() - run_start
+    fabric.print(f"Stopped: {stop_reason}. {state.step} optimizer steps, {state.tokens_seen:,} tokens, {state.train_seconds:.1f} s.")
+    if eval.final_validation and val_loader is not None and state.step > 0 and not (eval.interval and state.step % eval.interval == 0):
+        _run_validation(fabric, model, val_loader, eval, state)
+    return state
+
+
+# ---------------------------------------------------------------------------- helpers
+def _step_limit(train: TrainArgs, tokens_per_step: Optional[int], total_steps: Optional[int]) -> Optional[int]:
+    limits = [train.max_steps] if train.max_steps else []
+    if train.max_tokens and tokens_per_step:
+        limits.append(train.max_tokens // tokens_per_step)
+    return min(limits) if limits else None
+
+
+def _should_stop(fabric, state: TrainState, train: TrainArgs, step_limit, max_seconds, run_start) -> Optional[str]:
+    if step_limit is not None and state.step >= step_limit:
+        return f"reached {step_limit} steps" + (f" (max_tokens={train.max_tokens:,})" if train.max_tokens else "")
+    if train.max_tokens and state.tokens_seen >= train.max_tokens:
+        return f"reached max_tokens={train.max_tokens:,}"
+    if max_seconds is not None:
+        # Every rank must take the same decision: rank 0's clock decides.
+        out_of_time = torch.tensor(float(time.perf_counter() - run_start >= max_seconds), device=fabric.device)
+        out_of_time = fabric.broadcast(out_of_time, src=0)
+        if out_of_time.item():
+            return f"reached max_time={train.max_time}"
+    return None
+
+
+def _micro_batches(loader: Iterable[dict], state: TrainState, epochs: Optional[int]) -> Iterator[dict]:
+    """Micro-batches over successive epochs; `state.epoch` counts completed passes."""
+    while epochs is None or state.epoch < epochs:
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            return
+        state.epoch += 1
+
+
+def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
+    group = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == n:
+            return group
+    return None  # not enough data left for a whole optimizer step
+
+
+def _global_tokens(fabric, group: list[dict]) -> int:
+    local = torch.tensor(sum(b["input_ids"].numel() for b in group), device=fabric.device)
+    return int(fabric.all_reduce(local, reduce_op="sum").item()) if fabric.world_size > 1 else int(local.item())
+
+
+def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit):
+    loss_sum, targets = running_loss.clone(), running_targets.clone()
+    if fabric.world_size > 1:
+        loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")
+        targets = fabric.all_reduce(targets, reduce_op="sum")
+    loss = (loss_sum / targets.clamp(min=1)).item()  # the one host-device sync, at log steps only
+    tokens_per_sec = window_tokens / max(elapsed, 1e-9)
+    metrics = {
+        "train/loss": loss,
+        "train/lr": lr,
+        "train/tokens_seen": state.tokens_seen,
+        "train/tokens_per_sec": tokens_per_sec,
+        "train/step_seconds": elapsed / max(window_steps, 1),
+        "train/epoch": state.epoch,
+    }
+    line = f"step {state.step}" + (f"/{step_limit}" if step_limit else "")
+    line += f" | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s | {elapsed / max(window_steps, 1):.2f} s/step"
+    if hooks.flops_per_token and hooks.device_peak_flops:
+        mfu = hooks.flops_per_token * tokens_per_sec / (hooks.device_peak_flops * fabric.world_size)
+        metrics["train/mfu"] = mfu
+        line += f" | MFU {100 * mfu:.1f}%"
+    fabric.log_dict(metrics, step=state.step)
+    fabric.print(line)
+
+
+@torch.no_grad()
+def validate(fabric, model, loader: Iterable[dict], max_iters: int) -> tuple[float, float]:
+    """Mean loss per target token and perplexity over at most `max_iters` batches per rank."""
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), device=fabric.device)
+    targets = torch.zeros((), device=fabric.device, dtype=torch.long)
+    for i, batch in enumerate(loader):
+        if i >= max_iters:
+            break
+        batch = fabric.to_device(batch)
+        loss_sum += model(batch["input_ids"], labels=batch["labels"]).float()
+        targets += (batch["labels"] != IGNORE_INDEX).sum()
+    if fabric.world_size > 1:
+        loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")
+        targets = fabric.all_reduce(targets, reduce_op="sum")
+    model.train(was_training)
+    loss = (loss_sum / targets.clamp(min=1)).item()
+    return loss, math.exp(min(loss, 50.0))
+
+
+def _run_validation(fabric, model, loader, eval: EvalArgs, state: TrainState) -> None:
+    start = time.perf_counter()
+    loss, ppl = validate(fabric, model, loader, eval.max_iters)
+    state.best_val_loss = min(state.best_val_loss, loss)
+    fabric.log_dict({"val/loss": loss, "val/ppl": ppl}, step=state.step)
+    fabric.print(f"validation at step {state.step}: loss {loss:.4f} | ppl {ppl:.2f} | {time.perf_counter() - start:.1f} s")

@@ -1,0 +1,194 @@
+"""What every entry point does around the training loop, written once.
+
+A `Session` owns the Fabric object, the output directory, the batch plan and the logs. Entry points
+(pretrain, finetune_full, finetune_lora) use it to build the model and optimizer, run `fit` and
+export the result; each keeps only what is really different about it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+from toolkit.errors import UserError
+from toolkit.models.config import Config
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches
+from toolkit.training.loop import LoopHooks, TrainState, fit
+
+RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
+
+
+def check_out_dir(out_dir: Path, resume: Union[bool, str, Path]) -> None:
+    """Refuse to start a fresh run in a directory that holds another run (nothing is overwritten)."""
+    if resume is not False and resume not in ("false", "False"):
+        return
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out_dir {out_dir} is a file; choose a directory.")
+    found = [m for m in RUN_MARKERS if (out_dir / m).exists()]
+    if found:
+        raise UserError(
+            f"--out_dir {out_dir} already holds a run ({', '.join(found)}); choose a new --out_dir, "
+            "or pass --resume auto to continue it."
+        )
+
+
+@dataclass
+class Session:
+    kind: str
+    fabric: Any
+    out_dir: Path
+    config: Config
+    train: TrainArgs
+    eval: EvalArgs
+    log: LogArgs
+    plan: Any
+    seed: int
+    resume: Union[bool, str, Path]
+    tokenizer_dir: Optional[Path] = None
+
+    @property
+    def work_dir(self) -> Path:
+        return self.out_dir
+
+    @classmethod
+    def start(
+        cls, kind: str, out_dir: Path, config: Config, train: TrainArgs, eval: EvalArgs, log: LogArgs,
+        distributed: DistributedArgs, devices: Union[int, str], num_nodes: int, precision: Optional[str],
+        seed: int, resume: Union[bool, str, Path], max_seq_length: int,
+    ) -> "Session":
+        """Validate what can be validated before any process starts, then launch Fabric."""
+        from toolkit.models.gpt import Block
+
+        out_dir = Path(out_dir)
+        check_out_dir(out_dir, resume)
+        fabric = build_fabric(
+            devices=devices, num_nodes=num_nodes, precision=precision, dist=distributed, block_cls=Block,
+            loggers=_make_loggers(out_dir, log),
+        )
+        fabric.launch()
+        devices_per_node = fabric.world_size // num_nodes
+        plan = plan_batches(devices_per_node, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
+        fabric.print(plan.table())
+        if fabric.global_rank == 0:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        fabric.barrier()
+        fabric.seed_everything(seed)
+        return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
+                   plan=plan, seed=seed, resume=resume)
+
+    # ------------------------------------------------------------------ tokenizer
+    def prepare_tokenizer(self, tokenizer_dir: Optional[Path], train_vocab: Optional[int], data) -> "Tokenizer":
+        from toolkit.tokenizer import Tokenizer, train_bpe_tokenizer
+
+        if tokenizer_dir is not None:
+            self.tokenizer_dir = Path(tokenizer_dir)
+            return Tokenizer(tokenizer_dir)
+        target = self.out_dir / "tokenizer"
+        if self.fabric.global_rank == 0 and not (target / "tokenizer.json").is_file():
+            files = data.corpus_files(self.work_dir)
+            self.fabric.print(f"Training a {train_vocab}-token BPE tokenizer on {len(files)} file(s) ...")
+            train_bpe_tokenizer(files, train_vocab, target)
+        self.fabric.barrier()
+        self.tokenizer_dir = target
+        return Tokenizer(target)
+
+    # ------------------------------------------------------------------ model and optimizer
+    def build_model(self, init: Union[str, dict] = "random", prepare: Optional[Callable] = None):
+        """The model set up by Fabric (sharded when distributed).
+
+        `init` is "random" (pretraining) or a state dict of full weights. Every rank builds the same
+        full model from the same seed before sharding, so a distributed run starts from exactly the
+        weights a single process would. `prepare(model)` runs before sharding (LoRA injection,
+        freezing, quantization).
+        """
+        from toolkit.models.gpt import GPT, init_weights
+
+        self.fabric.seed_everything(self.seed)
+        model = GPT(self.config)
+        if init == "random":
+            init_weights(model, self.config.n_layer)
+        else:
+            model.load_state_dict(init, strict=True)
+        if prepare is not None:
+            model = prepare(model) or model
+        total = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable")
+        if self.train.compile:
+            model = torch.compile(model)
+        return self.fabric.setup_module(model)
+
+    def build_optimizer(self, model):
+        """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        decay = [p for p in params if p.ndim >= 2]
+        no_decay = [p for p in params if p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        optimizer = torch.optim.AdamW(
+            [g for g in groups if g["params"]], lr=self.train.learning_rate, betas=(self.train.beta1, self.train.beta2)
+        )
+        return self.fabric.setup_optimizers(optimizer)
+
+    # ------------------------------------------------------------------ training
+    def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int]) -> TrainState:
+        from toolkit.training.throughput import device_peak_flops
+
+        state = TrainState()
+        self._write_run_args()
+        peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
+        hooks = LoopHooks(
+            save_checkpoint=None,
+            flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),
+            device_peak_flops=peak,
+        )
+        self.state = fit(
+            self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
+            self.train, self.eval, self.log, hooks, total_steps=total_steps, tokens_per_step=tokens_per_step,
+        )
+        return self.state
+
+    def _write_run_args(self) -> None:
+        if self.fabric.global_rank == 0:
+            args = {"kind": self.kind, "model": self.config.to_dict(), "train": asdict(self.train),
+                    "plan": asdict(self.plan), "seed": self.seed}
+            (self.out_dir / "run_args.json").write_text(json.dumps(args, indent=2, default=str))
+
+    # ------------------------------------------------------------------ export
+    def export_final(self, model, name: str = "final") -> Path:
+        """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
+        from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+        from toolkit.training.distributed import full_state_dict
+
+        start = time.perf_counter()
+        state_dict = full_state_dict(self.fabric, model)
+        target = self.out_dir / name
+        if self.fabric.global_rank == 0:
+            with atomic_directory(target, overwrite=True) as tmp:
+                save_checkpoint_files(tmp, state_dict, self.config, self.tokenizer_dir)
+            self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
+        self.fabric.barrier()
+        return target
+
+
+def _trainable_fraction(model) -> float:
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    return sum(p.numel() for p in params if p.requires_grad) / max(total, 1)
+
+
+def _make_loggers(out_dir: Path, log: LogArgs) -> list:
+    from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+
+    loggers = []
+    if "csv" in log.loggers:
+        loggers.append(CSVLogger(root_dir=str(out_dir / "logs"), name="csv", version=""))
+    if "tensorboard" in log.loggers:
+        loggers.append(TensorBoardLogger(root_dir=str(out_dir / "logs"), name="tensorboard", version=""))
+    return loggers
