@@ -12,11 +12,12 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterable, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from toolkit.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
 
 # Files that belong to a tokenizer; `Tokenizer.save` copies whichever of them exist.
 TOKENIZER_FILES: tuple[str, ...] = (
@@ -28,6 +29,9 @@ TOKENIZER_FILES: tuple[str, ...] = (
 
 # Special token of the tokenizers made by `train_bpe_tokenizer` (and GPT-2/GPT-NeoX): BOS and EOS at once.
 ENDOFTEXT = "<|endoftext|>"
+# Last-resort names when no config file names BOS/EOS (a folder with only tokenizer.json).
+_BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", ENDOFTEXT)
+_EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", ENDOFTEXT)
 
 
 def _read_json(path: Path) -> Optional[dict]:
@@ -65,9 +69,10 @@ class Tokenizer:
     """Encodes text to 1-D int64 id tensors and back, from `<directory>/tokenizer.json`.
 
     BOS/EOS/PAD come, in order, from tokenizer_config.json (or special_tokens_map.json), then
-    generation_config.json, then config.json; when none names them, "<|endoftext|>" serves as BOS
-    and EOS if the vocabulary has it. `add_bos` is tokenizer_config.json's `add_bos_token`, else
-    whether the tokenizer's own post-processor would prepend BOS.
+    generation_config.json, then config.json. When none names them: BOS is the token the
+    post-processor prepends, else the first of <s>, <|begin_of_text|>, <bos>, <|endoftext|> in the
+    vocabulary; EOS the first of </s>, <|end_of_text|>, <eos>, <|endoftext|>. `add_bos` is
+    tokenizer_config.json's `add_bos_token`, else whether the post-processor prepends BOS.
     """
 
     def __init__(self, directory: Path | str) -> None:
@@ -76,7 +81,8 @@ class Tokenizer:
         directory = Path(directory)
         if not directory.exists():
             raise UserError(
-                f"tokenizer directory {directory} does not exist; pass --tokenizer_dir with a folder holding tokenizer.json"
+                f"tokenizer directory {directory} does not exist; "
+                "pass --tokenizer_dir with a folder holding tokenizer.json"
             )
         if not directory.is_dir():
             raise UserError(
@@ -85,7 +91,8 @@ class Tokenizer:
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise UserError(
-                f"no tokenizer.json in {directory}: expected tokenizer.json from a Hugging Face model; pass --tokenizer_dir"
+                f"no tokenizer.json in {directory}: "
+                "expected tokenizer.json from a Hugging Face model; pass --tokenizer_dir"
             )
         try:
             self._tok = HFTokenizer.from_file(str(path))
@@ -114,28 +121,36 @@ class Tokenizer:
                     return token_id
             return None
 
+        prepended = self._post_processor_prefix()
         self.bos_id: Optional[int] = resolve("bos")
-        self.eos_id: Optional[int] = resolve("eos")
-        self.pad_id: Optional[int] = resolve("pad")
-        fallback = self._tok.token_to_id(ENDOFTEXT)
         if self.bos_id is None:
-            self.bos_id = fallback
+            self.bos_id = prepended if prepended is not None else self._first_known(_BOS_NAMES)
+        self.eos_id: Optional[int] = resolve("eos")
         if self.eos_id is None:
-            self.eos_id = fallback
+            self.eos_id = self._first_known(_EOS_NAMES)
+        self.pad_id: Optional[int] = resolve("pad")
 
         add_bos = config.get("add_bos_token")
         if isinstance(add_bos, bool):
             self.add_bos: bool = add_bos and self.bos_id is not None
         else:
-            self.add_bos = self._post_processor_adds_bos()
+            self.add_bos = self.bos_id is not None and prepended == self.bos_id
 
-    def _post_processor_adds_bos(self) -> bool:
-        # Ask the tokenizer rather than parse its post_processor (Template, Sequence, Roberta... all differ).
-        if self.bos_id is None:
-            return False
+    def _post_processor_prefix(self) -> Optional[int]:
+        """The id the tokenizer's post-processor puts before the text (llama2: <s>), if any."""
+        # Ask the tokenizer rather than parse post_processor JSON (Template, Sequence, Roberta... differ).
         with_special = self._tok.encode("a", add_special_tokens=True).ids
         without = self._tok.encode("a", add_special_tokens=False).ids
-        return with_special[:1] == [self.bos_id] and without[:1] != [self.bos_id]
+        if with_special and with_special[1 : 1 + len(without)] == without and len(with_special) > len(without):
+            return with_special[0]
+        return None
+
+    def _first_known(self, names: tuple[str, ...]) -> Optional[int]:
+        for name in names:
+            token_id = self._tok.token_to_id(name)
+            if token_id is not None:
+                return token_id
+        return None
 
     def __repr__(self) -> str:
         return (
@@ -156,6 +171,8 @@ class Tokenizer:
 
     def encode(self, text: str, bos: Optional[bool] = None, eos: bool = False, max_length: int = -1) -> torch.Tensor:
         """Ids of `text`, shape (n,), int64. bos=None prepends BOS when `self.add_bos`; max_length > 0 truncates."""
+        import torch
+
         head, tail = self._specials(bos, eos)
         ids = head + self._tok.encode(text, add_special_tokens=False).ids + tail
         if max_length > 0:
@@ -168,8 +185,8 @@ class Tokenizer:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
         return [head + enc.ids + tail for enc in encodings]
 
-    def decode(self, ids: torch.Tensor | Iterable[int], skip_special_tokens: bool = True) -> str:
-        if isinstance(ids, torch.Tensor):
+    def decode(self, ids: "torch.Tensor | Iterable[int]", skip_special_tokens: bool = True) -> str:
+        if hasattr(ids, "tolist"):  # a tensor or numpy array, any shape
             ids = ids.reshape(-1).tolist()
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
