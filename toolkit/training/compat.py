@@ -4,17 +4,20 @@ Everything here works around a limitation of a specific Lightning/torch version.
 names the versions it was measured on (Lightning 2.6.6, torch 2.13) and why it is needed; when an
 upgrade fixes one, delete it here and nowhere else.
 
-`CPUCapableFSDPStrategy` is Lightning Fabric's `FSDPStrategy` made usable on CPU (gloo), which is
-how the toolkit tests real sharded training without a GPU. On CUDA it behaves exactly like the
-stock strategy: every override below only changes something when the root device is the CPU.
+`CPUCapableFSDPStrategy` (and its precision plugin) is Lightning Fabric's FSDP made usable on CPU
+with the gloo backend, which is how the toolkit runs and tests real sharded training without a
+GPU. On CUDA both behave exactly like the stock classes: every override below only changes
+something when the root device is the CPU.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from lightning.fabric.plugins.precision.fsdp import FSDPPrecision
 from lightning.fabric.strategies import FSDPStrategy
 from torch import nn
 from torch.optim import Optimizer
@@ -26,7 +29,7 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
     Workaround 1 (Lightning 2.6.6), by being a subclass at all: Fabric's connector refuses FSDP
     unless the accelerator is CUDA, but it only checks strategies given as a string or whose class
     is *exactly* `FSDPStrategy` (`type(strategy) is FSDPStrategy`). A subclass instance passes.
-    The other three workarounds are the overrides below.
+    Workarounds 2 to 4 are the overrides below.
     """
 
     @property
@@ -34,15 +37,15 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
         return self.root_device.type == "cpu"
 
     # Workaround 2 (Lightning 2.6.6, torch 2.13): Lightning passes `device_id=root_device.index` to
-    # FSDP, which is None for `torch.device("cpu")`. With no device id and parameters on CPU, FSDP
-    # picks "the current accelerator" and raises on a CPU-only machine. Passing the CPU device
+    # FSDP, which is None for `torch.device("cpu")`. Given no device id and parameters on CPU, FSDP
+    # looks for "the current accelerator" and raises on a CPU-only machine. Passing the CPU device
     # itself makes FSDP compute on CPU.
     def setup_module(self, module: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        if not self._on_cpu or any(isinstance(m, FSDP) for m in module.modules()):
-            # Stock path on CUDA; and a module already wrapped inside `fabric.init_module()` was
-            # wrapped by `module_sharded_context` below, which already passed the CPU device.
+        if not self._on_cpu or _has_fsdp(module):
+            # The stock path on CUDA. A module already wrapped inside `fabric.init_module()` was
+            # wrapped by `module_sharded_context` below, which passed the CPU device already.
             return super().setup_module(module)
         module = FSDP(
             module,
@@ -52,7 +55,7 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
             device_id=self.root_device,
             **self._fsdp_kwargs,
         )
-        # Activation checkpointing is applied after wrapping, as the stock strategy does.
+        # Activation checkpointing goes on after wrapping, as in the stock strategy.
         if self._activation_checkpointing_kwargs:
             from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
                 apply_activation_checkpointing,
@@ -64,7 +67,7 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
             )
         return module
 
-    def module_sharded_context(self) -> Any:
+    def module_sharded_context(self) -> AbstractContextManager:
         # Workaround 2 again, for models created inside `fabric.init_module()`.
         if not self._on_cpu:
             return super().module_sharded_context()
@@ -81,15 +84,15 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
         )
 
     # Workaround 3 (Lightning 2.6.6): a `device_mesh=(replicas, shard_size)` tuple is turned into a
-    # DeviceMesh with a hard-coded device type "cuda", which fails on a CPU-only machine. Build it
-    # on the root device's type instead (and name the dimensions, for readable errors).
+    # DeviceMesh with the device type hard-coded to "cuda", which fails on a CPU-only machine. Build
+    # it on the root device's type instead (and name the two dimensions, for readable errors).
     def setup_environment(self) -> None:
         mesh_shape = self._fsdp_kwargs.get("device_mesh")
         if not isinstance(mesh_shape, tuple):
             super().setup_environment()
             return
         del self._fsdp_kwargs["device_mesh"]
-        super().setup_environment()  # initializes the process group
+        super().setup_environment()  # initializes the default process group
         from torch.distributed.device_mesh import init_device_mesh
 
         self._fsdp_kwargs["device_mesh"] = init_device_mesh(
@@ -98,13 +101,14 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
 
     # Workaround 4 (Lightning 2.6.6, torch 2.13): the stock full-state-dict save gathers with
     # `FullStateDictConfig(offload_to_cpu=True)`. When the parameters already live on CPU, FSDP's
-    # "move the unsharded flat parameter to CPU" is a no-op that returns the same storage, which
-    # FSDP then frees: the process segfaults. On CPU we gather without offloading (the tensors are
-    # on CPU anyway) and write the same file layout as Lightning, so `fabric.load` reads it.
+    # "copy the unsharded flat parameter to CPU" returns the very same storage, which FSDP then
+    # frees: the process segfaults. On CPU we gather without offloading (the tensors are on CPU
+    # anyway) and write Lightning's file layout (one `torch.save` dict), so `fabric.load` reads it.
+    # Sharded saves and all loads work unchanged.
     def save_checkpoint(
         self,
         path: str | Path,
-        state: dict[str, nn.Module | Optimizer | Any],
+        state: dict[str, Any],
         storage_options: Any | None = None,
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
@@ -112,18 +116,16 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
             super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
             return
         if storage_options is not None:
-            raise TypeError("FSDP checkpoints do not take `storage_options`.")
+            raise TypeError("FSDP checkpoints take no `storage_options`.")
         from torch.distributed.fsdp import FullOptimStateDictConfig, FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-        path = Path(self.broadcast(path))  # every rank writes to (or skips) rank 0's path
+        path = Path(self.broadcast(path))  # every rank agrees on rank 0's path
         if path.is_dir():
             raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
-        wrapped = [m for m in state.values() if isinstance(m, nn.Module) and _has_fsdp(m)]
+        wrapped = [obj for obj in state.values() if isinstance(obj, nn.Module) and _has_fsdp(obj)]
         if len(wrapped) != 1:
-            raise ValueError(
-                f"A full FSDP checkpoint needs exactly one FSDP-wrapped model in `state`, found {len(wrapped)}."
-            )
+            raise ValueError(f"A full FSDP checkpoint needs exactly one FSDP model in `state`, found {len(wrapped)}.")
         model = wrapped[0]
         full_state: dict[str, Any] = {}
         with FSDP.state_dict_type(
@@ -132,7 +134,7 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
             FullStateDictConfig(offload_to_cpu=False, rank0_only=True),
             FullOptimStateDictConfig(offload_to_cpu=False, rank0_only=True),
         ):
-            # Collective calls: every rank must convert every entry, in the same order.
+            # These are collective calls: every rank converts every entry, in the same order.
             for key, obj in state.items():
                 if isinstance(obj, nn.Module):
                     value = obj.state_dict()
@@ -148,6 +150,25 @@ class CPUCapableFSDPStrategy(FSDPStrategy):
         if self.global_rank == 0:
             path.parent.mkdir(parents=True, exist_ok=True)
             torch.save(full_state, path)
+
+
+class CPUCapableFSDPPrecision(FSDPPrecision):
+    """Fabric's `FSDPPrecision` with autocast on the right device type.
+
+    Workaround 5 (Lightning 2.6.6): `FSDPPrecision.forward_context` hard-codes
+    `torch.autocast("cuda")` for the mixed modes. On CPU, torch disables that autocast with a
+    warning, so "bf16-mixed" would run norms and softmax in plain bf16 instead of the float32 that
+    autocast keeps them in. Use CPU autocast there. (float16 is refused on CPU before we get here.)
+    """
+
+    def __init__(self, precision: str, device_type: str = "cpu") -> None:
+        super().__init__(precision)  # type: ignore[arg-type]
+        self._device_type = device_type
+
+    def forward_context(self) -> AbstractContextManager:
+        if self._device_type == "cpu" and self.precision == "bf16-mixed":
+            return torch.autocast("cpu", dtype=torch.bfloat16)
+        return super().forward_context()
 
 
 def _has_fsdp(module: nn.Module) -> bool:

@@ -1,0 +1,191 @@
+"""Train a tiny block model with `toolkit.training.distributed` and write what came out.
+
+Used by tests/test_distributed_setup.py, both as a script (one process per rank, started by
+Fabric's own launcher, torchrun, or the test setting LOCAL_RANK/NODE_RANK itself) and as a module
+(the test imports `train` for the single-process reference). Every rank writes to --out:
+
+    weights_rank{R}.safetensors   full (gathered) weights after training
+    result_rank{R}.json           per-micro-batch losses and what set-up was actually used
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from toolkit.training.distributed import (  # noqa: E402
+    BatchPlan,
+    DistributedArgs,
+    build_fabric,
+    full_state_dict,
+    is_fsdp,
+    plan_batches,
+)
+
+WIDTH = 16  # hidden size
+FEATURES = 4  # input/output features per position
+SEQ = 3  # positions per sample
+LR = 1e-2
+
+
+class TinyBlock(nn.Module):
+    """Stands in for a transformer block: pre-norm residual MLP. (B, T, WIDTH) -> same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
+        self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+class TinyModel(nn.Module):
+    """(B, SEQ, FEATURES) -> (B, SEQ, FEATURES) through three TinyBlocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, WIDTH)
+        self.blocks = nn.ModuleList(TinyBlock() for _ in range(3))
+        self.out = nn.Linear(WIDTH, FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def global_batch(step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same (inputs, targets) for optimizer step `step` in every process: (size, SEQ, FEATURES)."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(size, SEQ, FEATURES, generator=gen)
+    return x, torch.sin(x.flip(-1)) + 0.1 * torch.randn(size, SEQ, FEATURES, generator=gen)
+
+
+def train(fabric, plan: BatchPlan, steps: int, seed: int = 0):
+    """`steps` AdamW steps with gradient accumulation; returns (model, optimizer, losses).
+
+    losses maps "step/j" to the loss of micro-batch j of the global batch; this rank computes
+    micro-batches j = i * world_size + rank for accumulation iteration i.
+    """
+    torch.manual_seed(seed)  # identical initial weights on every rank
+    model = fabric.setup_module(TinyModel())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1))
+    losses = {}
+    for step in range(steps):
+        losses.update(train_step(fabric, plan, model, optimizer, step))
+    return model, optimizer, losses
+
+
+def train_step(fabric, plan: BatchPlan, model, optimizer, step: int) -> dict[str, float]:
+    x, y = global_batch(step, plan.global_batch_size)  # (G, SEQ, FEATURES) each, same on all ranks
+    m, accum = plan.micro_batch_size, plan.gradient_accumulation_iters
+    # micro-batch j is x[j*m:(j+1)*m]: (m, SEQ, FEATURES); the ranks take turns through the G/m of them
+    losses = {}
+    for i in range(accum):
+        j = i * plan.world_size + fabric.global_rank
+        is_accumulating = i < accum - 1
+        with fabric.no_backward_sync(model, enabled=is_accumulating):
+            loss = nn.functional.mse_loss(model(x[j * m : (j + 1) * m]), y[j * m : (j + 1) * m])
+            fabric.backward(loss / accum)
+        losses[f"{step}/{j}"] = loss.item()
+    optimizer.step()
+    optimizer.zero_grad()
+    return losses
+
+
+def describe(fabric, model) -> dict:
+    """What set-up the strategy really used."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    info = {
+        "strategy": type(fabric.strategy).__name__,
+        "world_size": fabric.world_size,
+        "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+    }
+    if is_fsdp(fabric):
+        mesh = fabric.strategy._fsdp_kwargs.get("device_mesh")
+        info["sharding"] = fabric.strategy.sharding_strategy.name
+        info["mesh"] = list(mesh.shape) if mesh is not None else None
+    return info
+
+
+def check_saves(fabric, plan: BatchPlan, model, optimizer, out: Path, steps: int) -> dict:
+    """fabric.save full and sharded, load each into a fresh model; one more step must match."""
+    results = {}
+    saved = full_state_dict(fabric, model, rank0_only=False)
+    for kind in ("full", "sharded"):
+        fabric.strategy._state_dict_type = kind  # test only: exercise both formats in one run
+        path = out / f"ckpt_{kind}"
+        fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps})
+        torch.manual_seed(123)  # different initial weights, so loading must overwrite them
+        model2 = fabric.setup_module(TinyModel())
+        optimizer2 = fabric.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=LR, weight_decay=0.1))
+        state = {"model": model2, "optimizer": optimizer2, "step": 0}
+        fabric.load(path, state)
+        loaded = full_state_dict(fabric, model2, rank0_only=False)
+        same_weights = all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys()
+        # The optimizer state came back too: one more step from both gives the same weights.
+        train_step(fabric, plan, model2, optimizer2, steps)
+        results[kind] = {"same_weights": same_weights, "step": state["step"], "after_step": model2}
+    # compare the two continuations (full-loaded vs sharded-loaded) with the original continued
+    train_step(fabric, plan, model, optimizer, steps)
+    reference = full_state_dict(fabric, model, rank0_only=False)
+    for kind in ("full", "sharded"):
+        cont = full_state_dict(fabric, results[kind].pop("after_step"), rank0_only=False)
+        results[kind]["same_next_step"] = all(torch.allclose(reference[k], cont[k], atol=1e-6) for k in reference)
+    results["is_file_full"] = (out / "ckpt_full").is_file()
+    results["is_dir_sharded"] = (out / "ckpt_sharded").is_dir()
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--num-nodes", type=int, default=1)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--sharding", default="FULL_SHARD")
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--check-saves", action="store_true")
+    parser.add_argument("--precision", default="32-true")
+    args = parser.parse_args()
+
+    dist = DistributedArgs(
+        strategy=args.strategy, sharding=args.sharding, activation_checkpointing=args.activation_checkpointing
+    )
+    fabric = build_fabric(args.devices, args.num_nodes, args.precision, dist, block_cls=TinyBlock, accelerator="cpu")
+    fabric.launch()
+    plan = plan_batches(args.devices, args.num_nodes, args.micro_batch, args.global_batch, SEQ)
+    model, optimizer, losses = train(fabric, plan, args.steps)
+
+    from safetensors.torch import save_file
+
+    rank = fabric.global_rank
+    result = {"losses": losses, **describe(fabric, model)}
+    # Every rank gathers the full weights, so the test can check all ranks agree.
+    save_file(full_state_dict(fabric, model, rank0_only=False), str(args.out / f"weights_rank{rank}.safetensors"))
+    if args.check_saves:
+        result["saves"] = check_saves(fabric, plan, model, optimizer, args.out, args.steps)
+    (args.out / f"result_rank{rank}.json").write_text(json.dumps(result))
+    fabric.barrier()  # all files are written before rank 0 (the test's child) exits
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

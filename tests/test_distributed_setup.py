@@ -1,0 +1,362 @@
+"""Distributed set-up: batch math, precision/strategy choices, and real multi-process training.
+
+The multi-process tests start real processes (gloo on 127.0.0.1) running tests/scripts/dist_train.py,
+launched three ways: Fabric's own launcher, torchrun, and LOCAL_RANK/NODE_RANK set by hand (which
+is how two "nodes" are simulated on one machine). Each compares the gathered weights of every rank
+with a single process that reaches the same global batch by gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.errors import UserError
+from toolkit.training.distributed import (
+    DistributedArgs,
+    plan_batches,
+    plan_strategy,
+    resolve_precision,
+)
+
+SCRIPT = Path(__file__).parent / "scripts" / "dist_train.py"
+TIMEOUT = 180  # seconds per multi-process run; they take ~10 s
+
+
+# ------------------------------------------------------------------------------------------
+# Batch math
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "devices, nodes, micro, global_batch, seq, accum",
+    [
+        (1, 1, 4, 4, 128, 1),
+        (1, 1, 2, 16, 512, 8),
+        (2, 1, 4, 32, 2048, 4),
+        (8, 4, 1, 512, 4096, 16),
+        (4, 2, 3, 24, 100, 1),
+    ],
+)
+def test_plan_batches_resolves_accumulation(devices, nodes, micro, global_batch, seq, accum):
+    plan = plan_batches(devices, nodes, micro, global_batch, seq)
+    assert plan.gradient_accumulation_iters == accum
+    assert plan.world_size == devices * nodes
+    assert plan.tokens_per_step == global_batch * seq
+    assert devices * nodes * micro * accum == global_batch
+    table = plan.table()
+    lines = dict(line.strip().split("  ", 1) for line in table.splitlines()[1:])
+    lines = {k.strip(): v.strip() for k, v in lines.items()}
+    assert lines["devices per node"] == str(devices)
+    assert lines["nodes"] == str(nodes)
+    assert lines["micro batch (per device)"] == str(micro)
+    assert lines["gradient accumulation steps"] == str(accum)
+    assert lines["global batch (sequences)"] == f"{global_batch} = {devices} x {nodes} x {micro} x {accum}"
+    assert lines["tokens per optimizer step"] == f"{global_batch * seq:,}"
+
+
+@pytest.mark.parametrize(
+    "devices, nodes, micro, global_batch, suggestion",
+    [
+        # 2 x 1 x 4 = 8 sequences per accumulation step; 20 = 10 per rank, which micro 2 divides
+        (2, 1, 4, 20, "2 x 1 x 4 = 8. Use global_batch_size 16 or 24, or micro_batch_size 2."),
+        # 8 x 4 = 32 is more than 16, so nothing below; 2 per rank -> micro 2
+        (8, 1, 4, 16, "8 x 1 x 4 = 32. Use global_batch_size 32, or micro_batch_size 2."),
+        # 7 sequences cannot be split over 2 ranks: no micro batch size helps
+        (2, 1, 1, 7, "2 x 1 x 1 = 2. Use global_batch_size 6 or 8."),
+        # 2 x 3 x 5 = 30; 36 = 6 per rank -> micro 3
+        (2, 3, 5, 36, "2 x 3 x 5 = 30. Use global_batch_size 30 or 60, or micro_batch_size 3."),
+    ],
+)
+def test_plan_batches_indivisible_suggests_fixes(devices, nodes, micro, global_batch, suggestion):
+    with pytest.raises(UserError) as info:
+        plan_batches(devices, nodes, micro, global_batch, 256)
+    message = str(info.value)
+    assert message == (
+        f"global_batch_size {global_batch} is not a multiple of devices x nodes x micro_batch_size = {suggestion}"
+    )
+
+
+@pytest.mark.parametrize("field", ["devices", "num_nodes", "micro_batch_size", "global_batch_size", "max_seq_length"])
+def test_plan_batches_rejects_non_positive(field):
+    args = dict(devices=1, num_nodes=1, micro_batch_size=1, global_batch_size=1, max_seq_length=1)
+    args[field] = 0
+    with pytest.raises(UserError, match=field):
+        plan_batches(**args)
+
+
+# ------------------------------------------------------------------------------------------
+# Precision and strategy choices (no processes)
+# ------------------------------------------------------------------------------------------
+
+
+def test_resolve_precision():
+    assert resolve_precision(None, "cpu") == "bf16-mixed"
+    assert resolve_precision("32-true", "cpu") == "32-true"
+    assert resolve_precision("bf16-true", "cpu") == "bf16-true"
+    assert resolve_precision("bf16", "cpu") == "bf16-mixed"
+    for half in ("16-mixed", "16-true"):
+        with pytest.raises(UserError, match="bf16-mixed or 32-true"):
+            resolve_precision(half, "cpu")
+    with pytest.raises(UserError, match="choose one of .*bf16-mixed.*Did you mean"):
+        resolve_precision("bf16-mixd", "cpu")
+
+
+def test_invalid_names_and_counts_are_user_errors():
+    with pytest.raises(UserError, match="FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD.*Did you mean: FULL_SHARD"):
+        plan_strategy(2, 1, None, DistributedArgs(sharding="FULL_SHARDING"), "cpu")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="auto, fsdp, ddp"):
+        plan_strategy(2, 1, None, DistributedArgs(strategy="deepspeed"), "cpu")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="full, sharded"):
+        plan_strategy(2, 1, None, DistributedArgs(state_dict_type="torch"), "cpu")  # type: ignore[arg-type]
+    with pytest.raises(UserError, match="devices must be at least 1"):
+        plan_strategy(0, 1, None, DistributedArgs(), "cpu")
+    with pytest.raises(UserError, match="devices must be a positive number"):
+        plan_strategy("two", 1, None, DistributedArgs(), "cpu")
+    with pytest.raises(UserError, match="num_nodes must be at least 1"):
+        plan_strategy(1, 0, None, DistributedArgs(), "cpu")
+
+
+def test_plan_strategy_choices():
+    single = plan_strategy(1, 1, None, DistributedArgs(strategy="fsdp", cpu_offload=True), "cpu")
+    assert (single.kind, single.precision, single.process_group_backend) == ("single", "bf16-mixed", None)
+
+    one_node = plan_strategy("2", 1, "32-true", DistributedArgs(), "cpu")  # default HYBRID_SHARD
+    assert (one_node.kind, one_node.sharding, one_node.device_mesh) == ("fsdp", "FULL_SHARD", None)
+    assert one_node.process_group_backend == "gloo"
+
+    hybrid = plan_strategy(4, 2, None, DistributedArgs(sharding="HYBRID_SHARD"), "cpu")
+    assert (hybrid.sharding, hybrid.device_mesh, hybrid.world_size) == ("HYBRID_SHARD", (2, 4), 8)
+
+    one_per_node = plan_strategy(1, 4, None, DistributedArgs(sharding="HYBRID_SHARD"), "cpu")
+    assert (one_per_node.sharding, one_per_node.device_mesh) == ("FULL_SHARD", None)
+    assert any(level == logging.WARNING and "FULL_SHARD" in text for level, text in one_per_node.notes)
+
+    for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        assert plan_strategy(2, 2, None, DistributedArgs(sharding=sharding), "cpu").sharding == sharding
+
+    ddp = plan_strategy(2, 1, None, DistributedArgs(strategy="ddp"), "cpu")
+    assert (ddp.kind, ddp.sharding, ddp.process_group_backend) == ("ddp", None, "gloo")
+
+    offload = plan_strategy(2, 1, None, DistributedArgs(cpu_offload=True), "cpu")
+    assert offload.cpu_offload is False and any("cpu_offload" in text for _, text in offload.notes)
+
+
+def test_build_fabric_configures_fsdp_strategy():
+    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from toolkit.training.compat import CPUCapableFSDPPrecision, CPUCapableFSDPStrategy
+    from toolkit.training.distributed import build_fabric
+
+    block = _script().TinyBlock
+    dist = DistributedArgs(sharding="SHARD_GRAD_OP", activation_checkpointing=True, state_dict_type="full")
+    fabric = build_fabric(2, 1, None, dist, block_cls=block, accelerator="cpu")  # not launched
+    strategy = fabric.strategy
+    assert type(strategy) is CPUCapableFSDPStrategy
+    assert strategy.sharding_strategy == ShardingStrategy.SHARD_GRAD_OP
+    assert isinstance(strategy._fsdp_kwargs["auto_wrap_policy"], ModuleWrapPolicy)
+    assert strategy._fsdp_kwargs["use_orig_params"] is True
+    assert strategy._activation_checkpointing_kwargs  # checkpoint each block
+    assert strategy._state_dict_type == "full"
+    assert strategy._process_group_backend == "gloo"
+    assert isinstance(strategy.precision, CPUCapableFSDPPrecision) and strategy.precision.precision == "bf16-mixed"
+    assert fabric.world_size == 2
+
+    hybrid = build_fabric(2, 2, "32-true", DistributedArgs(sharding="HYBRID_SHARD"), block, accelerator="cpu")
+    assert hybrid.strategy._fsdp_kwargs["device_mesh"] == (2, 2)  # built into a mesh at launch
+    assert hybrid.strategy.sharding_strategy == ShardingStrategy.HYBRID_SHARD
+
+    from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+
+    ddp = build_fabric(2, 1, "32-true", DistributedArgs(strategy="ddp"), block, accelerator="cpu")
+    assert isinstance(ddp.strategy, DDPStrategy) and ddp.strategy._process_group_backend == "gloo"
+    single = build_fabric(1, 1, "32-true", DistributedArgs(), block, accelerator="cpu")
+    assert isinstance(single.strategy, SingleDeviceStrategy)
+
+
+def test_single_device_activation_checkpointing_gives_same_losses():
+    plain_weights, plain_losses, _ = _reference(micro=2, global_batch=4, steps=2)
+    ckpt_weights, ckpt_losses, checkpointed = _reference(micro=2, global_batch=4, steps=2, checkpointing=True)
+    assert checkpointed == 3  # each TinyBlock
+    assert ckpt_losses == pytest.approx(plain_losses, abs=1e-6)
+    _assert_weights_close(ckpt_weights, plain_weights)
+
+
+# ------------------------------------------------------------------------------------------
+# Real multi-process training
+# ------------------------------------------------------------------------------------------
+
+
+def test_fsdp_full_shard_matches_single_process_and_saves(tmp_path):
+    """Fabric's own launcher (the command re-runs itself for rank 1); full and sharded saves."""
+    _run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--sharding", "FULL_SHARD",
+          "--check-saves"])  # fmt: skip
+    results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
+    for result in results:
+        assert (result["sharding"], result["mesh"]) == ("FULL_SHARD", None)
+        saves = result["saves"]
+        assert saves["is_file_full"] and saves["is_dir_sharded"]
+        for kind in ("full", "sharded"):
+            assert saves[kind] == {"same_weights": True, "step": 3, "same_next_step": True}, kind
+
+
+def test_fsdp_hybrid_on_one_node_with_activation_checkpointing(tmp_path):
+    """torchrun; HYBRID_SHARD on one node runs as FULL_SHARD; checkpointing leaves losses unchanged."""
+    port = _free_port()
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+          "--master_port", str(port), str(SCRIPT), "--out", str(tmp_path), "--devices", "2",
+          "--sharding", "HYBRID_SHARD", "--activation-checkpointing"])  # fmt: skip
+    results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
+    for result in results:
+        assert result["sharding"] == "FULL_SHARD"
+        assert result["checkpointed_blocks"] == 3
+
+
+def test_hybrid_with_one_device_per_node_falls_back_to_full_shard(tmp_path):
+    """Two simulated nodes with one process each (NODE_RANK/LOCAL_RANK set by hand)."""
+    logs = _run_by_hand(tmp_path, num_nodes=2, devices=1, args=["--sharding", "HYBRID_SHARD"])
+    results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
+    for result in results:
+        assert (result["sharding"], result["mesh"]) == ("FULL_SHARD", None)
+    warnings = [line for line in logs[0].splitlines() if "using FULL_SHARD across all nodes" in line]
+    assert len(warnings) == 1  # one line, from rank 0 only
+    assert "using FULL_SHARD" not in logs[1]
+
+
+def test_hybrid_on_two_nodes_shards_within_and_replicates_across(tmp_path):
+    """Two simulated nodes x two processes: a (2, 2) mesh, and all four ranks end up identical."""
+    _run_by_hand(tmp_path, num_nodes=2, devices=2, args=["--sharding", "HYBRID_SHARD", "--micro-batch", "1"])
+    results = _check_against_reference(tmp_path, world_size=4, micro=1, global_batch=8)
+    for result in results:
+        assert (result["sharding"], result["mesh"]) == ("HYBRID_SHARD", [2, 2])
+
+
+def test_ddp_matches_single_process(tmp_path):
+    _run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--strategy", "ddp"])
+    results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
+    assert all(result["strategy"] == "DDPStrategy" for result in results)
+
+
+# ------------------------------------------------------------------------------------------
+# Helpers
+# ------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _script():
+    """tests/scripts/dist_train.py as a module (for the tiny model and the reference run)."""
+    spec = importlib.util.spec_from_file_location("dist_train", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(micro: int, global_batch: int, steps: int = 3, checkpointing: bool = False):
+    """One process, one device, float32: (weights, losses, number of checkpointed blocks)."""
+    from toolkit.training.distributed import build_fabric, full_state_dict
+
+    script = _script()
+    dist = DistributedArgs(activation_checkpointing=checkpointing)
+    fabric = build_fabric(1, 1, "32-true", dist, block_cls=script.TinyBlock, accelerator="cpu")
+    plan = plan_batches(1, 1, micro, global_batch, script.SEQ)
+    model, _, losses = script.train(fabric, plan, steps)
+    return full_state_dict(fabric, model), losses, script.describe(fabric, model)["checkpointed_blocks"]
+
+
+def _check_against_reference(out: Path, world_size: int, micro: int, global_batch: int) -> list[dict]:
+    """Every rank's gathered weights equal the single-process run; so do the per-micro-batch losses."""
+    from safetensors.torch import load_file
+
+    ref_weights, ref_losses, _ = _reference(micro, global_batch)
+    results, losses = [], {}
+    for rank in range(world_size):
+        _assert_weights_close(load_file(str(out / f"weights_rank{rank}.safetensors")), ref_weights)
+        result = json.loads((out / f"result_rank{rank}.json").read_text())
+        assert result["world_size"] == world_size
+        losses.update(result["losses"])
+        results.append(result)
+    assert losses.keys() == ref_losses.keys()
+    assert losses == pytest.approx(ref_losses, abs=1e-5)
+    return results
+
+
+def _assert_weights_close(actual: dict, expected: dict) -> None:
+    import torch
+
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert actual[name].dtype == torch.float32
+        torch.testing.assert_close(actual[name], tensor, atol=1e-5, rtol=0, msg=lambda m: f"{name}: {m}")
+
+
+def _clean_env() -> dict[str, str]:
+    """This environment without any launcher/cluster variables that would confuse Fabric."""
+    launcher_vars = {"LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                     "LOCAL_WORLD_SIZE", "PL_GLOBAL_SEED"}  # fmt: skip
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in launcher_vars and not k.startswith(("SLURM_", "TORCHELASTIC_", "LSB_", "OMPI_", "PMI_"))
+    }
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONWARNINGS"] = "ignore"  # torch's FSDP deprecation chatter; failures still show tracebacks
+    return env
+
+
+def _run(command: list[str]) -> None:
+    """Run a launcher command; on timeout kill its whole process group (it started the ranks)."""
+    proc = subprocess.Popen(
+        command, env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+    assert proc.returncode == 0, f"exit code {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
+
+
+def _run_by_hand(out: Path, num_nodes: int, devices: int, args: list[str]) -> list[str]:
+    """Start every rank ourselves, as a cluster scheduler would; returns each rank's output."""
+    env = _clean_env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    procs = []
+    for node in range(num_nodes):
+        for local in range(devices):
+            log = open(out / f"log_node{node}_local{local}.txt", "w+")
+            command = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices),
+                       "--num-nodes", str(num_nodes), *args]  # fmt: skip
+            rank_env = env | {"NODE_RANK": str(node), "LOCAL_RANK": str(local)}
+            procs.append((subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))
+    outputs = []
+    try:
+        for proc, log in procs:
+            proc.wait(timeout=TIMEOUT)
+    finally:
+        for proc, log in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            log.seek(0)
+            outputs.append(log.read())
+            log.close()
+    for (proc, _), output in zip(procs, outputs):
+        assert proc.returncode == 0, f"exit code {proc.returncode}\n{output[-5000:]}"
+    return outputs
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

@@ -1,0 +1,527 @@
+"""All distributed set-up lives here: strategy, precision, device mesh, and the batch math.
+
+The model code and the training loop stay free of distributed details. A caller does:
+
+    plan = plan_batches(devices, num_nodes, micro_batch_size, global_batch_size, max_seq_length)
+    fabric = build_fabric(devices, num_nodes, precision, dist_args, block_cls=Block, loggers=loggers)
+    fabric.launch()          # see "Launching" below
+    fabric.print(plan.table())
+
+    fabric.seed_everything(seed)                # same seed on every rank: identical full weights
+    model = GPT(config)
+    model = fabric.setup_module(model)          # FSDP/DDP wrapping (sharding) and activation checkpointing
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), ...))  # created AFTER setup
+
+    for step in range(max_steps):
+        for i in range(plan.gradient_accumulation_iters):
+            is_accumulating = i < plan.gradient_accumulation_iters - 1
+            with fabric.no_backward_sync(model, enabled=is_accumulating):
+                loss = model(x, y) / plan.gradient_accumulation_iters
+                fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": step})   # mid-run, resumable
+    fabric.load(path, {"model": model, "optimizer": optimizer, "step": 0})     # resume (set up first)
+    weights = full_state_dict(fabric, model)    # final export: full tensors on rank 0, {} elsewhere
+
+Under FSDP `fabric.save` writes `DistributedArgs.state_dict_type`: "sharded" (a directory, one file
+per rank; resume with the same number of devices) or "full" (one file). Without FSDP it always
+writes one full file.
+
+Launching: there is no `launch()` wrapper here; the caller calls `fabric.launch()` right after
+`build_fabric`, before doing any real work. When no launcher started the processes (a plain
+`toolkit ...` or `python script.py ...` on one machine), `fabric.launch()` re-runs the same command
+once per extra local device, with LOCAL_RANK/NODE_RANK/WORLD_SIZE set. When a launcher did start
+them (`torchrun`, SLURM, or LOCAL_RANK set by hand), it only joins the process group. For several
+machines run the command on each with NODE_RANK, MASTER_ADDR and MASTER_PORT set (or use torchrun).
+
+Importing this module is cheap: torch and lightning are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+from toolkit.errors import UserError, did_you_mean
+
+if TYPE_CHECKING:
+    from lightning import Fabric
+    from torch import Tensor, nn
+
+log = logging.getLogger(__name__)
+
+StrategyName = Literal["auto", "fsdp", "ddp"]
+ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+StateDictTypeName = Literal["full", "sharded"]
+
+# Precision names Fabric understands that make sense for LLM training (all of them work with FSDP).
+PRECISIONS = ("bf16-mixed", "bf16-true", "32-true", "16-mixed", "16-true")
+_PRECISION_ALIASES = {"bf16": "bf16-mixed", "32": "32-true", "16": "16-mixed"}
+
+
+@dataclass
+class DistributedArgs:
+    """How to spread training over devices and machines (`--distributed.<field>` on the CLI).
+
+    Args:
+        strategy: "auto" uses FSDP when there is more than one device in total (devices x nodes)
+            and a single device otherwise; "fsdp" and "ddp" force that strategy when there is more
+            than one device. With one device in total the single-device strategy is always used.
+        sharding: FSDP sharding. FULL_SHARD shards parameters, gradients and optimizer state over
+            all devices; SHARD_GRAD_OP keeps full parameters between forward and backward;
+            HYBRID_SHARD shards within each machine and replicates across machines (on one
+            machine it is FULL_SHARD; with one device per machine it falls back to FULL_SHARD);
+            NO_SHARD replicates everything, like DDP. Ignored unless FSDP is used.
+        activation_checkpointing: recompute each transformer block's activations in the backward
+            pass instead of storing them: less memory, about a third more compute.
+        cpu_offload: keep FSDP parameters and gradients in CPU memory between uses (CUDA only; on
+            CPU they are there already and this is ignored).
+        state_dict_type: format of mid-run FSDP checkpoints: "sharded" writes one file per rank
+            (fast, needs the same world size to resume), "full" gathers everything into a single
+            file on rank 0. The final exported model is always full.
+    """
+
+    strategy: StrategyName = "auto"
+    sharding: ShardingName = "HYBRID_SHARD"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    state_dict_type: StateDictTypeName = "sharded"
+
+
+# --------------------------------------------------------------------------------------------
+# Resolving devices and precision
+# --------------------------------------------------------------------------------------------
+
+
+def resolve_accelerator(accelerator: str = "auto") -> str:
+    """ "auto" -> "cuda" when a GPU is visible, else "cpu"; "gpu" -> "cuda"; others unchanged."""
+    accelerator = accelerator.lower()
+    if accelerator == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return "cuda" if accelerator == "gpu" else accelerator
+
+
+def resolve_devices(devices: int | str, accelerator: str) -> int:
+    """Devices per node as a number: an int, a numeric string, or "auto"/-1 for all visible ones."""
+    if isinstance(devices, str):
+        text = devices.strip().lower()
+        if text in ("auto", "-1"):
+            if accelerator == "cuda":
+                import torch
+
+                return max(torch.cuda.device_count(), 1)
+            return 1
+        try:
+            devices = int(text)
+        except ValueError:
+            raise UserError(f"devices must be a positive number or 'auto', got {devices!r}.") from None
+    if isinstance(devices, bool) or not isinstance(devices, int):
+        raise UserError(f"devices must be a positive number or 'auto', got {devices!r}.")
+    if devices == -1:
+        return resolve_devices("auto", accelerator)
+    if devices < 1:
+        raise UserError(f"devices must be at least 1, got {devices}.")
+    return devices
+
+
+def resolve_precision(precision: str | None, accelerator: str) -> str:
+    """The Fabric precision to train with. None means the best the device supports.
+
+    On CUDA that is "bf16-mixed" where the GPU supports bfloat16, else "16-mixed"; on CPU it is
+    "bf16-mixed" (measured about 2x faster than float32 on our CPUs). float16 is refused on CPU:
+    its kernels are missing or slow there, use bf16-mixed or 32-true instead.
+    """
+    accelerator = resolve_accelerator(accelerator)
+    if precision is None:
+        if accelerator == "cpu":
+            return "bf16-mixed"
+        if accelerator == "cuda":
+            import torch
+
+            return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+        return "32-true"
+    name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
+    if name not in PRECISIONS:
+        raise UserError(
+            f"Unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.{did_you_mean(str(precision), PRECISIONS)}"
+        )
+    if accelerator == "cpu" and name.startswith("16-"):
+        raise UserError(f"precision {name!r} (float16) is not usable on CPU; use bf16-mixed or 32-true.")
+    if accelerator == "cuda" and name.startswith("bf16"):
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise UserError(f"precision {name!r} needs a GPU with bfloat16 support; use 16-mixed or 32-true.")
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# Choosing the strategy
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StrategyPlan:
+    """The resolved distributed set-up, before any Fabric object exists (pure, easy to test)."""
+
+    kind: Literal["single", "ddp", "fsdp"]
+    accelerator: str  # "cpu", "cuda", ...
+    devices: int  # per node
+    num_nodes: int
+    precision: str
+    sharding: ShardingName | None  # FSDP only
+    device_mesh: tuple[int, int] | None  # (num_nodes, devices) for HYBRID_SHARD, else None
+    activation_checkpointing: bool
+    cpu_offload: bool
+    state_dict_type: StateDictTypeName
+    process_group_backend: str | None  # "gloo" on CPU, "nccl" on CUDA; None for one device
+    notes: tuple[tuple[int, str], ...] = ()  # (logging level, one-line message) to log on rank 0
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+
+def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(
+            f"Unknown distributed.{field} {value!r}; choose one of {', '.join(choices)}.{did_you_mean(str(value), choices)}"
+        )
+
+
+def plan_strategy(
+    devices: int | str,
+    num_nodes: int,
+    precision: str | None,
+    dist: DistributedArgs,
+    accelerator: str = "auto",
+) -> StrategyPlan:
+    """Validate the arguments and decide strategy, sharding and mesh. Raises UserError."""
+    _check_choice("strategy", dist.strategy, get_args(StrategyName))
+    _check_choice("sharding", dist.sharding, get_args(ShardingName))
+    _check_choice("state_dict_type", dist.state_dict_type, get_args(StateDictTypeName))
+    if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
+        raise UserError(f"num_nodes must be at least 1, got {num_nodes!r}.")
+    accelerator = resolve_accelerator(accelerator)
+    devices = resolve_devices(devices, accelerator)
+    precision = resolve_precision(precision, accelerator)
+    notes: list[tuple[int, str]] = []
+
+    def plan(kind: Literal["single", "ddp", "fsdp"], **fsdp_fields: Any) -> StrategyPlan:
+        fields = dict(sharding=None, device_mesh=None, cpu_offload=False, process_group_backend=None)
+        if kind != "single":
+            fields["process_group_backend"] = "gloo" if accelerator == "cpu" else "nccl"
+        fields.update(fsdp_fields)
+        return StrategyPlan(
+            kind=kind,
+            accelerator=accelerator,
+            devices=devices,
+            num_nodes=num_nodes,
+            precision=precision,
+            activation_checkpointing=dist.activation_checkpointing,
+            state_dict_type=dist.state_dict_type,
+            notes=tuple(notes),
+            **fields,
+        )
+
+    if devices * num_nodes == 1:
+        if dist.strategy != "auto":
+            notes.append((logging.INFO, f"One device in total: training on a single device, not {dist.strategy}."))
+        if dist.cpu_offload:
+            notes.append((logging.WARNING, "cpu_offload applies to FSDP only (more than one device); ignored."))
+        return plan("single")
+
+    if dist.strategy == "ddp":
+        if dist.cpu_offload:
+            notes.append((logging.WARNING, "cpu_offload applies to FSDP only; ignored with strategy ddp."))
+        return plan("ddp")
+
+    sharding: ShardingName = dist.sharding
+    mesh: tuple[int, int] | None = None
+    if sharding == "HYBRID_SHARD":
+        if num_nodes == 1:
+            # A single replica: shard over all devices, replicate over one, which is exactly
+            # FULL_SHARD (both verified to synchronize). Use the plain strategy, no mesh needed.
+            sharding = "FULL_SHARD"
+            notes.append((logging.INFO, "HYBRID_SHARD on one node is FULL_SHARD; using FULL_SHARD."))
+        elif devices == 1:
+            # Measured (torch 2.13): with one process per node the shard group has size 1 and FSDP
+            # then skips gradient synchronization across nodes entirely. Shard over everyone.
+            sharding = "FULL_SHARD"
+            notes.append(
+                (logging.WARNING, "HYBRID_SHARD needs more than one device per node; using FULL_SHARD across all nodes.")
+            )
+        else:
+            # Mesh (replicate over nodes, shard within a node): a rank's shard group is its node.
+            # Without an explicit mesh, Fabric's HYBRID_SHARD lets every rank train on its own.
+            mesh = (num_nodes, devices)
+    cpu_offload = dist.cpu_offload
+    if cpu_offload and accelerator == "cpu":
+        cpu_offload = False
+        notes.append((logging.WARNING, "cpu_offload is ignored when training on CPU (parameters are there already)."))
+    return plan("fsdp", sharding=sharding, device_mesh=mesh, cpu_offload=cpu_offload)
+
+
+def build_fabric(
+    devices: int | str,
+    num_nodes: int,
+    precision: str | None,
+    dist: DistributedArgs,
+    block_cls: type[nn.Module],
+    accelerator: str = "auto",
+    loggers: Any = None,
+) -> Fabric:
+    """A configured (not yet launched) Fabric; call `fabric.launch()` next (see module docstring).
+
+    `block_cls` is the model's repeated transformer block: FSDP wraps (shards) each instance of it
+    separately and activation checkpointing, when asked, recomputes each one. Raises UserError on
+    invalid arguments.
+    """
+    plan = plan_strategy(devices, num_nodes, precision, dist, accelerator)
+    from lightning import Fabric
+    from torch import nn
+
+    if not (isinstance(block_cls, type) and issubclass(block_cls, nn.Module)):
+        raise TypeError(f"block_cls must be an nn.Module subclass (the transformer block), got {block_cls!r}")
+
+    strategy, plugins, fabric_precision = _make_strategy(plan, block_cls)
+    fabric = Fabric(
+        accelerator=plan.accelerator,
+        devices=plan.devices,
+        num_nodes=plan.num_nodes,
+        strategy=strategy,
+        precision=fabric_precision,
+        plugins=plugins,
+        loggers=loggers,
+    )
+    if fabric.global_rank == 0:
+        for level, message in plan.notes:
+            log.log(level, message)
+    return fabric
+
+
+def _make_strategy(plan: StrategyPlan, block_cls: type[nn.Module]) -> tuple[Any, list, str | None]:
+    """(strategy, plugins, precision flag) for `Fabric(...)`."""
+    import torch
+
+    if plan.kind == "fsdp":
+        from toolkit.training.compat import CPUCapableFSDPPrecision, CPUCapableFSDPStrategy
+
+        strategy = CPUCapableFSDPStrategy(
+            auto_wrap_policy={block_cls},  # one FSDP unit per transformer block
+            activation_checkpointing_policy={block_cls} if plan.activation_checkpointing else None,
+            sharding_strategy=plan.sharding,
+            device_mesh=plan.device_mesh,
+            cpu_offload=plan.cpu_offload,
+            state_dict_type=plan.state_dict_type,
+            process_group_backend=plan.process_group_backend,
+            # Keep the original (unflattened) parameters visible: the optimizer can be created
+            # after setup, and peft's LoRA (a mix of frozen and trainable parameters in one
+            # block) trains under FSDP.
+            use_orig_params=True,
+        )
+        if plan.accelerator == "cpu":
+            # The precision goes in as a plugin so that CPU autocast is used (see compat.py).
+            return strategy, [CPUCapableFSDPPrecision(plan.precision, "cpu")], None
+        return strategy, [], plan.precision
+
+    if plan.kind == "ddp":
+        from lightning.fabric.strategies import DDPStrategy
+
+        cls = _with_block_checkpointing(DDPStrategy, block_cls) if plan.activation_checkpointing else DDPStrategy
+        return cls(process_group_backend=plan.process_group_backend), [], plan.precision
+
+    if not plan.activation_checkpointing:
+        return "auto", [], plan.precision  # Fabric picks the one device
+    from lightning.fabric.strategies import SingleDeviceStrategy
+
+    device = torch.device("cuda", 0) if plan.accelerator == "cuda" else torch.device(plan.accelerator)
+    return _with_block_checkpointing(SingleDeviceStrategy, block_cls)(device=device), [], plan.precision
+
+
+def _with_block_checkpointing(base: type, block_cls: type[nn.Module]) -> type:
+    """A subclass of the strategy `base` whose `setup_module` checkpoints each block first.
+
+    Under FSDP, Fabric does this itself (`activation_checkpointing_policy`); the single-device and
+    DDP strategies have no such option, so the same torch wrapper is applied here, before DDP
+    wraps the model. The wrapper leaves state-dict keys unchanged.
+    """
+
+    class BlockCheckpointing(base):  # type: ignore[misc, valid-type]
+        def setup_module(self, module: nn.Module) -> nn.Module:
+            _checkpoint_blocks(module, block_cls)
+            return super().setup_module(module)
+
+    BlockCheckpointing.__name__ = BlockCheckpointing.__qualname__ = f"BlockCheckpointing{base.__name__}"
+    return BlockCheckpointing
+
+
+def _checkpoint_blocks(module: nn.Module, block_cls: type[nn.Module]) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
+        return  # already checkpointed (e.g. set up twice)
+    apply_activation_checkpointing(
+        module, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, block_cls)
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
+
+
+def is_fsdp(fabric: Fabric) -> bool:
+    from lightning.fabric.strategies import FSDPStrategy
+
+    return isinstance(fabric.strategy, FSDPStrategy)
+
+
+def full_state_dict(fabric: Fabric, model: nn.Module, rank0_only: bool = True) -> dict[str, Tensor]:
+    """The model's complete (unsharded) weights, as CPU tensors with the model's own key names.
+
+    A collective call: every rank must call it. With `rank0_only` the other ranks get `{}`, which
+    saves memory; with `rank0_only=False` every rank gets the full dict. This is what the final
+    export writes, whatever `state_dict_type` mid-run checkpoints use. Without FSDP on CPU the
+    tensors share memory with the live parameters (no copy is made).
+    """
+    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
+
+    if is_fsdp(fabric):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        root = _unwrap_objects(model)  # the root FSDP module inside Fabric's wrapper
+        # offload_to_cpu=True crashes when the parameters already live on CPU (see compat.py).
+        config = FullStateDictConfig(offload_to_cpu=fabric.device.type != "cpu", rank0_only=rank0_only)
+        with FSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, config):
+            state = root.state_dict()  # FSDP returns fresh (cloned) tensors
+    else:
+        # The user's module, without DDP or torch.compile wrappers (no "module."/"_orig_mod." in keys).
+        module = _unwrap_compiled(model)[0]
+        if isinstance(module, _FabricModule):
+            module = _unwrap_compiled(module._original_module)[0]
+        state = module.state_dict()
+    if rank0_only and fabric.global_rank != 0:
+        return {}
+    return {k: v.detach().cpu() for k, v in state.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Batch math (defined once, here)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    """How a global batch is split: over devices, nodes and gradient-accumulation steps.
+
+    global_batch_size = devices * num_nodes * micro_batch_size * gradient_accumulation_iters,
+    counted in sequences of max_seq_length tokens.
+    """
+
+    devices: int
+    num_nodes: int
+    micro_batch_size: int
+    global_batch_size: int
+    max_seq_length: int
+    gradient_accumulation_iters: int
+
+    @property
+    def world_size(self) -> int:
+        return self.devices * self.num_nodes
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens per optimizer step (at most: sequences may be padded or packed shorter)."""
+        return self.global_batch_size * self.max_seq_length
+
+    def table(self) -> str:
+        """A human-readable summary printed at start-up."""
+        rows = [
+            ("devices per node", f"{self.devices}"),
+            ("nodes", f"{self.num_nodes}"),
+            ("micro batch (per device)", f"{self.micro_batch_size}"),
+            ("gradient accumulation steps", f"{self.gradient_accumulation_iters}"),
+            (
+                "global batch (sequences)",
+                f"{self.global_batch_size} = {self.devices} x {self.num_nodes} x "
+                f"{self.micro_batch_size} x {self.gradient_accumulation_iters}",
+            ),
+            ("sequence length", f"{self.max_seq_length}"),
+            ("tokens per optimizer step", f"{self.tokens_per_step:,}"),
+        ]
+        width = max(len(name) for name, _ in rows)
+        return "\n".join(["Batch plan"] + [f"  {name:<{width}}  {value}" for name, value in rows])
+
+
+def plan_batches(
+    devices: int, num_nodes: int, micro_batch_size: int, global_batch_size: int, max_seq_length: int
+) -> BatchPlan:
+    """Resolve the accumulation steps; raise UserError (never round) if the batch does not split."""
+    for name, value in (
+        ("devices", devices),
+        ("num_nodes", num_nodes),
+        ("micro_batch_size", micro_batch_size),
+        ("global_batch_size", global_batch_size),
+        ("max_seq_length", max_seq_length),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} must be a positive integer, got {value!r}.")
+    world_size = devices * num_nodes
+    per_iter = world_size * micro_batch_size  # sequences per accumulation step, all ranks together
+    if global_batch_size % per_iter:
+        raise UserError(_indivisible_message(devices, num_nodes, micro_batch_size, global_batch_size))
+    return BatchPlan(
+        devices=devices,
+        num_nodes=num_nodes,
+        micro_batch_size=micro_batch_size,
+        global_batch_size=global_batch_size,
+        max_seq_length=max_seq_length,
+        gradient_accumulation_iters=global_batch_size // per_iter,
+    )
+
+
+def _indivisible_message(devices: int, num_nodes: int, micro: int, global_batch: int) -> str:
+    world_size = devices * num_nodes
+    per_iter = world_size * micro
+    below = (global_batch // per_iter) * per_iter
+    above = below + per_iter
+    options = [str(n) for n in (below, above) if n > 0]
+    message = (
+        f"global_batch_size {global_batch} is not a multiple of devices x nodes x micro_batch_size "
+        f"= {devices} x {num_nodes} x {micro} = {per_iter}. Use global_batch_size "
+        + " or ".join(options)
+    )
+    # The largest smaller micro batch that divides the global batch (accumulating more steps).
+    if global_batch % world_size == 0:
+        per_rank = global_batch // world_size
+        fits = [m for m in range(min(micro, per_rank), 0, -1) if per_rank % m == 0]
+        if fits:
+            message += f", or micro_batch_size {fits[0]}"
+    return message + "."
+
+
+__all__ = [
+    "BatchPlan",
+    "DistributedArgs",
+    "PRECISIONS",
+    "StrategyPlan",
+    "build_fabric",
+    "full_state_dict",
+    "is_fsdp",
+    "plan_batches",
+    "plan_strategy",
+    "resolve_accelerator",
+    "resolve_devices",
+    "resolve_precision",
+]
