@@ -76,14 +76,40 @@ def build_parser(name: str, function: Callable):
 
 def _explain_parse_error(parser, argv: list[str], error: Exception) -> str:
     """One line: what was wrong, with the closest valid option names for a misspelled one."""
-    message = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    message = _condense(str(error)) or type(error).__name__
     known = _option_names(parser)
     for arg in argv:
         if arg.startswith("--"):
             option = arg.split("=", 1)[0]
-            if option not in known and not any(option.startswith(k + ".") for k in known):
+            parent = option.rsplit(".", 1)[0] if "." in option else None
+            # Options under a subclass-typed argument (--data.*) depend on the chosen class and are
+            # checked by jsonargparse; options under a dataclass (--train.*) are all known here.
+            dynamic = parent in known and not any(k.startswith(parent + ".") for k in known)
+            if option not in known and not dynamic:
                 return f"Unknown option {option}.{did_you_mean(option, known)} See `{parser.prog} --help`."
     return f"{message} See `{parser.prog} --help`."
+
+
+_NOISE = ("Subtypes:", "Given value", "Errors:", "Does not validate against any", "- Expected a <class 'NoneType'>")
+
+
+def _condense(message: str) -> str:
+    """jsonargparse explains a bad value over many indented lines; keep the informative ones."""
+    lines = [line.strip().lstrip("- ").strip() for line in message.strip().splitlines()]
+    kept = [line for line in lines if line and not any(line.startswith(n.lstrip("- ")) for n in _NOISE)]
+    return " ".join(kept)
+
+
+def _show_toolkit_logs() -> None:
+    """The toolkit's own INFO messages (data preparation, cache reuse) go to stderr as plain lines."""
+    import logging
+
+    logger = logging.getLogger("toolkit")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def run(argv: Optional[list[str]] = None) -> int:
@@ -100,8 +126,9 @@ def run(argv: Optional[list[str]] = None) -> int:
     if name not in COMMANDS:
         matches = closest(name, COMMANDS)
         hint = f" Did you mean: {', '.join(matches)}?" if matches else ""
-        print(f"toolkit: unknown command {name!r}.{hint} Run `toolkit --help` for the list.", file=sys.stderr)
+        print(f"toolkit: error: unknown command {name!r}.{hint} Run `toolkit --help` for the list.", file=sys.stderr)
         return 2
+    _show_toolkit_logs()
     function = _load(COMMANDS[name][0])
     parser = build_parser(name, function)
     try:
@@ -116,7 +143,7 @@ def run(argv: Optional[list[str]] = None) -> int:
         print(f"toolkit {name}: error: {_explain_parse_error(parser, rest, error)}", file=sys.stderr)
         return 2
     try:
-        init = parser.instantiate_classes(cfg)
+        init = parser.instantiate(cfg)
         kwargs = {k: v for k, v in init.items() if k != "config"}
         function(**kwargs)
     except UserError as error:

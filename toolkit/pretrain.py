@@ -71,26 +71,32 @@ def pretrain(
             f"({config.block_size} tokens); use at most {config.block_size}."
         )
 
+    if tokenizer_dir is not None:
+        from toolkit.tokenizer import Tokenizer
+
+        Tokenizer(tokenizer_dir)  # an unreadable tokenizer fails here, before anything is written
+
     session = Session.start(
         kind="pretrain", out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
         max_seq_length=max_seq_length,
     )
     fabric = session.fabric
-    tokenizer = session.prepare_tokenizer(tokenizer_dir, train_tokenizer_vocab, data)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise UserError(
-            f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} only {config.vocab_size}: "
-            f"pass --model_overrides '{{vocab_size: {tokenizer.vocab_size}}}' or a matching model."
-        )
     block_size = max_seq_length + 1  # inputs and their next-token targets
-    if fabric.global_rank == 0:
-        data.prepare(tokenizer, block_size, session.work_dir)
-    fabric.barrier()
-    if fabric.global_rank != 0:
-        data.connect(tokenizer, block_size, session.work_dir)
-    train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed)
-    val_loader = data.val_dataloader(train.micro_batch_size, block_size)
+    with session.remove_output_on_error():
+        tokenizer = session.prepare_tokenizer(tokenizer_dir, train_tokenizer_vocab, data)
+        if tokenizer.vocab_size > config.vocab_size:
+            raise UserError(
+                f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} only {config.vocab_size}: "
+                f"pass --model_overrides '{{vocab_size: {tokenizer.vocab_size}}}' or a matching model."
+            )
+        if fabric.global_rank == 0:
+            data.prepare(tokenizer, block_size, session.work_dir)
+        fabric.barrier()
+        if fabric.global_rank != 0:
+            data.connect(tokenizer, block_size, session.work_dir)
+        train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed)
+        val_loader = data.val_dataloader(train.micro_batch_size, block_size)
 
     model = session.build_model(init="random")
     optimizer = session.build_optimizer(model)

@@ -236,8 +236,15 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int) -> tuple[flo
     model.eval()
     loss_sum = torch.zeros((), device=fabric.device)
     targets = torch.zeros((), device=fabric.device, dtype=torch.long)
+    # Under FSDP every rank must run the same number of forward passes: agree on the shortest.
+    n_batches = torch.tensor(min(max_iters, len(loader)) if hasattr(loader, "__len__") else max_iters, device=fabric.device)
+    if fabric.world_size > 1:
+        import torch.distributed as dist
+
+        dist.all_reduce(n_batches, op=dist.ReduceOp.MIN)
+    n_batches = int(n_batches.item())
     for i, batch in enumerate(loader):
-        if i >= max_iters:
+        if i >= n_batches:
             break
         batch = fabric.to_device(batch)
         loss_sum += model(batch["input_ids"], labels=batch["labels"]).float()

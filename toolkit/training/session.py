@@ -8,8 +8,9 @@ export the result; each keeps only what is really different about it.
 from __future__ import annotations
 
 import json
-import os
+import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Union
@@ -52,6 +53,7 @@ class Session:
     seed: int
     resume: Union[bool, str, Path]
     tokenizer_dir: Optional[Path] = None
+    created_out_dir: bool = False
 
     @property
     def work_dir(self) -> Path:
@@ -68,6 +70,7 @@ class Session:
 
         out_dir = Path(out_dir)
         check_out_dir(out_dir, resume)
+        created_out_dir = not out_dir.exists()
         fabric = build_fabric(
             devices=devices, num_nodes=num_nodes, precision=precision, dist=distributed, block_cls=Block,
             loggers=_make_loggers(out_dir, log),
@@ -81,7 +84,21 @@ class Session:
         fabric.barrier()
         fabric.seed_everything(seed)
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
-                   plan=plan, seed=seed, resume=resume)
+                   plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir)
+
+    @contextmanager
+    def remove_output_on_error(self):
+        """Bad input found while preparing (data, tokenizer) leaves no output behind.
+
+        A directory this run created is removed again; one that existed before is left as it was
+        (apart from caches, which are written atomically and are safe to keep).
+        """
+        try:
+            yield
+        except UserError:
+            if self.created_out_dir and self.fabric.global_rank == 0:
+                shutil.rmtree(self.out_dir, ignore_errors=True)
+            raise
 
     # ------------------------------------------------------------------ tokenizer
     def prepare_tokenizer(self, tokenizer_dir: Optional[Path], train_vocab: Optional[int], data) -> "Tokenizer":
@@ -152,6 +169,10 @@ class Session:
             self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
             self.train, self.eval, self.log, hooks, total_steps=total_steps, tokens_per_step=tokens_per_step,
         )
+        for logger in self.fabric.loggers:
+            logger.finalize("success")  # flushes buffered metrics to disk
+        if self.fabric.global_rank == 0:
+            (self.out_dir / "summary.json").write_text(json.dumps(self.state.to_dict(), indent=2) + "\n")
         return self.state
 
     def _write_run_args(self) -> None:

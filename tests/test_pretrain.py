@@ -1,0 +1,132 @@
+"""`toolkit pretrain` end to end on one device: real Fabric, real litdata, real tokenizers."""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from toolkit.cli import run
+
+from conftest import SHARED_DATA
+
+NEOX_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt-neox-20b"
+SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+
+
+def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
+    return [
+        "pretrain", "debug-neox", "--out_dir", str(out_dir),
+        "--data", "TextFiles", "--data.train_path", str(SHAKESPEARE),
+        "--tokenizer_dir", str(NEOX_TOKENIZER),
+        "--train.micro_batch_size", "4", "--train.global_batch_size", "8", "--train.max_seq_length", "64",
+        "--train.learning_rate", "0.01", "--train.min_lr", "0.001", "--train.warmup_steps", "2",
+        "--train.save_interval", "1000",
+        "--eval.max_iters", "4", "--log.interval", "1", "--log.loggers", "[csv]",
+        *extra,
+    ]
+
+
+def _metrics(out_dir: Path) -> list[dict]:
+    with open(out_dir / "logs" / "csv" / "metrics.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp_path):
+    out = tmp_path / "run"
+    assert run(_pretrain_args(out, "--train.max_steps", "25", "--eval.interval", "25", "--eval.initial_validation", "true")) == 0
+
+    val = [float(r["val/loss"]) for r in _metrics(out) if r.get("val/loss")]
+    assert len(val) == 2
+    assert val[-1] < val[0] - 1.0, val  # from ~10.8 (uniform over 50k tokens) to well below
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 25
+    assert summary["tokens_seen"] == 25 * 8 * 64
+    # The final checkpoint is self-contained: generate reads it with its own tokenizer.
+    final = out / "final"
+    assert {"model.safetensors", "model_config.json", "tokenizer.json"} <= {p.name for p in final.iterdir()}
+    assert run(["generate", str(final), "--prompt", "ROMEO:", "--max_new_tokens", "5", "--temperature", "0"]) == 0
+
+
+def test_max_tokens_stops_before_exceeding_the_budget(tmp_path):
+    out = tmp_path / "run"
+    tokens_per_step = 8 * 64
+    budget = 3 * tokens_per_step + 100  # not a whole number of steps: 3 steps fit, a 4th would exceed
+    assert run(_pretrain_args(out, "--train.max_tokens", str(budget), "--eval.final_validation", "false")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["step"] == 3
+    assert summary["tokens_seen"] == 3 * tokens_per_step <= budget
+
+
+def test_max_time_stops_at_a_step_boundary(tmp_path):
+    out = tmp_path / "run"
+    assert run(_pretrain_args(out, "--train.max_time", "1s", "--train.max_steps", "10000", "--eval.final_validation", "false")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert 1 <= summary["step"] < 10000
+    assert summary["train_seconds"] >= 1.0
+
+
+def _toolkit(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
+
+
+def _assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode != 0, result.stdout
+    assert "Traceback" not in result.stderr, result.stderr
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in error_lines[0], error_lines[0]
+
+
+def test_bad_input_gets_one_clear_line(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world\n" * 50)
+    base = ["--tokenizer_dir", str(NEOX_TOKENIZER), "--out_dir", str(tmp_path / "out")]
+
+    _assert_one_line_error(_toolkit("pretrain", "pythia-14n", "--data", "TextFiles", "--data.train_path", str(text), *base), "Did you mean", "pythia-14m")
+    _assert_one_line_error(_toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(tmp_path / "missing.txt"), *base), "missing.txt")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    _assert_one_line_error(_toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(empty), *base), "empty")
+    binary = tmp_path / "weights.txt"
+    binary.write_bytes(bytes(range(256)) * 40)
+    _assert_one_line_error(_toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(binary), *base), "weights.txt")
+    bad_tokenizer = tmp_path / "tok"
+    bad_tokenizer.mkdir()
+    (bad_tokenizer / "tokenizer.json").write_text("{not json")
+    _assert_one_line_error(
+        _toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(text), "--tokenizer_dir", str(bad_tokenizer), "--out_dir", str(tmp_path / "o2")),
+        "tokenizer",
+    )
+    _assert_one_line_error(
+        _toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(text), "--train.max_seq_length", "4096", *base),
+        "max_seq_length", "512",
+    )
+    _assert_one_line_error(_toolkit("pretrain", "debug-neox", "--train.micro_batch_sise", "2", *base), "micro_batch_size")
+    _assert_one_line_error(_toolkit("pretrian"), "pretrain")
+    _assert_one_line_error(_toolkit("pretrain", "debug-neox", *base), "--data")
+    assert not (tmp_path / "out").exists()  # nothing was written by any of the failures
+
+
+def test_an_output_directory_holding_another_run_is_refused(tmp_path):
+    out = tmp_path / "out"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "model.safetensors").write_bytes(b"precious")
+    text = tmp_path / "corpus.txt"
+    text.write_text("hello world\n" * 50)
+    result = _toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(text), "--tokenizer_dir", str(NEOX_TOKENIZER), "--out_dir", str(out))
+    _assert_one_line_error(result, "already holds a run", "--resume")
+    assert (out / "final" / "model.safetensors").read_bytes() == b"precious"
+
+
+def test_toolkit_help_lists_commands_without_importing_torch():
+    code = "import sys; from toolkit.cli import run; run(['--help']); assert 'torch' not in sys.modules"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "pretrain" in result.stdout and "generate" in result.stdout
