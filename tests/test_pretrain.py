@@ -31,8 +31,13 @@ def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
 
 
 def _metrics(out_dir: Path) -> list[dict]:
-    with open(out_dir / "logs" / "csv" / "metrics.csv") as f:
-        return list(csv.DictReader(f))
+    """Every logged row, over the version_N folders of successive (resumed) starts."""
+    rows = []
+    versions = sorted((out_dir / "logs" / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    for version in versions:
+        with open(version / "metrics.csv") as f:
+            rows.extend(csv.DictReader(f))
+    return rows
 
 
 def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp_path):

@@ -154,14 +154,44 @@ class Session:
         return self.fabric.setup_optimizers(optimizer)
 
     # ------------------------------------------------------------------ training
+    def run_shape(self) -> dict:
+        """What a resumed run must share with the checkpoint it continues."""
+        return {
+            "kind": self.kind, "model": self.config.to_dict(), "global_batch_size": self.plan.global_batch_size,
+            "micro_batch_size": self.plan.micro_batch_size, "max_seq_length": self.plan.max_seq_length,
+            "world_size": self.fabric.world_size,
+        }
+
     def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int]) -> TrainState:
+        """Resume if asked, run the loop, save a training checkpoint at every interval and at the end."""
+        from toolkit.training import checkpoint
         from toolkit.training.throughput import device_peak_flops
 
         state = TrainState()
+        run_shape = self.run_shape()
+        resume_from = checkpoint.find_resume_checkpoint(self.fabric, self.out_dir, self.resume)
+        if resume_from is not None:
+            checkpoint.check_compatible(resume_from, run_shape)
+            state = TrainState(**checkpoint.load(self.fabric, resume_from, model, optimizer, train_loader))
+            position = train_loader.state_dict() if hasattr(train_loader, "state_dict") else {}
+            self.fabric.print(
+                f"Resumed from {resume_from}: step {state.step}, {state.tokens_seen:,} tokens seen, "
+                f"epoch {state.epoch}, {state.micro_step} micro-batches consumed per rank"
+                + (f", loader position {_describe_position(position)}" if position else "")
+            )
+        elif self.resume not in (False, "false", "False"):
+            self.fabric.print(f"No checkpoint in {self.out_dir / checkpoint.CHECKPOINT_DIR}: starting a fresh run.")
         self._write_run_args()
+
+        saved_steps = set()
+
+        def save(current: TrainState) -> None:
+            checkpoint.save(self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape, self.config, self.train.keep_last)
+            saved_steps.add(current.step)
+
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
         hooks = LoopHooks(
-            save_checkpoint=None,
+            save_checkpoint=save,
             flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),
             device_peak_flops=peak,
         )
@@ -169,6 +199,8 @@ class Session:
             self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
             self.train, self.eval, self.log, hooks, total_steps=total_steps, tokens_per_step=tokens_per_step,
         )
+        if self.state.step not in saved_steps and self.state.step > 0:
+            save(self.state)
         for logger in self.fabric.loggers:
             logger.finalize("success")  # flushes buffered metrics to disk
         if self.fabric.global_rank == 0:
@@ -198,6 +230,12 @@ class Session:
         return target
 
 
+def _describe_position(position: dict) -> str:
+    keys = ("current_epoch", "num_samples_yielded", "epoch", "batches_consumed")
+    found = {k: position[k] for k in keys if k in position}
+    return ", ".join(f"{k}={v}" for k, v in found.items()) or "restored"
+
+
 def _trainable_fraction(model) -> float:
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
@@ -208,8 +246,10 @@ def _make_loggers(out_dir: Path, log: LogArgs) -> list:
     from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
 
     loggers = []
+    # Each start (fresh or resumed) logs into its own version_N folder, so a resume never
+    # overwrites the metrics of the run it continues.
     if "csv" in log.loggers:
-        loggers.append(CSVLogger(root_dir=str(out_dir / "logs"), name="csv", version=""))
+        loggers.append(CSVLogger(root_dir=str(out_dir / "logs"), name="csv"))
     if "tensorboard" in log.loggers:
-        loggers.append(TensorBoardLogger(root_dir=str(out_dir / "logs"), name="tensorboard", version=""))
+        loggers.append(TensorBoardLogger(root_dir=str(out_dir / "logs"), name="tensorboard"))
     return loggers
