@@ -82,13 +82,16 @@ def weights_for_saving(state_dict: Mapping, config: Config) -> dict:
     return out
 
 
-def save_checkpoint_files(directory: Path, state_dict: Mapping, config: Config, tokenizer_dir: Optional[Path] = None) -> None:
+def save_checkpoint_files(
+    directory: Path, state_dict: Mapping, config: Config, tokenizer_dir: Optional[Path] = None, weights: bool = True
+) -> None:
     """Write weights, config and tokenizer files into an existing directory (see `atomic_directory`)."""
     from safetensors.torch import save_file
 
     from toolkit.tokenizer import TOKENIZER_FILES
 
-    save_file(weights_for_saving(state_dict, config), str(directory / WEIGHTS_FILENAME), metadata={"format": "pt"})
+    if weights:
+        save_file(weights_for_saving(state_dict, config), str(directory / WEIGHTS_FILENAME), metadata={"format": "pt"})
     config.save(directory)
     if tokenizer_dir is not None:
         for name in (*TOKENIZER_FILES, "generation_config.json"):

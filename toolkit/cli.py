@@ -16,6 +16,10 @@ from toolkit.errors import UserError, closest, did_you_mean
 # subcommand -> (module:function, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
     "pretrain": ("toolkit.pretrain:pretrain", "Pretrain a model from scratch on text or litdata streams."),
+    "finetune_full": ("toolkit.finetune.full:finetune_full", "Fine-tune every weight of a checkpoint on instruction data."),
+    "finetune_lora": ("toolkit.finetune.lora:finetune_lora", "Fine-tune LoRA adapters (QLoRA with --quantize) on instruction data."),
+    "finetune": ("toolkit.finetune.lora:finetune_lora", "The same as finetune_lora."),
+    "merge_lora": ("toolkit.finetune.lora:merge_lora", "Merge a LoRA adapter into its base model."),
     "generate": ("toolkit.generate:generate", "Sample text from a checkpoint."),
     "list": ("toolkit.cli:list_models", "List the model presets."),
     "convert_from_hf": ("toolkit.convert:convert_from_hf", "Convert a Hugging Face checkpoint to a toolkit checkpoint."),
@@ -25,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Turn a training checkpoint (with optimizer state) into an inference checkpoint.",
     ),
     "download": ("toolkit.download:download", "Download a model from the Hugging Face Hub and convert it."),
+    "estimate": ("toolkit.estimate:estimate", "Estimate memory per device and recommend settings that fit."),
 }
 
 

@@ -21,7 +21,7 @@ import random
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -92,8 +92,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(fabric, out_dir: Path, model, optimizer, loader, train_state: dict, run_shape: dict, config, keep_last: Optional[int]) -> Path:
-    """Write one checkpoint atomically (collective: every rank calls it). Returns its folder."""
+def save(
+    fabric, out_dir: Path, model, optimizer, loader, train_state: dict, run_shape: dict, config,
+    keep_last: Optional[int], model_filter: Optional[Callable[[str], bool]] = None,
+) -> Path:
+    """Write one checkpoint atomically (collective: every rank calls it). Returns its folder.
+
+    `model_filter(name)` keeps only some weights (LoRA keeps its adapters; the frozen base is
+    already on disk). Sharded FSDP checkpoints cannot be filtered and keep everything.
+    """
     start = time.perf_counter()
     step = train_state["step"]
     root = checkpoint_root(out_dir)
@@ -107,7 +114,8 @@ def save(fabric, out_dir: Path, model, optimizer, loader, train_state: dict, run
 
     sharded = _is_sharded(fabric)
     state_path = tmp / ("state" if sharded else "state.pt")
-    fabric.save(state_path, {"model": model, "optimizer": optimizer, "train_state": train_state})
+    filter = {"model": lambda name, _: model_filter(name)} if model_filter is not None and not sharded else None
+    fabric.save(state_path, {"model": model, "optimizer": optimizer, "train_state": train_state}, filter=filter)
     # Every rank's own RNG and data position (loaders differ per rank).
     extras = {"rng": rng_state(), "loader": loader.state_dict() if hasattr(loader, "state_dict") else None}
     torch.save(extras, tmp / f"rank-{fabric.global_rank}.pt")
@@ -117,7 +125,8 @@ def save(fabric, out_dir: Path, model, optimizer, loader, train_state: dict, run
     if fabric.global_rank == 0:
         config.save(tmp)
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(tmp)}
-        meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded, "files": files}
+        meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
+                "filtered": filter is not None, "files": files}
         _write_atomically(tmp / META, json.dumps(meta, indent=2, default=str))
         if final.exists():  # a re-save of the same step (e.g. the end of a resumed, finished run)
             shutil.rmtree(final)
@@ -206,7 +215,7 @@ def load(fabric, checkpoint: Path, model, optimizer, loader) -> dict:
     meta = json.loads((checkpoint / META).read_text())
     state_path = checkpoint / ("state" if meta["sharded"] else "state.pt")
     state = {"model": model, "optimizer": optimizer, "train_state": {}}
-    fabric.load(state_path, state, weights_only=True)
+    fabric.load(state_path, state, strict=not meta.get("filtered", False), weights_only=True)
     extras = torch.load(checkpoint / f"rank-{fabric.global_rank}.pt", weights_only=True)
     set_rng_state(extras["rng"])
     if extras["loader"] is not None and hasattr(loader, "load_state_dict"):

@@ -54,6 +54,8 @@ class Session:
     resume: Union[bool, str, Path]
     tokenizer_dir: Optional[Path] = None
     created_out_dir: bool = False
+    # Which model weights training checkpoints keep (None: all). LoRA keeps only its adapters.
+    checkpoint_filter: Optional[Callable[[str], bool]] = None
 
     @property
     def work_dir(self) -> Path:
@@ -186,7 +188,10 @@ class Session:
         saved_steps = set()
 
         def save(current: TrainState) -> None:
-            checkpoint.save(self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape, self.config, self.train.keep_last)
+            checkpoint.save(
+                self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape,
+                self.config, self.train.keep_last, model_filter=self.checkpoint_filter,
+            )
             saved_steps.add(current.step)
 
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)

@@ -1,0 +1,175 @@
+"""Fine-tuning end to end on CPU: a tiny Llama converted from a random Hugging Face checkpoint, the
+real Llama-2 tokenizer and real Alpaca records; real peft, bitsandbytes and transformers."""
+
+import csv
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import SHARED_DATA
+from toolkit.checkpoint import load_model
+from toolkit.cli import run
+
+ALPACA = SHARED_DATA / "instruct" / "alpaca_tiny.json"
+LLAMA2 = SHARED_DATA / "tokenizers" / "llama2"
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> dict:
+    """A random tiny Llama in Hugging Face format with the Llama-2 tokenizer, and its toolkit conversion."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.convert import convert_from_hf
+
+    root = tmp_path_factory.mktemp("finetune")
+    torch.manual_seed(0)
+    hf_config = LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+    )
+    hf_dir = root / "hf"
+    LlamaForCausalLM(hf_config).save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(LLAMA2 / name, hf_dir / name)
+    checkpoint = root / "base"
+    convert_from_hf(hf_dir, checkpoint)
+    return {"root": root, "hf_dir": hf_dir, "checkpoint": checkpoint}
+
+
+def _args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [
+        command, str(checkpoint), "--out_dir", str(out_dir),
+        "--data", "Alpaca", "--data.json_path", str(ALPACA), "--data.val_split_fraction", "0.1",
+        "--precision", "32-true", "--train.micro_batch_size", "4", "--train.global_batch_size", "8",
+        "--train.max_seq_length", "128", "--train.max_steps", "12", "--train.warmup_steps", "2",
+        "--eval.interval", "12", "--eval.max_iters", "3", "--log.interval", "4", "--log.loggers", "[csv]",
+        *extra,
+    ]
+
+
+def _val_losses(out_dir: Path) -> list[float]:
+    rows = []
+    for version in sorted((out_dir / "logs" / "csv").glob("version_*")):
+        with open(version / "metrics.csv") as f:
+            rows += [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
+    return rows
+
+
+def test_full_finetuning_lowers_validation_loss(base, tmp_path):
+    out = tmp_path / "full"
+    assert run(_args("finetune_full", base["checkpoint"], out, "--train.learning_rate", "0.003")) == 0
+    first, last = _val_losses(out)[0], _val_losses(out)[-1]
+    assert last < first - 0.5, (first, last)
+    tuned = load_file(str(out / "final" / "model.safetensors"))
+    original = load_file(str(base["checkpoint"] / "model.safetensors"))
+    assert not torch.equal(tuned["blocks.0.mlp.down_proj.weight"], original["blocks.0.mlp.down_proj.weight"])
+
+
+@pytest.fixture(scope="module")
+def lora_run(base) -> dict:
+    from toolkit.finetune.lora import LoRAArgs, finetune_lora
+    from toolkit.cli import build_parser
+
+    out = base["root"] / "lora"
+    parser = build_parser("finetune_lora", finetune_lora)
+    args = _args("finetune_lora", base["checkpoint"], out, "--train.learning_rate", "0.03",
+                 "--lora.targets", "[query, value, mlp, head]", "--lora.r", "4", "--lora.alpha", "8")[1:]
+    init = parser.instantiate(parser.parse_args(args))
+    model = finetune_lora(**{k: v for k, v in init.items() if k != "config"})
+    return {"out": out, "model": model}
+
+
+def test_lora_lowers_validation_loss_and_leaves_the_base_bit_identical(base, lora_run):
+    first, last = _val_losses(lora_run["out"])[0], _val_losses(lora_run["out"])[-1]
+    assert last < first - 0.3, (first, last)
+
+    original = load_file(str(base["checkpoint"] / "model.safetensors"))
+    trained = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
+               for k, v in lora_run["model"].state_dict().items() if "lora_" not in k}
+    assert set(original) <= set(trained)
+    for name, tensor in original.items():
+        assert torch.equal(trained[name], tensor), name
+    trainable = [n for n, p in lora_run["model"].named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+
+
+def _adapted_logits(base, lora_run, tokens):
+    """Logits of the base model with the saved adapter applied through peft (not merged)."""
+    from peft import get_peft_model, set_peft_model_state_dict
+
+    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, LoRAArgs
+
+    final = lora_run["out"] / "final"
+    meta = json.loads((final / LORA_META).read_text())
+    lora = LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    model = get_peft_model(load_model(base["checkpoint"]), lora.peft_config()).eval()
+    adapters = load_file(str(final / ADAPTER_FILE))
+    result = set_peft_model_state_dict(model, {f"base_model.model.{k}": v for k, v in adapters.items()})
+    assert not result.unexpected_keys
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_merged_checkpoint_gives_the_logits_of_base_plus_adapter(base, lora_run, tmp_path):
+    tokens = torch.randint(0, 32000, (2, 24), generator=torch.Generator().manual_seed(1))
+    expected = _adapted_logits(base, lora_run, tokens)
+    merged_dir = tmp_path / "merged"
+    assert run(["merge_lora", str(lora_run["out"]), "--out_dir", str(merged_dir)]) == 0
+    with torch.no_grad():
+        merged = load_model(merged_dir)(tokens)
+    torch.testing.assert_close(merged, expected, atol=1e-5, rtol=0)
+    # The adapter is not a no-op: the base alone gives other logits.
+    with torch.no_grad():
+        assert (load_model(base["checkpoint"])(tokens) - expected).abs().max() > 1e-3
+
+
+def test_peft_format_adapter_reproduces_the_logits_in_transformers(base, lora_run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.randint(0, 32000, (2, 24), generator=torch.Generator().manual_seed(2))
+    expected = _adapted_logits(base, lora_run, tokens)
+    hf_base = AutoModelForCausalLM.from_pretrained(base["hf_dir"], torch_dtype=torch.float32)
+    hf_lora = PeftModel.from_pretrained(hf_base, lora_run["out"] / "final").eval()
+    with torch.no_grad():
+        logits = hf_lora(tokens).logits
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.int8"])
+def test_qlora_trains_on_cpu(base, tmp_path, mode):
+    out = tmp_path / mode
+    args = _args("finetune_lora", base["checkpoint"], out, "--quantize", mode, "--train.learning_rate", "0.01",
+                 "--precision", "bf16-mixed", "--lora.targets", "[query, value, mlp]")
+    assert run(args) == 0
+    first, last = _val_losses(out)[0], _val_losses(out)[-1]
+    assert last < first, (first, last)
+    adapters = load_file(str(out / "final" / "lora_adapter.safetensors"))
+    assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapters.items())  # B starts at zero
+
+
+def _fails_with(args: list[str], capsys, *fragments: str) -> None:
+    assert run(args) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    for fragment in fragments:
+        assert fragment in err[0], err[0]
+
+
+def test_bad_input_is_one_clear_line(base, tmp_path, capsys):
+    hf_dir = base["hf_dir"]
+    _fails_with(_args("finetune_lora", hf_dir, tmp_path / "a"), capsys, "convert_from_hf")
+    _fails_with(_args("finetune_full", tmp_path, tmp_path / "b"), capsys, "not a toolkit checkpoint")
+    broken = tmp_path / "broken.json"
+    broken.write_text('[{"instruction": "a", "output": "b"}, {"instruction": "c", ')
+    _fails_with(_args("finetune_lora", base["checkpoint"], tmp_path / "c") + ["--data.json_path", str(broken)], capsys, "broken.json")
+    missing = tmp_path / "missing_field.json"
+    missing.write_text('[{"instruction": "a", "output": "b"}, {"instruction": "c", "answer": "d"}]')
+    _fails_with(_args("finetune_lora", base["checkpoint"], tmp_path / "d") + ["--data.json_path", str(missing)], capsys, "missing_field.json", "output")
+    _fails_with(_args("finetune_full", base["checkpoint"], tmp_path / "e", "--quantize", "bnb.nf4"), capsys, "finetune_lora")
+    _fails_with(_args("finetune_lora", base["checkpoint"], tmp_path / "f", "--lora.targets", "[querry]"), capsys, "querry", "query")
+    assert not any((tmp_path / name).exists() for name in "abcdef")

@@ -1,0 +1,1 @@
+"""Fine-tuning entry points: `finetune_full` and `finetune_lora` (QLoRA with --quantize)."""

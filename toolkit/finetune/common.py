@@ -1,0 +1,98 @@
+"""What full and LoRA fine-tuning share: loading the base checkpoint, instruction data, the loop.
+
+Each entry point passes in only what differs: how the model is prepared before sharding (LoRA
+injection, quantization), which weights a checkpoint keeps, and what the final export writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from toolkit.data.instruct import InstructData
+from toolkit.errors import UserError
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.distributed import DistributedArgs
+
+# Defaults that suit fine-tuning rather than pretraining: one epoch, short warmup.
+FINETUNE_TRAIN = TrainArgs(
+    global_batch_size=16, micro_batch_size=1, learning_rate=2e-5, min_lr=0.0, warmup_steps=10,
+    save_interval=100, weight_decay=0.0, beta2=0.95,
+)
+FINETUNE_EVAL = EvalArgs(interval=100, max_iters=100, initial_validation=True)
+
+
+def run_finetune(
+    kind: str,
+    checkpoint_dir: Path,
+    out_dir: Path,
+    data: InstructData,
+    train: TrainArgs,
+    eval: EvalArgs,
+    log: LogArgs,
+    distributed: DistributedArgs,
+    devices: Union[int, str],
+    num_nodes: int,
+    precision: Optional[str],
+    seed: int,
+    resume: Union[bool, str, Path],
+    prepare_model: Optional[Callable] = None,
+    checkpoint_filter: Optional[Callable[[str], bool]] = None,
+    export: Optional[Callable] = None,
+    check_args: Optional[Callable] = None,
+):
+    """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model)."""
+    from toolkit.checkpoint import load_state_dict, require_checkpoint_dir
+    from toolkit.models.config import Config
+    from toolkit.tokenizer import Tokenizer
+    from toolkit.training.session import Session
+
+    checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
+    config = Config.from_file(checkpoint_dir)
+    tokenizer = Tokenizer(checkpoint_dir)
+    max_seq_length = train.max_seq_length or min(config.block_size, 2048)
+    if max_seq_length > config.block_size:
+        raise UserError(
+            f"--train.max_seq_length {max_seq_length} is larger than the context of {config.name} "
+            f"({config.block_size} tokens); use at most {config.block_size}."
+        )
+    if check_args is not None:
+        check_args(config)
+    # Read and tokenize the data before any process starts or anything is written: bad records fail here.
+    data.setup(tokenizer, max_seq_length, config)
+    if not (train.max_steps or train.max_tokens or train.max_time or train.epochs):
+        train = dataclasses.replace(train, epochs=1)
+
+    session = Session.start(
+        kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
+        devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
+        max_seq_length=max_seq_length,
+    )
+    session.tokenizer_dir = checkpoint_dir
+    session.checkpoint_filter = checkpoint_filter
+    fabric = session.fabric
+    with session.remove_output_on_error():
+        train_loader = data.train_dataloader(train.micro_batch_size, seed, fabric.global_rank, fabric.world_size)
+        val_loader = data.val_dataloader(train.micro_batch_size, fabric.global_rank, fabric.world_size)
+        steps_per_epoch = len(train_loader) // session.plan.gradient_accumulation_iters
+        if steps_per_epoch == 0:
+            raise UserError(
+                f"The training data gives {len(train_loader)} micro-batches per device per epoch, fewer than one "
+                f"optimizer step needs ({session.plan.gradient_accumulation_iters}); lower --train.global_batch_size."
+            )
+    stats = data.stats
+    fabric.print(
+        f"Data: {stats.get('train_samples', '?')} training samples, {steps_per_epoch} optimizer steps per epoch, "
+        f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
+    )
+    model = session.build_model(init=load_state_dict(checkpoint_dir), prepare=prepare_model)
+    optimizer = session.build_optimizer(model)
+    limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
+    total_steps = min(limits) if limits else None
+    session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=None)
+    if export is not None:
+        export(session, model)
+    else:
+        session.export_final(model)
+    return session, model

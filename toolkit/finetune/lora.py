@@ -1,0 +1,273 @@
+"""`toolkit finetune_lora` (and QLoRA with --quantize), and `toolkit merge_lora`.
+
+LoRA comes from `peft`, applied to the toolkit's own model: peft swaps the chosen Linear layers for
+its LoRA layers; the base weights are frozen. With --quantize, the frozen base Linear layers are
+first replaced by bitsandbytes 4-bit or 8-bit layers.
+
+A finished run writes `<out_dir>/final/`:
+    lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
+    adapter_config.json, adapter_model.safetensors
+                                          the same adapter in peft's format with Hugging Face
+                                          module names: `PeftModel.from_pretrained(hf_model, dir)`
+                                          on the `convert_to_hf` export of the base model
+    model_config.json, tokenizer files    so the folder describes itself
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+from toolkit.data.instruct import InstructData
+from toolkit.errors import UserError, did_you_mean
+from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.distributed import DistributedArgs
+
+LORA_TRAIN = TrainArgs(
+    global_batch_size=16, micro_batch_size=1, learning_rate=3e-4, min_lr=0.0, warmup_steps=10,
+    save_interval=100, weight_decay=0.0,
+)
+
+# User-facing target names -> the toolkit module names they cover.
+TARGETS = {
+    "query": ("q_proj",),
+    "key": ("k_proj",),
+    "value": ("v_proj",),
+    "projection": ("o_proj",),
+    "mlp": ("gate_proj", "up_proj", "down_proj", "fc_in", "fc_out"),
+    "head": ("lm_head",),
+}
+QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
+ADAPTER_FILE = "lora_adapter.safetensors"
+LORA_META = "lora.json"
+
+
+@dataclass
+class LoRAArgs:
+    """The adapters: rank, scale, dropout and which projections get them."""
+
+    r: int = 8  # rank of the update B @ A
+    alpha: int = 16  # the update is scaled by alpha / r
+    dropout: float = 0.05
+    targets: tuple[str, ...] = ("query", "value")  # any of: query, key, value, projection, mlp, head
+
+    def __post_init__(self) -> None:
+        if self.r < 1:
+            raise UserError(f"--lora.r must be at least 1, got {self.r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--lora.dropout must be in [0, 1), got {self.dropout}")
+        for target in self.targets:
+            if target not in TARGETS:
+                raise UserError(f"Unknown LoRA target {target!r}.{did_you_mean(target, TARGETS)} Valid: {', '.join(TARGETS)}.")
+        if not self.targets:
+            raise UserError("--lora.targets is empty: name at least one of " + ", ".join(TARGETS))
+
+    def module_names(self) -> list[str]:
+        return sorted({name for target in self.targets for name in TARGETS[target]})
+
+    def peft_config(self, module_names: Optional[list[str]] = None):
+        from peft import LoraConfig
+
+        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
+                          target_modules=module_names or self.module_names(), bias="none")
+
+
+def is_adapter_weight(name: str) -> bool:
+    return "lora_" in name
+
+
+def adapter_key(name: str) -> str:
+    """Toolkit name of an adapter weight: no peft wrapper prefix, no adapter name."""
+    for prefix in ("_forward_module.", "_orig_mod.", "base_model.model."):
+        name = name.replace(prefix, "")
+    return name.replace(".default.", ".")
+
+
+def quantize_linears(model, mode: str, compute_dtype):
+    """Replace every Linear inside the blocks by a bitsandbytes layer holding the same weights.
+
+    Quantization happens here, on the CPU copy, before the model is moved or sharded. The output
+    head and embeddings stay in full precision (they are small next to the blocks and quantizing
+    them costs quality).
+    """
+    import bitsandbytes as bnb
+    import torch.nn as nn
+
+    for block in model.blocks:
+        for parent in list(block.modules()):
+            for child_name, child in list(parent.named_children()):
+                if not isinstance(child, nn.Linear):
+                    continue
+                bias = child.bias is not None
+                if mode == "bnb.int8":
+                    layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False, device="cpu")
+                    layer.weight = bnb.nn.Int8Params(child.weight.data.contiguous(), requires_grad=False, has_fp16_weights=False)
+                else:
+                    quant_type = mode.split(".")[1].removesuffix("-dq")
+                    double = mode.endswith("-dq")
+                    layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias, compute_dtype=compute_dtype,
+                                              compress_statistics=double, quant_type=quant_type, device="cpu")
+                    layer.weight = bnb.nn.Params4bit(child.weight.data.contiguous(), requires_grad=False,
+                                                     compress_statistics=double, quant_type=quant_type)
+                if bias:
+                    layer.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
+                setattr(parent, child_name, layer.to("cpu"))  # .to() quantizes
+    return model
+
+
+def finetune_lora(
+    checkpoint_dir: Path,
+    out_dir: Path = Path("out/finetune/lora"),
+    data: Optional[InstructData] = None,
+    lora: LoRAArgs = LoRAArgs(),
+    quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]] = None,
+    train: TrainArgs = LORA_TRAIN,
+    eval: EvalArgs = FINETUNE_EVAL,
+    log: LogArgs = LogArgs(),
+    distributed: DistributedArgs = DistributedArgs(),
+    devices: Union[int, str] = 1,
+    num_nodes: int = 1,
+    precision: Optional[str] = None,
+    seed: int = 1337,
+    resume: Union[bool, str, Path] = False,
+):
+    """Fine-tune low-rank adapters (LoRA, with peft) on a frozen model; QLoRA with --quantize.
+
+    Args:
+        checkpoint_dir: A toolkit checkpoint (from `toolkit convert_from_hf`, `download` or pretraining).
+        out_dir: Where logs, training checkpoints and the adapter (`<out_dir>/final`) go.
+        data: Instruction data: `Alpaca` or `JSON` (records with configurable field names).
+        lora: Adapter rank, alpha, dropout and targets.
+        quantize: Store the frozen base in 4-bit (nf4, fp4; -dq also quantizes the scales) or 8-bit
+            with bitsandbytes (QLoRA).
+        train: Optimisation and stopping (default: one epoch).
+        eval: Validation cadence.
+        log: Logging cadence and destinations.
+        distributed: Sharding options, used when devices x num_nodes > 1.
+        devices: Devices per node ("auto" for all).
+        num_nodes: Number of nodes.
+        precision: bf16-mixed, bf16-true, 16-mixed or 32-true; default: the best the device supports.
+        seed: Random seed for data order and adapter initialisation.
+        resume: false; "auto", true, or a training checkpoint path (see `toolkit pretrain --help`).
+    """
+    import torch
+
+    if data is None:
+        raise UserError("No training data given: pass --data Alpaca --data.json_path <file.json> (or --data JSON ...).")
+    if quantize is not None and quantize not in QUANTIZE_CHOICES:
+        raise UserError(f"Unknown --quantize {quantize!r}.{did_you_mean(quantize, QUANTIZE_CHOICES)}")
+
+    def check_args(config) -> None:
+        from toolkit.training.distributed import resolve_accelerator, resolve_devices
+
+        if quantize is not None and resolve_devices(devices, resolve_accelerator()) * num_nodes > 1:
+            raise UserError("--quantize runs on one device for now: sharding bitsandbytes weights with FSDP is not supported yet.")
+        if quantize is not None and "head" in lora.targets:
+            raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
+
+    def prepare(model):
+        from peft import get_peft_model
+
+        if quantize is not None:
+            model = quantize_linears(model, quantize, compute_dtype=torch.bfloat16)
+        # peft freezes every weight that is not an adapter.
+        return get_peft_model(model, lora.peft_config())
+
+    def export(session, model) -> None:
+        save_adapter(session, model, lora, Path(checkpoint_dir), quantize)
+
+    _, model = run_finetune(
+        "finetune_lora", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
+        precision, seed, resume, prepare_model=prepare, checkpoint_filter=is_adapter_weight, export=export,
+        check_args=check_args,
+    )
+    return model
+
+
+def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize: Optional[str]) -> Path:
+    """Write the adapter in toolkit and peft formats to `<out_dir>/final` (collective call)."""
+    from safetensors.torch import save_file
+
+    from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+    from toolkit.training.distributed import full_state_dict
+
+    fabric = session.fabric
+    # Gathered in full on rank 0 (under FSDP the adapters are sharded with everything else).
+    adapters = {adapter_key(k): v for k, v in full_state_dict(fabric, model).items() if is_adapter_weight(k)}
+    target = session.out_dir / "final"
+    if fabric.global_rank == 0:
+        with atomic_directory(target, overwrite=True) as tmp:
+            save_file({k: v.contiguous() for k, v in adapters.items()}, str(tmp / ADAPTER_FILE))
+            meta = {"base_checkpoint": str(Path(base_checkpoint).resolve()), "lora": asdict(lora), "quantize": quantize}
+            (tmp / LORA_META).write_text(json.dumps(meta, indent=2) + "\n")
+            save_checkpoint_files(tmp, {}, session.config, session.tokenizer_dir, weights=False)
+            write_peft_adapter(tmp, adapters, lora, session.config)
+        fabric.print(f"Saved the LoRA adapter ({sum(v.numel() for v in adapters.values()):,} parameters) to {target}")
+    fabric.barrier()
+    return target
+
+
+def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) -> None:
+    """peft's own adapter format, with the module names of the Hugging Face export of the base."""
+    from safetensors.torch import save_file
+
+    from toolkit.convert.weight_maps import toolkit_to_hf_name
+
+    hf_weights, hf_modules = {}, set()
+    for name, tensor in adapters.items():
+        module, lora_part = name.split(".lora_")  # blocks.0.attn.q_proj, A.weight
+        hf_name, index, parts = toolkit_to_hf_name(config.family, module + ".weight")
+        if parts > 1:
+            raise UserError(
+                f"{config.family} stores {module.rsplit('.', 1)[-1]} fused with other projections in Hugging Face "
+                "format, so this adapter has no peft equivalent: use `toolkit merge_lora` and export the merged model."
+            )
+        hf_module = hf_name.removesuffix(".weight")
+        hf_modules.add(hf_module.rsplit(".", 1)[-1])
+        hf_weights[f"base_model.model.{hf_module}.lora_{lora_part}"] = tensor.contiguous()
+    save_file(hf_weights, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    peft_config = lora.peft_config(sorted(hf_modules)).to_dict()
+    peft_config["base_model_name_or_path"] = config.hf_repo_id or None
+    peft_config["task_type"] = "CAUSAL_LM"
+    for key, value in list(peft_config.items()):
+        if isinstance(value, set):
+            peft_config[key] = sorted(value)
+    (directory / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=str) + "\n")
+
+
+def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> Path:
+    """Merge a LoRA adapter into its base model and write a full toolkit checkpoint.
+
+    Args:
+        adapter_dir: The LoRA run's folder or its `final` folder (holds lora.json).
+        out_dir: Where the merged checkpoint goes; default `<run folder>/merged`.
+        overwrite: Replace an existing checkpoint in out_dir.
+    """
+    import torch
+    from peft import get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    from toolkit.checkpoint import atomic_directory, load_model, save_checkpoint_files
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / LORA_META).is_file() and (adapter_dir / "final" / LORA_META).is_file():
+        adapter_dir = adapter_dir / "final"
+    if not (adapter_dir / LORA_META).is_file():
+        raise UserError(f"{adapter_dir} holds no LoRA adapter ({LORA_META}); pass the out_dir of a finetune_lora run.")
+    meta = json.loads((adapter_dir / LORA_META).read_text())
+    base = Path(meta["base_checkpoint"])
+    out_dir = Path(out_dir) if out_dir is not None else adapter_dir.parent / "merged"
+    model = load_model(base)
+    lora = LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    peft_model = get_peft_model(model, lora.peft_config())
+    adapters = load_file(str(adapter_dir / ADAPTER_FILE))
+    set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
+    with torch.no_grad():
+        merged = peft_model.merge_and_unload()
+    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        save_checkpoint_files(tmp, merged.state_dict(), merged.config, adapter_dir)
+    print(f"Merged {adapter_dir} into {base}: {out_dir}")
+    return out_dir
