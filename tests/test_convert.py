@@ -1,0 +1,432 @@
+"""Hugging Face <-> toolkit conversion, proven against transformers with tiny random models.
+
+Every family: a random transformers model (float32) is saved with `save_pretrained`, converted,
+and must give the same logits in the toolkit model (<= 1e-4); converted back, every tensor must be
+bit-identical to the original, and transformers must load the export and give the same logits.
+Nothing is downloaded: the models are built from configs, the tokenizers come from shared/data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from toolkit.checkpoint import load_model, load_state_dict
+from toolkit.convert import config_from_hf, config_to_hf, convert_from_hf, convert_pretrained_checkpoint, convert_to_hf
+from toolkit.models.config import Config
+from toolkit.models.presets import PRESETS
+
+transformers = pytest.importorskip("transformers")
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+TOKENIZERS = SHARED_DATA / "tokenizers"
+
+SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
+             max_position_embeddings=128, initializer_range=0.05)
+
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32}
+
+
+def hf_model(kind: str, **overrides):
+    """A random transformers model in eval mode, with non-trivial norms and biases."""
+    T = transformers
+    families = {
+        # grouped-query attention + Llama-3.1 RoPE scaling
+        "llama": (T.LlamaConfig, T.LlamaForCausalLM, dict(num_key_value_heads=2, rope_theta=500000.0,
+                                                         rope_scaling=LLAMA31_ROPE)),
+        "llama-tied": (T.LlamaConfig, T.LlamaForCausalLM, dict(num_key_value_heads=1, tie_word_embeddings=True)),
+        "mistral": (T.MistralConfig, T.MistralForCausalLM, dict(num_key_value_heads=2, sliding_window=None)),
+        "qwen2": (T.Qwen2Config, T.Qwen2ForCausalLM, dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                                          rope_theta=1000000.0)),
+        "gemma": (T.GemmaConfig, T.GemmaForCausalLM, dict(num_key_value_heads=1, head_dim=32)),
+        "phi": (T.PhiConfig, T.PhiForCausalLM, dict(partial_rotary_factor=0.5)),
+        "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(rotary_pct=0.25, use_parallel_residual=True)),
+        "gpt_neox-sequential": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict(rotary_pct=0.5, use_parallel_residual=False)),
+    }
+    config_cls, model_cls, extra = families[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**SMALL, **extra, **overrides})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)  # norms and biases away from their 1/0 init
+    return model
+
+
+def read_safetensors_dir(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        tensors.update(load_file(str(file)))
+    return tensors
+
+
+def logits_hf(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def logits_toolkit(model, ids):
+    with torch.no_grad():
+        return model(ids)
+
+
+FAMILIES = ["llama", "llama-tied", "mistral", "qwen2", "gemma", "phi", "gpt_neox", "gpt_neox-sequential"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_round_trip_matches_transformers(kind, tmp_path):
+    model = hf_model(kind)
+    hf_dir, toolkit_dir, export_dir = tmp_path / "hf", tmp_path / "toolkit", tmp_path / "export"
+    model.save_pretrained(hf_dir)
+    original = read_safetensors_dir(hf_dir)
+
+    convert_from_hf(hf_dir, toolkit_dir)
+    config = Config.from_file(toolkit_dir)
+    assert config.family == kind.split("-")[0]
+    ids = torch.randint(0, SMALL["vocab_size"], (2, 19), generator=torch.Generator().manual_seed(1))
+    expected = logits_hf(model, ids)
+    assert expected.abs().max() > 0.5  # not degenerate
+    ours = logits_toolkit(load_model(toolkit_dir), ids)
+    assert (ours - expected).abs().max().item() <= 1e-4
+
+    # Small shards force the sharded layout (and a fused GPT-NeoX tensor split across no shard boundary).
+    convert_to_hf(toolkit_dir, export_dir, max_shard_size="40KB")
+    assert (export_dir / "model.safetensors.index.json").is_file()
+    index = json.loads((export_dir / "model.safetensors.index.json").read_text())
+    exported = read_safetensors_dir(export_dir)
+    assert set(index["weight_map"]) == set(exported)
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in exported.values())
+    assert set(exported) == set(original)  # a tied head is not duplicated
+    for name, tensor in original.items():
+        assert exported[name].dtype == tensor.dtype and torch.equal(exported[name], tensor), name
+
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(export_dir).eval()
+    assert type(reloaded) is type(model)
+    assert (logits_hf(reloaded, ids) - expected).abs().max().item() <= 1e-4
+
+
+def test_bin_shards_and_dtype(tmp_path):
+    """pytorch_model-0000N-of-0000M.bin with its index (the pre-safetensors layout), converted to bfloat16."""
+    model = hf_model("gpt_neox")
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    state = read_safetensors_dir(hf_dir)
+    (hf_dir / "model.safetensors").unlink()
+    names = sorted(state)
+    halves = [names[: len(names) // 2], names[len(names) // 2 :]]
+    weight_map = {}
+    for i, part in enumerate(halves, start=1):
+        file = f"pytorch_model-{i:05d}-of-00002.bin"
+        torch.save({n: state[n] for n in part}, hf_dir / file)
+        weight_map.update({n: file for n in part})
+    (hf_dir / "pytorch_model.bin.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+    convert_from_hf(hf_dir, tmp_path / "toolkit", dtype="bfloat16")
+    ours = load_state_dict(tmp_path / "toolkit")
+    assert all(t.dtype == torch.bfloat16 for t in ours.values())
+    convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
+    exported = read_safetensors_dir(tmp_path / "export")
+    assert set(exported) == set(state)
+    for name, tensor in state.items():
+        assert torch.equal(exported[name], tensor.to(torch.bfloat16)), name
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_dtype_conversion_in_row_chunks(tmp_path, monkeypatch):
+    """A conversion to another dtype goes a slice of rows at a time; the slices must tile exactly."""
+    from toolkit.convert import hf_to_toolkit
+
+    monkeypatch.setattr(hf_to_toolkit, "_CHUNK_BYTES", 1000)  # a few rows per slice, odd boundaries
+    model = hf_model("qwen2")
+    model.save_pretrained(tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "toolkit", dtype="float16")
+    ours = load_state_dict(tmp_path / "toolkit")
+    theirs = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert len(theirs) == len(ours) - 1  # + the restored tied head
+    convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
+    exported = read_safetensors_dir(tmp_path / "export")
+    for name, tensor in theirs.items():
+        assert exported[name].dtype == torch.float16 and torch.equal(exported[name], tensor.to(torch.float16)), name
+
+
+def test_copy_without_copy_file_range(tmp_path, monkeypatch):
+    """Where the kernel cannot copy between the files (other file system...), bytes go through a buffer."""
+    def refuse(*args, **kwargs):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse, raising=False)
+    model = hf_model("llama")
+    model.save_pretrained(tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "toolkit")
+    convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
+    original, exported = read_safetensors_dir(tmp_path / "hf"), read_safetensors_dir(tmp_path / "export")
+    assert set(original) == set(exported) and all(torch.equal(original[k], exported[k]) for k in original)
+
+
+def test_lm_head_present_in_tied_checkpoint(tmp_path):
+    """Some tied checkpoints store lm_head.weight anyway: it is accepted and stored once."""
+    model = hf_model("llama-tied")
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    state = read_safetensors_dir(hf_dir)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    from safetensors.torch import save_file
+
+    save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    convert_from_hf(hf_dir, tmp_path / "toolkit")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "toolkit" / "model.safetensors"), "pt") as f:
+        assert "lm_head.weight" not in f.keys()
+    ids = torch.arange(12)[None]
+    ours = logits_toolkit(load_model(tmp_path / "toolkit"), ids)
+    assert (ours - logits_hf(model, ids)).abs().max().item() <= 1e-4
+
+
+# ---------------------------------------------------------------------------- configs
+def test_weight_maps_invert_exactly():
+    from toolkit.convert.weight_maps import WEIGHT_MAPS, hf_to_toolkit_name, toolkit_to_hf_name
+
+    for family, table in WEIGHT_MAPS.items():
+        for hf_template, target in table.items():
+            hf_name = hf_template.replace("{l}", "17")
+            toolkit = hf_to_toolkit_name(family, hf_name)
+            parts = toolkit if isinstance(toolkit, tuple) else (toolkit,)
+            assert parts == tuple(t.replace("{l}", "17") for t in (target if isinstance(target, tuple) else (target,)))
+            for index, name in enumerate(parts):
+                assert toolkit_to_hf_name(family, name) == (hf_name, index, len(parts))
+
+
+def test_expected_shapes_match_the_model():
+    """The converters validate against shapes computed from the config; they must be the model's."""
+    from toolkit.convert.hf_to_toolkit import expected_shapes
+    from toolkit.models.gpt import GPT
+
+    for preset in PRESETS:
+        config = Config.from_name(preset["name"])
+        with torch.device("meta"):
+            model = GPT(config)
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        if config.tie_embeddings:
+            shapes.pop("lm_head.weight")
+        assert list(expected_shapes(config).items()) == list(shapes.items()), preset["name"]
+
+
+def test_every_preset_survives_config_round_trip():
+    for preset in PRESETS:
+        config = Config.from_name(preset["name"])
+        back = config_from_hf(json.loads(json.dumps(config_to_hf(config))))
+        assert back.to_dict() | {"name": "", "hf_repo_id": ""} == config.to_dict() | {"name": "", "hf_repo_id": ""}, preset["name"]
+        assert back.name == preset["name"] or back.name in {p["name"] for p in PRESETS}
+
+
+def test_published_configs_name_their_preset():
+    # Llama-3.2-1B's config.json as published (transformers 4.x layout)
+    llama32 = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu", "hidden_size": 2048,
+        "intermediate_size": 8192, "max_position_embeddings": 131072, "num_attention_heads": 32,
+        "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "head_dim": 64,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256, "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": "bfloat16",
+    }
+    config = config_from_hf(llama32)
+    assert (config.name, config.hf_repo_id) == ("llama-3.2-1b", "meta-llama/Llama-3.2-1B")
+    # the same in the transformers 5 layout
+    v5 = {k: v for k, v in llama32.items() if k not in ("rope_scaling", "rope_theta")}
+    v5["rope_parameters"] = {**llama32["rope_scaling"], "rope_theta": 500000.0}
+    assert config_from_hf(v5).name == "llama-3.2-1b"
+    # Pythia-160m (GPT-NeoX, legacy rotary_pct / rotary_emb_base)
+    pythia = {
+        "architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_act": "gelu", "hidden_size": 768,
+        "intermediate_size": 3072, "layer_norm_eps": 1e-05, "max_position_embeddings": 2048,
+        "num_attention_heads": 12, "num_hidden_layers": 12, "rotary_emb_base": 10000, "rotary_pct": 0.25,
+        "tie_word_embeddings": False, "use_parallel_residual": True, "vocab_size": 50304,
+    }
+    assert config_from_hf(pythia).name == "pythia-160m"
+    assert config_from_hf(pythia, model_name="my-pythia").name == "my-pythia"
+    custom = config_from_hf({**pythia, "num_hidden_layers": 3}, default_name="mine")
+    assert custom.name == "mine" and custom.n_layer == 3
+
+
+def test_exported_config_loads_without_remote_code(tmp_path):
+    for name in ("llama-3.1-8b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-160m", "mistral-7b"):
+        config = Config.from_name(name)
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config_to_hf(config)))
+        hf = transformers.AutoConfig.from_pretrained(tmp_path / name)
+        assert hf.num_hidden_layers == config.n_layer and hf.vocab_size == config.vocab_size
+        assert hf.rope_parameters["rope_theta"] == config.rope_base
+        if config.rope_scaling:
+            assert hf.rope_parameters["factor"] == config.rope_scaling["factor"]
+
+
+# ---------------------------------------------------------------------------- tokenizers
+@pytest.mark.parametrize("tokenizer", ["llama2", "gpt-neox-20b"])
+def test_tokenizer_round_trip(tokenizer, tmp_path):
+    from tokenizers import Tokenizer as RustTokenizer
+
+    from toolkit.tokenizer import Tokenizer
+
+    src = TOKENIZERS / tokenizer
+    if not (src / "tokenizer.json").is_file():
+        pytest.skip(f"{src} is missing")
+    rust = RustTokenizer.from_file(str(src / "tokenizer.json"))
+    kind = "llama" if tokenizer == "llama2" else "gpt_neox"
+    model = hf_model(kind, vocab_size=rust.get_vocab_size())
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    for file in src.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copyfile(file, hf_dir / file.name)
+    convert_from_hf(hf_dir, tmp_path / "toolkit")
+    convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
+
+    auto = transformers.AutoTokenizer.from_pretrained(tmp_path / "export")
+    ours = Tokenizer(tmp_path / "toolkit")
+    texts = ["Hello world!", "  two leading spaces\nand a newline\ttab", "ünïcödé 日本語 🤗 emoji",
+             "<s> special </s> tokens <|endoftext|>", "", "x" * 300 + " numbers 1234567890"]
+    for text in texts:
+        hf_ids = auto(text)["input_ids"]
+        assert hf_ids == rust.encode(text).ids, text
+        assert hf_ids == ours.encode(text).tolist(), text
+    generation = json.loads((tmp_path / "export" / "generation_config.json").read_text())
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert generation["eos_token_id"] == config["eos_token_id"] == ours.eos_id
+    assert auto.eos_token_id == ours.eos_id
+    ids = torch.tensor([auto("Hello world")["input_ids"]])
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export").eval()
+    assert torch.equal(logits_hf(reloaded, ids), logits_hf(model, ids))
+
+
+# ---------------------------------------------------------------------------- memory
+_CHILD = textwrap.dedent(
+    """
+    import gc, json, resource, sys
+    from pathlib import Path
+    import torch, safetensors, tokenizers  # noqa: F401  (imported before the baseline)
+    from toolkit.convert import hf_to_toolkit, toolkit_to_hf  # noqa: F401
+    from toolkit.models import gpt  # noqa: F401
+    from toolkit.convert import convert_from_hf, convert_to_hf
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    direction, src, dst = sys.argv[1:4]
+    gc.collect()
+    try:
+        # ru_maxrss also counts the peak of the process image that exec replaced (with vfork,
+        # the parent's) and the import-time peak; reset the high-water mark to the RSS of now.
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        base, peak = status("VmRSS"), lambda: status("VmHWM")
+    except OSError:
+        base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if direction == "from_hf":
+        convert_from_hf(Path(src), Path(dst))
+    elif direction == "from_hf_bf16":  # every tensor is materialised and converted
+        convert_from_hf(Path(src), Path(dst), dtype="bfloat16")
+    else:
+        convert_to_hf(Path(src), Path(dst), max_shard_size="16MB")
+    print(json.dumps({"base": base, "peak": peak()}))
+    """
+)
+
+
+def _peak_in_child(*args: str) -> int:
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run([sys.executable, "-c", _CHILD, *args], capture_output=True, text=True, env=env, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["peak"] - result["base"]
+
+
+def test_sharded_conversion_streams(tmp_path):
+    """A ~70 MB sharded checkpoint converts, both ways, in a fraction of its size in extra memory."""
+    model = hf_model("llama", vocab_size=16384, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+                     intermediate_size=1408, num_key_value_heads=4)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir, max_shard_size="20MB")
+    shards = sorted(hf_dir.glob("model-*.safetensors"))
+    assert len(shards) >= 3
+    largest_shard = max(s.stat().st_size for s in shards)
+    del model
+
+    used = _peak_in_child("from_hf", str(hf_dir), str(tmp_path / "toolkit"))
+    output = (tmp_path / "toolkit" / "model.safetensors").stat().st_size
+    largest_tensor = 16384 * 512 * 4
+    print(f"from_hf: +{used / 2**20:.1f} MiB (largest shard {largest_shard / 2**20:.1f} MiB, output {output / 2**20:.1f} MiB)")
+    assert used < 1.5 * (largest_shard + output)
+    assert used < 2 * largest_tensor + 48 * 2**20  # streaming: nothing near the whole model is held
+
+    used = _peak_in_child("to_hf", str(tmp_path / "toolkit"), str(tmp_path / "export"))
+    print(f"to_hf: +{used / 2**20:.1f} MiB")
+    assert used < 2 * largest_tensor + 48 * 2**20
+
+    used = _peak_in_child("from_hf_bf16", str(hf_dir), str(tmp_path / "bf16"))
+    print(f"from_hf to bfloat16: +{used / 2**20:.1f} MiB")
+    assert used < 2 * largest_tensor + 48 * 2**20
+    original, exported = read_safetensors_dir(hf_dir), read_safetensors_dir(tmp_path / "export")
+    assert len(list((tmp_path / "export").glob("model-*.safetensors"))) >= 4
+    assert set(original) == set(exported)
+    assert all(torch.equal(original[k], exported[k]) for k in original)
+
+
+# ---------------------------------------------------------------------------- training checkpoints
+def _toolkit_model(tmp_path: Path):
+    from toolkit.models.gpt import GPT, init_weights
+
+    config = Config.from_name("debug-neox", vocab_size=128, n_layer=1)
+    torch.manual_seed(0)
+    model = GPT(config)
+    init_weights(model, config.n_layer)
+    run = tmp_path / "run" / "step-100"
+    run.mkdir(parents=True)
+    config.save(run)
+    shutil.copyfile(TOKENIZERS / "gpt-neox-20b" / "tokenizer.json", run / "tokenizer.json")
+    return model, run
+
+
+def test_convert_pretrained_checkpoint_from_state_pt(tmp_path):
+    model, run = _toolkit_model(tmp_path)
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": 100}, run / "state.pt")
+    out = convert_pretrained_checkpoint(run, tmp_path / "final")
+    assert (out / "tokenizer.json").is_file()
+    loaded = load_state_dict(out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_convert_pretrained_checkpoint_from_sharded_folder(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    model, run = _toolkit_model(tmp_path)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.arange(8)[None]).sum().backward()
+    optimizer.step()
+    state = {"model": {f"_forward_module.{k}": v for k, v in model.state_dict().items()},
+             "optimizer": optimizer.state_dict()}
+    dcp.save(state, checkpoint_id=run / "state")
+    out = convert_pretrained_checkpoint(run, tmp_path / "final")
+    loaded = load_state_dict(out)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name

@@ -1,0 +1,217 @@
+"""Weight names, Hugging Face <-> toolkit, as data: one table per architecture family.
+
+Each table maps a Hugging Face parameter name to a toolkit parameter name. `{l}` stands for the
+layer index and is the only placeholder. A value that is a tuple names several toolkit tensors that
+Hugging Face stores fused in one tensor (GPT-NeoX's `query_key_value`); `FUSED` says how the rows
+are laid out. The reverse direction (toolkit -> Hugging Face) is derived by inverting the same
+tables, so the two directions can never disagree.
+
+A table lists every name the family *can* have (biases included); which names a given model really
+has is decided by its `Config` (the toolkit model built on the meta device is the reference).
+
+Pure Python: importing this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Optional, Union
+
+from toolkit.errors import UserError
+
+Target = Union[str, tuple[str, ...]]
+
+# Llama, Mistral, Qwen2 and Gemma share their layout. Qwen2 adds q/k/v biases, Llama may have
+# `attention_bias`/`mlp_bias`; Gemma stores its RMSNorm weights centred on zero, which the toolkit
+# model also does (`norm_unit_offset`), so the values are copied unchanged.
+LLAMA: dict[str, Target] = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.layers.{l}.input_layernorm.weight": "blocks.{l}.norm_1.weight",
+    "model.layers.{l}.self_attn.q_proj.weight": "blocks.{l}.attn.q_proj.weight",
+    "model.layers.{l}.self_attn.q_proj.bias": "blocks.{l}.attn.q_proj.bias",
+    "model.layers.{l}.self_attn.k_proj.weight": "blocks.{l}.attn.k_proj.weight",
+    "model.layers.{l}.self_attn.k_proj.bias": "blocks.{l}.attn.k_proj.bias",
+    "model.layers.{l}.self_attn.v_proj.weight": "blocks.{l}.attn.v_proj.weight",
+    "model.layers.{l}.self_attn.v_proj.bias": "blocks.{l}.attn.v_proj.bias",
+    "model.layers.{l}.self_attn.o_proj.weight": "blocks.{l}.attn.o_proj.weight",
+    "model.layers.{l}.self_attn.o_proj.bias": "blocks.{l}.attn.o_proj.bias",
+    "model.layers.{l}.post_attention_layernorm.weight": "blocks.{l}.norm_2.weight",
+    "model.layers.{l}.mlp.gate_proj.weight": "blocks.{l}.mlp.gate_proj.weight",
+    "model.layers.{l}.mlp.gate_proj.bias": "blocks.{l}.mlp.gate_proj.bias",
+    "model.layers.{l}.mlp.up_proj.weight": "blocks.{l}.mlp.up_proj.weight",
+    "model.layers.{l}.mlp.up_proj.bias": "blocks.{l}.mlp.up_proj.bias",
+    "model.layers.{l}.mlp.down_proj.weight": "blocks.{l}.mlp.down_proj.weight",
+    "model.layers.{l}.mlp.down_proj.bias": "blocks.{l}.mlp.down_proj.bias",
+    "model.norm.weight": "norm_f.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
+# transformers' native `PhiForCausalLM` (Phi-1.5, Phi-2): one LayerNorm per block shared by the
+# attention and the MLP (parallel residual), biases everywhere, an output head with a bias.
+PHI: dict[str, Target] = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.layers.{l}.input_layernorm.weight": "blocks.{l}.norm_1.weight",
+    "model.layers.{l}.input_layernorm.bias": "blocks.{l}.norm_1.bias",
+    "model.layers.{l}.self_attn.q_proj.weight": "blocks.{l}.attn.q_proj.weight",
+    "model.layers.{l}.self_attn.q_proj.bias": "blocks.{l}.attn.q_proj.bias",
+    "model.layers.{l}.self_attn.k_proj.weight": "blocks.{l}.attn.k_proj.weight",
+    "model.layers.{l}.self_attn.k_proj.bias": "blocks.{l}.attn.k_proj.bias",
+    "model.layers.{l}.self_attn.v_proj.weight": "blocks.{l}.attn.v_proj.weight",
+    "model.layers.{l}.self_attn.v_proj.bias": "blocks.{l}.attn.v_proj.bias",
+    "model.layers.{l}.self_attn.dense.weight": "blocks.{l}.attn.o_proj.weight",
+    "model.layers.{l}.self_attn.dense.bias": "blocks.{l}.attn.o_proj.bias",
+    "model.layers.{l}.mlp.fc1.weight": "blocks.{l}.mlp.fc_in.weight",
+    "model.layers.{l}.mlp.fc1.bias": "blocks.{l}.mlp.fc_in.bias",
+    "model.layers.{l}.mlp.fc2.weight": "blocks.{l}.mlp.fc_out.weight",
+    "model.layers.{l}.mlp.fc2.bias": "blocks.{l}.mlp.fc_out.bias",
+    "model.final_layernorm.weight": "norm_f.weight",
+    "model.final_layernorm.bias": "norm_f.bias",
+    "lm_head.weight": "lm_head.weight",
+    "lm_head.bias": "lm_head.bias",
+}
+
+# GPT-NeoX (Pythia). Query, key and value live in one fused matrix; see FUSED for its row layout.
+GPT_NEOX: dict[str, Target] = {
+    "gpt_neox.embed_in.weight": "embed.weight",
+    "gpt_neox.layers.{l}.input_layernorm.weight": "blocks.{l}.norm_1.weight",
+    "gpt_neox.layers.{l}.input_layernorm.bias": "blocks.{l}.norm_1.bias",
+    "gpt_neox.layers.{l}.attention.query_key_value.weight": (
+        "blocks.{l}.attn.q_proj.weight",
+        "blocks.{l}.attn.k_proj.weight",
+        "blocks.{l}.attn.v_proj.weight",
+    ),
+    "gpt_neox.layers.{l}.attention.query_key_value.bias": (
+        "blocks.{l}.attn.q_proj.bias",
+        "blocks.{l}.attn.k_proj.bias",
+        "blocks.{l}.attn.v_proj.bias",
+    ),
+    "gpt_neox.layers.{l}.attention.dense.weight": "blocks.{l}.attn.o_proj.weight",
+    "gpt_neox.layers.{l}.attention.dense.bias": "blocks.{l}.attn.o_proj.bias",
+    "gpt_neox.layers.{l}.post_attention_layernorm.weight": "blocks.{l}.norm_2.weight",
+    "gpt_neox.layers.{l}.post_attention_layernorm.bias": "blocks.{l}.norm_2.bias",
+    "gpt_neox.layers.{l}.mlp.dense_h_to_4h.weight": "blocks.{l}.mlp.fc_in.weight",
+    "gpt_neox.layers.{l}.mlp.dense_h_to_4h.bias": "blocks.{l}.mlp.fc_in.bias",
+    "gpt_neox.layers.{l}.mlp.dense_4h_to_h.weight": "blocks.{l}.mlp.fc_out.weight",
+    "gpt_neox.layers.{l}.mlp.dense_4h_to_h.bias": "blocks.{l}.mlp.fc_out.bias",
+    "gpt_neox.final_layer_norm.weight": "norm_f.weight",
+    "gpt_neox.final_layer_norm.bias": "norm_f.bias",
+    "embed_out.weight": "lm_head.weight",
+}
+
+WEIGHT_MAPS: dict[str, dict[str, Target]] = {
+    "llama": LLAMA,
+    "mistral": LLAMA,
+    "qwen2": LLAMA,
+    "gemma": LLAMA,
+    "phi": PHI,
+    "gpt_neox": GPT_NEOX,
+}
+
+# Row layout of each fused tensor, by family. "per_head": rows are [head, (q, k, v), head_size],
+# i.e. head 0's query rows, then its key rows, then its value rows, then head 1's, and so on.
+FUSED: dict[str, str] = {"gpt_neox": "per_head"}
+
+# Buffers that some Hugging Face checkpoints carry but that are not weights (recomputed from the
+# config by both implementations). Matched against the end of the name.
+IGNORED_SUFFIXES: tuple[str, ...] = (
+    "rotary_emb.inv_freq",
+    "rotary_emb.original_inv_freq",
+    ".attention.bias",  # GPT-NeoX causal mask (old checkpoints)
+    ".attention.masked_bias",
+    "embed_tokens.embed_scale",
+)
+
+_LAYER = re.compile(r"\.(\d+)\.")
+
+
+def _template(name: str) -> tuple[str, Optional[str]]:
+    """("model.layers.{l}.x", "3") for "model.layers.3.x"; (name, None) when there is no index."""
+    match = _LAYER.search(name)
+    if match is None:
+        return name, None
+    return name[: match.start()] + ".{l}." + name[match.end() :], match.group(1)
+
+
+def _fill(template: str, layer: Optional[str]) -> str:
+    return template if layer is None else template.replace("{l}", layer)
+
+
+def is_ignored(hf_name: str) -> bool:
+    return hf_name.endswith(IGNORED_SUFFIXES)
+
+
+def weight_map(family: str) -> dict[str, Target]:
+    try:
+        return WEIGHT_MAPS[family]
+    except KeyError:
+        raise UserError(
+            f"No weight map for model family {family!r}; supported families: {', '.join(WEIGHT_MAPS)}"
+        ) from None
+
+
+def hf_to_toolkit_name(family: str, hf_name: str) -> Target:
+    """The toolkit name(s) for a Hugging Face weight name. Unknown names are a UserError."""
+    template, layer = _template(hf_name)
+    target = weight_map(family).get(template)
+    if target is None:
+        raise UserError(
+            f"Unexpected weight {hf_name!r} in a {family} checkpoint: it has no toolkit equivalent "
+            "(is the config.json architecture right?)"
+        )
+    if isinstance(target, tuple):
+        return tuple(_fill(t, layer) for t in target)
+    return _fill(target, layer)
+
+
+@lru_cache(maxsize=None)
+def reverse_map(family: str) -> dict[str, tuple[str, int, int]]:
+    """Toolkit template -> (HF template, index within the fused tensor, number of parts).
+
+    Derived from the family's table; a plain (unfused) tensor has index 0 of 1 part.
+    """
+    reverse: dict[str, tuple[str, int, int]] = {}
+    for hf_template, target in weight_map(family).items():
+        parts = target if isinstance(target, tuple) else (target,)
+        for index, toolkit_template in enumerate(parts):
+            if toolkit_template in reverse:
+                raise AssertionError(f"{toolkit_template} appears twice in the {family} weight map")
+            reverse[toolkit_template] = (hf_template, index, len(parts))
+    return reverse
+
+
+def toolkit_to_hf_name(family: str, toolkit_name: str) -> tuple[str, int, int]:
+    """(HF name, index within the fused tensor, number of fused parts) for a toolkit weight name."""
+    template, layer = _template(toolkit_name)
+    entry = reverse_map(family).get(template)
+    if entry is None:
+        raise UserError(f"Toolkit weight {toolkit_name!r} has no Hugging Face equivalent for family {family!r}")
+    hf_template, index, parts = entry
+    return _fill(hf_template, layer), index, parts
+
+
+# ---------------------------------------------------------------------------- fused tensors
+def split_fused(tensor, family: str, sizes: tuple[int, ...], head_size: int) -> list:
+    """Split a fused tensor into its parts; `sizes` are the parts' row counts. Rows move, values do not."""
+    layout = FUSED[family]
+    if layout != "per_head":  # pragma: no cover - only one layout exists today
+        raise AssertionError(layout)
+    if len(set(sizes)) != 1 or sizes[0] % head_size:
+        raise UserError(f"Cannot split a fused tensor into parts of {sizes} rows with head size {head_size}")
+    n_heads = sizes[0] // head_size
+    rest = tuple(tensor.shape[1:])
+    grouped = tensor.reshape(n_heads, len(sizes), head_size, *rest)
+    return [grouped[:, i].reshape(sizes[i], *rest) for i in range(len(sizes))]
+
+
+def fuse(parts: list, family: str, head_size: int):
+    """The inverse of `split_fused`: one new tensor."""
+    import torch
+
+    layout = FUSED[family]
+    if layout != "per_head":  # pragma: no cover
+        raise AssertionError(layout)
+    rest = tuple(parts[0].shape[1:])
+    n_heads = parts[0].shape[0] // head_size
+    stacked = torch.stack([p.reshape(n_heads, head_size, *rest) for p in parts], dim=1)
+    return stacked.reshape(n_heads * len(parts) * head_size, *rest)
