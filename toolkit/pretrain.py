@@ -95,8 +95,9 @@ def pretrain(
         fabric.barrier()
         if fabric.global_rank != 0:
             data.connect(tokenizer, block_size, session.work_dir)
-        train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed)
-        val_loader = data.val_dataloader(train.micro_batch_size, block_size)
+        rank, world_size = fabric.global_rank, fabric.world_size
+        train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed, rank=rank, world_size=world_size)
+        val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
 
     model = session.build_model(init="random")
     optimizer = session.build_optimizer(model)

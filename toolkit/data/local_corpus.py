@@ -85,8 +85,8 @@ class PythonStdlib(PretrainData):
     def prepare(self, tokenizer, block_size: int, work_dir: Path) -> None:
         self._text_files(work_dir).prepare(tokenizer, block_size, work_dir)
 
-    def train_dataloader(self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0):
-        return self._text.train_dataloader(micro_batch_size, block_size, seed, num_workers)
+    def train_dataloader(self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1):
+        return self._text.train_dataloader(micro_batch_size, block_size, seed, num_workers, rank, world_size)
 
-    def val_dataloader(self, micro_batch_size: int, block_size: int, num_workers: int = 0):
-        return self._text.val_dataloader(micro_batch_size, block_size, num_workers)
+    def val_dataloader(self, micro_batch_size: int, block_size: int, num_workers: int = 0, rank: int = 0, world_size: int = 1):
+        return self._text.val_dataloader(micro_batch_size, block_size, num_workers, rank, world_size)

@@ -73,12 +73,13 @@ class PretrainData:
         self.connect(tokenizer, block_size, work_dir)
 
     def train_dataloader(
-        self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0
+        self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1
     ) -> "StreamingDataLoader":
+        """This rank's micro-batches. `rank`/`world_size` are the data-parallel position."""
         raise NotImplementedError
 
     def val_dataloader(
-        self, micro_batch_size: int, block_size: int, num_workers: int = 0
+        self, micro_batch_size: int, block_size: int, num_workers: int = 0, rank: int = 0, world_size: int = 1
     ) -> Optional["StreamingDataLoader"]:
         raise NotImplementedError
 
@@ -118,16 +119,51 @@ def _token_dataset(
     )
 
 
-def _loader(dataset: Any, micro_batch_size: int, num_workers: int, drop_last: Optional[bool]) -> "StreamingDataLoader":
-    """drop_last=None keeps the dataset's own setting (StreamingDataLoader would overwrite it)."""
+class _RankSlice:
+    """Collate a global micro-batch of (micro x world_size) blocks and keep this rank's rows."""
+
+    def __init__(self, rank: int, micro_batch_size: int) -> None:
+        self.start, self.stop = rank * micro_batch_size, (rank + 1) * micro_batch_size
+
+    def __call__(self, blocks: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        return collate_blocks(blocks[self.start : self.stop])
+
+
+def _global_view(dataset: Any) -> Any:
+    """Make every rank read the whole stream, in the same order, as a single process would.
+
+    litdata normally gives each rank its own part of the data, so which blocks form an optimizer
+    step depends on the world size. Here every rank iterates the stream as if it were alone and
+    keeps its rows of each global micro-batch (`_RankSlice`): the blocks of optimizer step k are
+    the same for 1 process with accumulation and for N ranks, so a distributed run reproduces a
+    single-process run. Each rank decodes N times the tokens it trains on, which is negligible next
+    to the model's compute for token data.
+
+    Workaround for litdata 0.2.76, which has no option for this: it reads the world size from
+    `dataset.distributed_env`, detected at construction; we replace it with a one-process view.
+    """
+    from litdata.utilities.env import _DistributedEnv
+
+    dataset.distributed_env = _DistributedEnv(world_size=1, global_rank=0, num_nodes=1)
+    return dataset
+
+
+def _loader(
+    dataset: Any, micro_batch_size: int, num_workers: int, drop_last: Optional[bool], rank: int = 0, world_size: int = 1
+) -> "StreamingDataLoader":
+    """drop_last=None keeps the dataset's own setting (StreamingDataLoader would overwrite it).
+
+    With world_size > 1 the dataset must be a `_global_view`: the loader reads global micro-batches
+    and each rank keeps its slice.
+    """
     from litdata import StreamingDataLoader
 
     loader = StreamingDataLoader(
         dataset,
-        batch_size=micro_batch_size,
+        batch_size=micro_batch_size * world_size,
         num_workers=num_workers,
         drop_last=drop_last,
-        collate_fn=collate_blocks,
+        collate_fn=_RankSlice(rank, micro_batch_size) if world_size > 1 else collate_blocks,
     )
     if drop_last:
         # litdata's drop_last trims each stream's share to whole batches but is not passed on to
@@ -137,9 +173,13 @@ def _loader(dataset: Any, micro_batch_size: int, num_workers: int, drop_last: Op
     return loader
 
 
-def _val_loader(input_dir: str, micro_batch_size: int, block_size: int, num_workers: int) -> "StreamingDataLoader":
-    """In order, every block once. drop_last=None is litdata's default: keep the tail in one process,
-    trim to whole batches when distributed so that every rank runs the same number of steps."""
+def _val_loader(
+    input_dir: str, micro_batch_size: int, block_size: int, num_workers: int, rank: int = 0, world_size: int = 1
+) -> "StreamingDataLoader":
+    """In order; under data parallelism every rank reads whole global batches (same count everywhere)."""
+    if world_size > 1:
+        dataset = _global_view(_token_dataset(input_dir, block_size, shuffle=False, seed=0, drop_last=True))
+        return _loader(dataset, micro_batch_size, num_workers, drop_last=True, rank=rank, world_size=world_size)
     dataset = _token_dataset(input_dir, block_size, shuffle=False, seed=0, drop_last=None)
     return _loader(dataset, micro_batch_size, num_workers, drop_last=None)
 
@@ -676,18 +716,25 @@ class TextFiles(PretrainData):
     # -- loading ----------------------------------------------------------------------------------
 
     def train_dataloader(
-        self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0
+        self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1
     ) -> "StreamingDataLoader":
+        """Shuffled blocks; with world_size > 1 in the same global order as one process (see `_global_view`)."""
         _check_loader_args(micro_batch_size, block_size, num_workers)
         dataset = _token_dataset(str(self.data_dir / "train"), block_size, shuffle=True, seed=seed, drop_last=True)
-        loader = _loader(dataset, micro_batch_size, num_workers, drop_last=True)
-        _check_not_empty(loader, "training", _stream_stats(self.data_dir / "train", block_size)[1], micro_batch_size)
+        if world_size > 1:
+            dataset = _global_view(dataset)
+        loader = _loader(dataset, micro_batch_size, num_workers, drop_last=True, rank=rank, world_size=world_size)
+        blocks = _stream_stats(self.data_dir / "train", block_size)[1]
+        _check_not_empty(loader, "training", blocks, micro_batch_size * world_size)
         return loader
 
-    def val_dataloader(self, micro_batch_size: int, block_size: int, num_workers: int = 0) -> "StreamingDataLoader":
+    def val_dataloader(
+        self, micro_batch_size: int, block_size: int, num_workers: int = 0, rank: int = 0, world_size: int = 1
+    ) -> "StreamingDataLoader":
         _check_loader_args(micro_batch_size, block_size, num_workers)
-        loader = _val_loader(str(self.data_dir / "val"), micro_batch_size, block_size, num_workers)
-        _check_not_empty(loader, "validation", _stream_stats(self.data_dir / "val", block_size)[1], micro_batch_size)
+        loader = _val_loader(str(self.data_dir / "val"), micro_batch_size, block_size, num_workers, rank, world_size)
+        blocks = _stream_stats(self.data_dir / "val", block_size)[1]
+        _check_not_empty(loader, "validation", blocks, micro_batch_size * world_size)
         return loader
 
 
@@ -759,8 +806,10 @@ class StreamMix(PretrainData):
             _check_stream(self.val_stream, "val stream")
 
     def train_dataloader(
-        self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0
+        self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1
     ) -> "StreamingDataLoader":
+        """litdata shards the streams across ranks itself (each rank downloads only its part), so
+        unlike TextFiles the blocks of a step depend on the world size."""
         from litdata import CombinedStreamingDataset
 
         _check_loader_args(micro_batch_size, block_size, num_workers)
@@ -785,9 +834,9 @@ class StreamMix(PretrainData):
         return _loader(dataset, micro_batch_size, num_workers, drop_last=True)
 
     def val_dataloader(
-        self, micro_batch_size: int, block_size: int, num_workers: int = 0
+        self, micro_batch_size: int, block_size: int, num_workers: int = 0, rank: int = 0, world_size: int = 1
     ) -> Optional["StreamingDataLoader"]:
         if self.val_stream is None:
             return None
         _check_loader_args(micro_batch_size, block_size, num_workers)
-        return _val_loader(_local(self.val_stream), micro_batch_size, block_size, num_workers)
+        return _val_loader(_local(self.val_stream), micro_batch_size, block_size, num_workers, rank, world_size)

@@ -186,6 +186,23 @@ class StrategyPlan:
     def world_size(self) -> int:
         return self.devices * self.num_nodes
 
+    def describe(self) -> str:
+        """One line for the start-up log, e.g. 'strategy: FSDP HYBRID_SHARD, mesh (2 nodes x 4 devices), ...'."""
+        if self.kind == "single":
+            where = "single device"
+        elif self.kind == "ddp":
+            where = f"DDP over {self.world_size} processes"
+        else:
+            where = f"FSDP {self.sharding} over {self.world_size} processes, each transformer Block wrapped"
+            if self.device_mesh is not None:
+                where += f", mesh ({self.device_mesh[0]} nodes replicate x {self.device_mesh[1]} devices shard)"
+        extras = [f"precision {self.precision}", self.accelerator]
+        if self.activation_checkpointing:
+            extras.append("activation checkpointing")
+        if self.cpu_offload:
+            extras.append("CPU offload")
+        return f"strategy: {where}; " + ", ".join(extras)
+
 
 def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:

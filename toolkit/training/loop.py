@@ -111,7 +111,8 @@ def fit(
         group = [fabric.to_device(b) for b in group]
         # Target tokens of this optimizer step over every micro-batch and rank: the loss divisor.
         targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in group)
-        global_targets = fabric.all_reduce(targets, reduce_op="sum") if world_size > 1 else targets
+        # (all_reduce works in place: reduce a copy, `targets` stays this rank's count for logging)
+        global_targets = fabric.all_reduce(targets.clone(), reduce_op="sum") if world_size > 1 else targets
         # Ranks' gradients are averaged by the strategy (divided by world_size): undo that here.
         scale = world_size / global_targets.clamp(min=1)
 

@@ -20,7 +20,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches
+from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches, plan_strategy
 from toolkit.training.loop import LoopHooks, TrainState, fit
 
 RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
@@ -78,6 +78,7 @@ class Session:
             loggers=_make_loggers(out_dir, log),
         )
         fabric.launch()
+        fabric.print(plan_strategy(devices, num_nodes, precision, distributed).describe())
         devices_per_node = fabric.world_size // num_nodes
         plan = plan_batches(devices_per_node, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         fabric.print(plan.table())
@@ -140,15 +141,17 @@ class Session:
         total = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable")
+        # Decide weight decay by the original shapes now: under FSDP the parameters become flat shards.
+        self._decay_names = {_clean_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
         if self.train.compile:
             model = torch.compile(model)
         return self.fabric.setup_module(model)
 
     def build_optimizer(self, model):
         """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-        params = [p for p in model.parameters() if p.requires_grad]
-        decay = [p for p in params if p.ndim >= 2]
-        no_decay = [p for p in params if p.ndim < 2]
+        named = [(_clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if n in self._decay_names]
+        no_decay = [p for n, p in named if n not in self._decay_names]
         groups = [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         optimizer = torch.optim.AdamW(
             [g for g in groups if g["params"]], lr=self.train.learning_rate, betas=(self.train.beta1, self.train.beta2)
@@ -233,6 +236,16 @@ class Session:
             self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
         self.fabric.barrier()
         return target
+
+
+_WRAPPER_PARTS = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_name(name: str) -> str:
+    """A parameter's name without the prefixes that Fabric, FSDP, DDP, checkpointing or compile add."""
+    for part in _WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name.removeprefix("module.")
 
 
 def _describe_position(position: dict) -> str:
