@@ -15,29 +15,6 @@ from toolkit.checkpoint import load_model
 from toolkit.cli import run
 
 ALPACA = SHARED_DATA / "instruct" / "alpaca_tiny.json"
-LLAMA2 = SHARED_DATA / "tokenizers" / "llama2"
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory) -> dict:
-    """A random tiny Llama in Hugging Face format with the Llama-2 tokenizer, and its toolkit conversion."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from toolkit.convert import convert_from_hf
-
-    root = tmp_path_factory.mktemp("finetune")
-    torch.manual_seed(0)
-    hf_config = LlamaConfig(
-        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
-    )
-    hf_dir = root / "hf"
-    LlamaForCausalLM(hf_config).save_pretrained(hf_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(LLAMA2 / name, hf_dir / name)
-    checkpoint = root / "base"
-    convert_from_hf(hf_dir, checkpoint)
-    return {"root": root, "hf_dir": hf_dir, "checkpoint": checkpoint}
 
 
 def _args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:

@@ -148,6 +148,41 @@ def _global_view(dataset: Any) -> Any:
     return dataset
 
 
+_GLOBAL_VIEW_LOADER: Optional[type] = None
+
+
+def _global_view_loader_class() -> type:
+    """A StreamingDataLoader whose `load_state_dict` also sees the one-process view.
+
+    Workaround for litdata 0.2.76: `StreamingDataLoader.load_state_dict` detects the world size
+    afresh; seeing 2 ranks against a state saved with the one-process view, it switches to its
+    "elastic" resume, which does not continue at the same batch. During the call the detected
+    environment is replaced by the one-process view (`_global_view`), so the exact path is taken.
+    """
+    global _GLOBAL_VIEW_LOADER
+    if _GLOBAL_VIEW_LOADER is None:
+        import litdata.streaming.dataloader as litdata_dataloader
+        from litdata import StreamingDataLoader
+        from litdata.utilities.env import _DistributedEnv
+
+        class _OneProcessEnv(_DistributedEnv):
+            @classmethod
+            def detect(cls) -> _DistributedEnv:
+                return _DistributedEnv(world_size=1, global_rank=0, num_nodes=1)
+
+        class GlobalViewStreamingDataLoader(StreamingDataLoader):
+            def load_state_dict(self, obj: dict[str, Any]) -> None:
+                detected = litdata_dataloader._DistributedEnv
+                litdata_dataloader._DistributedEnv = _OneProcessEnv
+                try:
+                    super().load_state_dict(obj)
+                finally:
+                    litdata_dataloader._DistributedEnv = detected
+
+        _GLOBAL_VIEW_LOADER = GlobalViewStreamingDataLoader
+    return _GLOBAL_VIEW_LOADER
+
+
 def _loader(
     dataset: Any, micro_batch_size: int, num_workers: int, drop_last: Optional[bool], rank: int = 0, world_size: int = 1
 ) -> "StreamingDataLoader":
@@ -158,7 +193,8 @@ def _loader(
     """
     from litdata import StreamingDataLoader
 
-    loader = StreamingDataLoader(
+    loader_class = _global_view_loader_class() if world_size > 1 else StreamingDataLoader
+    loader = loader_class(
         dataset,
         batch_size=micro_batch_size * world_size,
         num_workers=num_workers,

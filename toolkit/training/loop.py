@@ -30,6 +30,7 @@ class TrainState:
     micro_step: int = 0  # micro-batches consumed per rank
     tokens_seen: int = 0  # input tokens over all ranks
     epoch: int = 0  # completed passes over the training data
+    epoch_batches: int = 0  # micro-batches consumed per rank in the current pass
     best_val_loss: float = float("inf")
     train_seconds: float = 0.0  # wall time spent training, summed over resumed runs
 
@@ -139,7 +140,7 @@ def fit(
 
         if state.step % log.interval == 0:
             elapsed = time.perf_counter() - window_start
-            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit)
+            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit or total_steps)
             running_loss.zero_()
             running_targets.zero_()
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
@@ -180,15 +181,32 @@ def _should_stop(fabric, state: TrainState, train: TrainArgs, step_limit, max_se
 
 
 def _micro_batches(loader: Iterable[dict], state: TrainState, epochs: Optional[int]) -> Iterator[dict]:
-    """Micro-batches over successive epochs; `state.epoch` counts completed passes."""
+    """Micro-batches over successive epochs; `state.epoch` counts completed passes.
+
+    The epoch is counted as complete when its last batch is handed out (known from len(loader)),
+    not when the loader next raises StopIteration: a checkpoint taken right after the last batch
+    then records the finished epoch, matching the loader's own position.
+    """
+    per_epoch = len(loader) if hasattr(loader, "__len__") else None
+    empty_passes = 0
     while epochs is None or state.epoch < epochs:
-        empty = True
+        yielded = False
         for batch in loader:
-            empty = False
+            yielded = True
+            state.epoch_batches += 1
+            if per_epoch is not None and state.epoch_batches >= per_epoch:
+                state.epoch += 1
+                state.epoch_batches = 0
             yield batch
-        if empty:
+            if epochs is not None and state.epoch >= epochs:
+                return
+        if state.epoch_batches:  # the pass ended before len(loader) batches
+            state.epoch += 1
+            state.epoch_batches = 0
+        # A loader restored exactly at the end of an epoch may yield nothing once; twice means no data.
+        empty_passes = 0 if yielded else empty_passes + 1
+        if empty_passes >= 2:
             return
-        state.epoch += 1
 
 
 def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:

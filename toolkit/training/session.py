@@ -172,6 +172,7 @@ class Session:
         from toolkit.training import checkpoint
         from toolkit.training.throughput import device_peak_flops
 
+        peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
         state = TrainState()
         run_shape = self.run_shape()
         resume_from = checkpoint.find_resume_checkpoint(self.fabric, self.out_dir, self.resume)
@@ -197,7 +198,6 @@ class Session:
             )
             saved_steps.add(current.step)
 
-        peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
         hooks = LoopHooks(
             save_checkpoint=save,
             flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),

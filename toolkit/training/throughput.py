@@ -46,8 +46,9 @@ def gpu_peak_flops(device_name: str, precision: str) -> Optional[float]:
 
 def measure_cpu_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
     """FLOP/s of a square matrix product on this CPU with the current thread count."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
+    generator = torch.Generator().manual_seed(0)  # private: the training RNG stream is left untouched
+    a = torch.randn(size, size, generator=generator).to(dtype)
+    b = torch.randn(size, size, generator=generator).to(dtype)
     a @ b  # warm-up
     count, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
