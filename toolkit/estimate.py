@@ -1,0 +1,1023 @@
+"""`toolkit estimate`: how much memory one device needs to train a model, before you start.
+
+The estimate is arithmetic on the model config; nothing is allocated and torch is not imported.
+For every strategy it splits the memory of one device into:
+
+    parameters        the (sharded) stored weights
+    gradients         one gradient per trainable weight, in the weight's dtype
+    optimizer state   AdamW: exp_avg and exp_avg_sq per trainable weight, in the weight's dtype
+    activations       what autograd saves in the forward pass for the backward pass, derived op by op
+                      from `toolkit.models.gpt` (see `_Tracer`), with and without checkpointing
+    logits and loss   the float32 log-softmax the loss keeps, plus the two (tokens x vocab) float32
+                      gradients its backward creates at the start of the backward pass
+    weight copies     bf16 copies of float32 weights that autocast makes (single device / DDP)
+    buffers           FSDP's gathered (unsharded) weights and unreduced gradients; DDP's gradient buckets;
+                      bitsandbytes' dequantized weight
+    step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
+
+Peak = parameters + gradients + optimizer state + the larger of the forward/backward transients
+(activations + logits and loss + weight copies + buffers) and the optimizer step's scratch.
+Gradients are counted during the backward pass because with gradient accumulation they are alive
+through every micro-batch (without it they grow while activations shrink, so this is an upper bound).
+
+What is assumed, and where it comes from:
+- Precision (Fabric): "*-mixed" keeps float32 weights, gradients and optimizer state and computes
+  under autocast in 16 bits; "*-true" converts the model, so weights, gradients and AdamW state
+  (torch allocates it like the weight) are 16-bit; "32-true" is float32 throughout. Under FSDP,
+  Fabric sets FSDP's param_dtype to the compute dtype: weights are gathered in 16 bits and autocast
+  has nothing left to copy. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live
+  on the CPU and are not counted.
+- Attention runs in a fused kernel (flash or memory-efficient SDPA, as on GPUs and in torch's CPU
+  flash kernel): it keeps the output and a float32 log-sum-exp per query, never the T x T matrix.
+  The math fallback (used with explicit masks; possibly also for float32 with grouped-query
+  attention on GPUs, where no fused kernel takes both) would add B x heads x T x T per layer.
+- Autocast rules are CUDA's: linear layers and SDPA run in 16 bits; layer_norm and the loss run in
+  float32. Each linear layer casts its float32 input separately (casts of activations are not
+  cached); weight casts are cached for the whole forward pass.
+- LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train. Frozen weights are
+  stored as Fabric leaves them, like trainable ones: float32 under "*-mixed" (finetune_lora does
+  not cast them), so autocast makes a bf16 copy of each frozen linear weight in every forward pass
+  and the backward pass keeps it; 16-bit under "*-true". A frozen linear layer does not keep its
+  input. Adapter dropout (finetune_lora's default 0.05) keeps a one-byte mask per input element.
+  Under FSDP (torch 2.13 FSDP1) a block's flat gradient covers its frozen weights too.
+- QLoRA (bitsandbytes): the linear layers of the blocks are quantized (embedding, norms and head are
+  not): 4-bit = half a byte per weight + a float32 absmax per 64 weights (double quantization: one
+  byte per 64, plus a float32 per 256 of those); int8 = one byte per weight + a float32 scale per
+  row. Like finetune_lora, quantization is for one device only, without a LoRA head.
+- FSDP (torch 2.13 FSDP1, one unit per Block plus the root unit with embedding, final norm and
+  head, `use_orig_params=True`): flat parameters are padded exactly as torch does (16-byte
+  alignment of each tensor, then to a multiple of the shard group). FULL_SHARD / HYBRID_SHARD gather
+  the root unit for the whole step and two blocks at a time (backward prefetch); SHARD_GRAD_OP keeps
+  every gathered block from forward to backward. The head's gradient is held unsharded until the
+  root unit's gradients are reduced at the end of the backward pass.
+- DDP keeps a second copy of the gradients in its communication buckets.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+from toolkit.errors import UserError, did_you_mean
+from toolkit.models.config import CONFIG_FILENAME, Config
+
+GiB = 1024**3
+
+QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
+# LoRA target name -> the linear layers (last name component) it adapts
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "query": ("q_proj",),
+    "key": ("k_proj",),
+    "value": ("v_proj",),
+    "projection": ("o_proj",),
+    "mlp": ("fc_in", "fc_out", "gate_proj", "up_proj", "down_proj"),
+    "head": ("lm_head",),
+}
+# Strategy columns, cheapest communication first: the order the recommendation tries them in.
+COLUMN_ORDER = ("single", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
+SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
+
+
+# --------------------------------------------------------------------------------------------
+# The parameters, module by module
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of the model as built (after LoRA injection), in registration order."""
+
+    name: str  # as in GPT.named_parameters() (peft's wrapping included)
+    shape: tuple[int, ...]
+    unit: int  # FSDP unit: the block index, or -1 for the root (embedding, final norm, head)
+    trainable: bool
+    kind: Literal["embedding", "linear", "bias", "norm", "lora"]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def parameter_specs(
+    config: Config, lora_modules: tuple[str, ...] = (), lora_r: int = 8, trainable: bool = True
+) -> list[ParamSpec]:
+    """Every parameter of `GPT(config)`, in the order `named_parameters()` yields them.
+
+    `lora_modules` names the linear layers (q_proj, lm_head, ...) that peft wraps with adapters;
+    with adapters, only they are trainable. A tied head is the embedding itself and is not repeated.
+    """
+    lora = bool(lora_modules)
+    specs: list[ParamSpec] = []
+
+    def add(name: str, shape: tuple[int, ...], unit: int, kind: str) -> None:
+        specs.append(ParamSpec(name, shape, unit, trainable and not lora, kind))  # type: ignore[arg-type]
+
+    def linear(prefix: str, n_in: int, n_out: int, bias: bool, unit: int) -> None:
+        leaf = prefix.rsplit(".", 1)[-1]
+        if leaf in lora_modules:
+            # peft's lora.Linear: base_layer first, then the adapters (no bias on the adapters)
+            add(f"{prefix}.base_layer.weight", (n_out, n_in), unit, "linear")
+            if bias:
+                add(f"{prefix}.base_layer.bias", (n_out,), unit, "bias")
+            specs.append(ParamSpec(f"{prefix}.lora_A.default.weight", (lora_r, n_in), unit, trainable, "lora"))
+            specs.append(ParamSpec(f"{prefix}.lora_B.default.weight", (n_out, lora_r), unit, trainable, "lora"))
+        else:
+            add(f"{prefix}.weight", (n_out, n_in), unit, "linear")
+            if bias:
+                add(f"{prefix}.bias", (n_out,), unit, "bias")
+
+    def norm(prefix: str, unit: int) -> None:
+        add(f"{prefix}.weight", (config.n_embd,), unit, "norm")
+        if config.norm == "layernorm":
+            add(f"{prefix}.bias", (config.n_embd,), unit, "norm")
+
+    c = config
+    E, D, H, G, F = c.n_embd, c.head_size, c.n_head, c.kv_heads, c.intermediate_size
+    add("embed.weight", (c.vocab_size, E), -1, "embedding")
+    for i in range(c.n_layer):
+        p = f"blocks.{i}"
+        norm(f"{p}.norm_1", i)
+        linear(f"{p}.attn.q_proj", E, H * D, c.attn_qkv_bias, i)
+        linear(f"{p}.attn.k_proj", E, G * D, c.attn_qkv_bias, i)
+        linear(f"{p}.attn.v_proj", E, G * D, c.attn_qkv_bias, i)
+        linear(f"{p}.attn.o_proj", H * D, E, c.bias, i)
+        if not c.shared_attention_norm:
+            norm(f"{p}.norm_2", i)
+        if c.mlp == "gelu":
+            linear(f"{p}.mlp.fc_in", E, F, c.bias, i)
+            linear(f"{p}.mlp.fc_out", F, E, c.bias, i)
+        else:
+            linear(f"{p}.mlp.gate_proj", E, F, c.bias, i)
+            linear(f"{p}.mlp.up_proj", E, F, c.bias, i)
+            linear(f"{p}.mlp.down_proj", F, E, c.bias, i)
+    norm("norm_f", -1)
+    if c.tie_embeddings and "lm_head" not in lora_modules:
+        if c.lm_head_bias:
+            add("lm_head.bias", (c.vocab_size,), -1, "bias")
+    elif c.tie_embeddings:
+        # peft wraps the head; its base weight is still the embedding (not repeated)
+        specs.append(ParamSpec("lm_head.lora_A.default.weight", (lora_r, E), -1, trainable, "lora"))
+        specs.append(ParamSpec("lm_head.lora_B.default.weight", (c.vocab_size, lora_r), -1, trainable, "lora"))
+        if c.lm_head_bias:
+            specs.insert(-2, ParamSpec("lm_head.base_layer.bias", (c.vocab_size,), -1, False, "bias"))
+    else:
+        linear("lm_head", E, c.vocab_size, c.lm_head_bias, -1)
+    return specs
+
+
+def quantized_bytes(shape: tuple[int, ...], quantize: str) -> int:
+    """Bytes bitsandbytes stores for one quantized weight of `shape` (data + quantization state)."""
+    numel = math.prod(shape)
+    if quantize == "bnb.int8":
+        return numel + 4 * shape[0]  # int8 weight + float32 scale per output row (SCB)
+    blocks = -(-numel // 64)  # one absmax per block of 64 weights
+    packed = -(-numel // 2)  # two 4-bit values per byte
+    code = 16 * 4  # the 16-entry float32 code book (quant_map)
+    if quantize.endswith("-dq"):
+        # absmax quantized to one byte per block; per 256 of those a float32 absmax; a 256-entry
+        # float32 code book and a float32 offset for the nested quantization
+        return packed + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4 + code
+    return packed + 4 * blocks + code
+
+
+# --------------------------------------------------------------------------------------------
+# Activations: a symbolic walk through GPT.forward that tracks what autograd saves
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _T:
+    """A tensor in the walk: its element count, bytes per element, and whether it requires grad."""
+
+    numel: int
+    b: int  # bytes per element
+    rg: bool
+    id: int = 0
+
+
+@dataclass(frozen=True)
+class _Weight:
+    """How a weight looks to the forward pass."""
+
+    b: int  # bytes per element as the forward pass sees it (after FSDP's cast to param_dtype)
+    trainable: bool
+    numel: int
+    quant: Optional[str] = None  # bitsandbytes kind for quantized linear weights
+    key: str = ""  # identifies the tensor (a tied head and the embedding share one)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """The precision rules of the forward pass."""
+
+    autocast: bool  # *-mixed: matmuls in 16 bits under torch.autocast
+    compute: int  # bytes of the compute dtype
+    cuda: bool = True  # CUDA autocast/layer_norm rules; False: the CPU's (used by the tests)
+    lora_dropout: bool = False  # adapters apply dropout to their input
+
+
+class _Tracer:
+    """Follows `GPT.forward` op by op and records each tensor autograd saves (deduplicated).
+
+    Each op below mirrors one line of toolkit/models/gpt.py and saves exactly what the op's
+    backward formula needs: e.g. `a * b` keeps `b` only if `a` requires grad; a linear layer keeps
+    its input only if its weight trains; SDPA keeps q, k, v, the output and a float32 log-sum-exp.
+    """
+
+    def __init__(
+        self, config: Config, mode: Mode, weights: dict[str, _Weight], lora: dict[str, tuple[_Weight, _Weight]],
+        B: int, T: int,
+    ) -> None:  # fmt: skip
+        self.c, self.mode, self.w, self.lora = config, mode, weights, lora
+        self.B, self.T, self.n = B, T, B * T
+        self.saved: dict[int, int] = {}
+        self.weight_copies: dict[str, int] = {}
+        self.dequant_scratch = 0
+        self._ids = 0
+        self._rope_cache: Optional[tuple[_T, _T]] = None
+
+    def new(self, numel: int, b: int, rg: bool) -> _T:
+        self._ids += 1
+        return _T(numel, b, rg, self._ids)
+
+    def save(self, t: _T) -> None:
+        self.saved[t.id] = t.numel * t.b
+
+    def saved_bytes(self) -> int:
+        return sum(self.saved.values())
+
+    # ------------------------------------------------------------------ ops
+    def cast(self, x: _T, b: int) -> _T:
+        """x.to(dtype): the same tensor when the dtype matches; saves nothing."""
+        return x if x.b == b else self.new(x.numel, b, x.rg)
+
+    def linear(self, x: _T, name: str, n_out: int) -> _T:
+        w = self.w[f"{name}.weight"]
+        n_in = x.numel // self.n
+        adapters = self.lora.get(name)
+        ac = self.mode.autocast
+        if w.quant == "bnb.int8":
+            if x.rg:
+                self.save(x)  # MatMul8bitLt keeps its input
+            self.dequant_scratch = max(self.dequant_scratch, w.numel * self.mode.compute)
+            out_b = x.b
+        elif w.quant:
+            self.cast(x, self.mode.compute)  # Linear4bit casts to its compute dtype; MatMul4Bit keeps no input
+            self.dequant_scratch = max(self.dequant_scratch, w.numel * self.mode.compute)
+            out_b = x.b
+        else:
+            xc = self.cast(x, 2) if ac else x  # autocast casts each call's input anew
+            if ac and w.b != 2 and x.rg:
+                self.weight_copies[w.key] = w.numel * 2  # cached cast, kept by the graph for x's gradient
+            if w.trainable:
+                self.save(xc)
+            out_b = 2 if ac else max(x.b, w.b)
+        out = self.new(self.n * n_out, out_b, x.rg or w.trainable or adapters is not None)
+        if adapters is not None:
+            a_w, b_w = adapters
+            xl = self.cast(x, a_w.b)  # peft casts the input to the adapter's dtype
+            if self.mode.lora_dropout:
+                if xl.rg:  # dropout keeps its mask: bool on CUDA; the CPU kernel keeps a scaled copy
+                    self.save(self.new(xl.numel, 1 if self.mode.cuda else xl.b, False))
+                xl = self.new(xl.numel, xl.b, xl.rg)
+            xla = self.cast(xl, 2) if ac else xl
+            if ac and a_w.b != 2 and xla.rg:
+                self.weight_copies[a_w.key] = a_w.numel * 2
+            if ac and b_w.b != 2:
+                self.weight_copies[b_w.key] = b_w.numel * 2  # lora_A's output always needs a gradient
+            self.save(xla)  # lora_A's weight gradient needs its input
+            r = a_w.numel // n_in
+            a = self.new(self.n * r, 2 if ac else a_w.b, True)
+            self.save(a)  # lora_B's weight gradient needs its input
+        return out
+
+    def norm(self, x: _T, prefix: str) -> _T:
+        c, n, E = self.c, self.n, self.c.n_embd
+        w = self.w[f"{prefix}.weight"]
+        if c.norm == "layernorm":
+            if self.mode.autocast and self.mode.cuda:
+                xin, out_b = self.cast(x, 4), 4  # CUDA autocast runs layer_norm in float32
+            else:
+                xin, out_b = x, max(x.b, w.b)
+            if xin.rg or w.trainable:
+                self.save(xin)
+                stat_b = 4 if (self.mode.cuda or xin.b == 4) else xin.b  # mean and rstd
+                self.save(self.new(2 * n, stat_b, False))
+            return self.new(n * E, out_b, xin.rg or w.trainable)
+        # RMSNorm: x.float(); x * rsqrt(mean(x^2) + eps); then the weight
+        xf = self.cast(x, 4)
+        if xf.rg:
+            self.save(xf)  # pow and the multiplication by rsqrt keep it
+            self.save(self.new(n, 4, True))  # rsqrt's result, kept by its backward and the product
+        y = self.new(n * E, 4, xf.rg)
+        if c.norm_unit_offset:
+            if w.trainable:
+                self.save(y)  # y * (1 + weight): the weight's gradient needs y
+            if y.rg:
+                self.save(self.new(E, 4, False))  # and y's gradient needs (1 + weight) in float32
+            return self.cast(self.new(n * E, 4, y.rg or w.trainable), x.b)
+        y = self.cast(y, x.b)
+        if w.trainable:
+            self.save(y)  # weight * y
+        return self.new(n * E, max(w.b, x.b), y.rg or w.trainable)
+
+    def rope(self, x: _T) -> _T:
+        """apply_rope: multiplications by cos/sin keep cos/sin (cast to x's dtype) only."""
+        rope = self.T * self.c.rope_n_elem
+        if x.rg:
+            if x.b == 4:  # float32: the shared cos/sin tables themselves, once for the model
+                if self._rope_cache is None:
+                    self._rope_cache = (self.new(rope, 4, False), self.new(rope, 4, False))
+                    for t in self._rope_cache:
+                        self.save(t)
+            else:  # each call casts cos and sin to x's dtype
+                self.save(self.new(rope, x.b, False))
+                self.save(self.new(rope, x.b, False))
+        return self.new(x.numel, x.b, x.rg)
+
+    def attention(self, h: _T, prefix: str) -> _T:
+        c, n = self.c, self.n
+        D, H, G = c.head_size, c.n_head, c.kv_heads
+        q = self.rope(self.linear(h, f"{prefix}.q_proj", H * D))
+        k = self.rope(self.linear(h, f"{prefix}.k_proj", G * D))
+        v = self.linear(h, f"{prefix}.v_proj", G * D)
+        if self.mode.autocast:  # SDPA runs in 16 bits: float32 inputs (QLoRA layers' outputs) are cast
+            q, k, v = (self.cast(t, 2) for t in (q, k, v))
+        rg = q.rg or k.rg or v.rg
+        y = self.new(n * H * D, q.b, rg)
+        if rg:
+            for t in (q, k, v, y):
+                self.save(t)
+            self.save(self.new(n * H, 4, False))  # log-sum-exp per query and head
+        # SDPA lays its output out like q. With full rotary, q keeps q_proj's (B, T, H, D) layout and
+        # y.transpose(1, 2).reshape() is a view; partial rotary builds q with torch.cat in (B, H, T, D)
+        # layout, so the reshape copies.
+        if c.rope_n_elem < D:
+            y = self.new(y.numel, y.b, y.rg)
+        return self.linear(y, f"{prefix}.o_proj", c.n_embd)
+
+    def mlp(self, h: _T, prefix: str) -> _T:
+        c = self.c
+        if c.mlp == "gelu":
+            a = self.linear(h, f"{prefix}.fc_in", c.intermediate_size)
+            if a.rg:
+                self.save(a)  # gelu keeps its input
+            return self.linear(self.new(a.numel, a.b, a.rg), f"{prefix}.fc_out", c.n_embd)
+        gate = self.linear(h, f"{prefix}.gate_proj", c.intermediate_size)
+        if gate.rg:
+            self.save(gate)  # silu / gelu keeps its input
+        act = self.new(gate.numel, gate.b, gate.rg)
+        up = self.linear(h, f"{prefix}.up_proj", c.intermediate_size)
+        if up.rg:
+            self.save(act)
+        if act.rg:
+            self.save(up)
+        prod = self.new(up.numel, max(act.b, up.b), act.rg or up.rg)
+        return self.linear(prod, f"{prefix}.down_proj", c.n_embd)
+
+    def block(self, x: _T, i: int) -> _T:
+        p, n, E = f"blocks.{i}", self.n, self.c.n_embd
+        h = self.norm(x, f"{p}.norm_1")
+        attn = self.attention(h, f"{p}.attn")
+        if self.c.parallel_residual:
+            m = self.mlp(h if self.c.shared_attention_norm else self.norm(x, f"{p}.norm_2"), f"{p}.mlp")
+            return self.new(n * E, max(x.b, attn.b, m.b), x.rg or attn.rg or m.rg)
+        x2 = self.new(n * E, max(x.b, attn.b), x.rg or attn.rg)
+        m = self.mlp(self.norm(x2, f"{p}.norm_2"), f"{p}.mlp")
+        return self.new(n * E, max(x2.b, m.b), x2.rg or m.rg)
+
+
+@dataclass
+class Activations:
+    """Activation bytes of one micro-batch on one device."""
+
+    blocks: list[int]  # saved by each block
+    block_inputs: list[int]  # each block's input, what a checkpointed block keeps
+    head: int  # saved outside the blocks: token ids, final norm, head input, log-softmax, labels
+    loss_scratch: int  # the two float32 (tokens x vocab) gradients at the start of the backward pass
+    weight_copies: int  # autocast's bf16 copies of float32 weights
+    dequant_scratch: int  # bitsandbytes: one dequantized weight at a time
+
+    @property
+    def stored(self) -> int:
+        return sum(self.blocks)
+
+    @property
+    def checkpointed(self) -> int:
+        # every block's input, plus one block's activations while it is recomputed
+        return sum(self.block_inputs) + max(self.blocks)
+
+    @property
+    def logits(self) -> int:
+        return self.head + self.loss_scratch
+
+
+def trace_activations(
+    config: Config, mode: Mode, weights: dict[str, _Weight], lora: dict, B: int, T: int
+) -> Activations:
+    """What one forward pass of a micro-batch of B sequences of T tokens leaves for the backward pass."""
+    tr = _Tracer(config, mode, weights, lora, B, T)
+    n, E, V = B * T, config.n_embd, config.vocab_size
+    emb = weights["embed.weight"]
+    if emb.trainable:
+        tr.save(tr.new(n, 8, False))  # the embedding's backward keeps the token ids
+    x = tr.new(n * E, emb.b, emb.trainable)  # embedding lookup (no autocast)
+    if config.scale_embeddings:
+        if x.rg:
+            tr.save(tr.new(1, x.b, False))  # x * sqrt(n_embd) keeps the scalar
+        x = tr.new(x.numel, x.b, x.rg)
+    blocks, inputs = [], []
+    for i in range(config.n_layer):
+        before = tr.saved_bytes()
+        inputs.append(x.numel * x.b)
+        x = tr.block(x, i)
+        blocks.append(tr.saved_bytes() - before)
+    h = tr.norm(x, "norm_f")
+    logits = tr.linear(h, "lm_head", V)
+    tr.cast(logits, 4)  # cross_entropy_sum: .float()
+    lsm = tr.new(n * V, 4, logits.rg)
+    if lsm.rg:
+        tr.save(lsm)  # log_softmax keeps its result
+        tr.save(tr.new(n, 8, False))  # nll_loss keeps the labels
+        tr.save(tr.new(1, 4, False))  # and the total weight
+    head = tr.saved_bytes() - sum(blocks)  # everything outside the blocks, token ids included
+    scratch = 2 * n * V * 4 if lsm.rg else 0
+    return Activations(blocks, inputs, head, scratch, sum(tr.weight_copies.values()), tr.dequant_scratch)
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP flat parameters
+# --------------------------------------------------------------------------------------------
+
+
+def fsdp_flat_layout(
+    params: list[ParamSpec], pad_to: int, align: int
+) -> tuple[int, list[tuple[int, int, bool]]]:
+    """(padded flat numel, [(start, numel, trainable)]) of one FSDP unit, as torch 2.13 lays it out.
+
+    With use_orig_params each tensor starts at a multiple of `align` elements (16 bytes of the
+    gathered dtype), and the whole is padded to a multiple of the process group's size (also with
+    NO_SHARD, which then keeps all of it).
+    """
+    total, spans = 0, []
+    for p in params:
+        if total % align:
+            total += align - total % align
+        spans.append((total, p.numel, p.trainable))
+        total += p.numel
+    total += -total % pad_to
+    return total, spans
+
+
+def fsdp_rank_memory(
+    specs: list[ParamSpec], column: "Column", stored_bytes: int, gather_bytes: int
+) -> list[dict[str, int]]:
+    """Parameter, gradient and optimizer-state bytes on each rank of one FSDP shard group.
+
+    Every rank holds the same flat-parameter shard size; a unit with any trainable tensor has a flat
+    gradient shard of the same size (frozen parts included); AdamW keeps two states for the
+    trainable elements that fall into the rank's shard (padding and frozen elements have none).
+    """
+    units: dict[int, list[ParamSpec]] = {}
+    for s in specs:
+        units.setdefault(s.unit, []).append(s)
+    W = column.shard_size
+    params = grads = 0
+    states = [0] * W
+    for members in units.values():
+        total, spans = fsdp_flat_layout(members, column.group_size, 16 // gather_bytes)
+        local = total // W
+        params += local * stored_bytes
+        trainable = [(s0, s0 + n) for s0, n, t in spans if t]
+        if trainable:
+            grads += local * stored_bytes
+        # trainable elements in [r * local, (r + 1) * local) for each rank r
+        ends = [e for _, e in trainable]
+        for r in range(W):
+            lo, hi = r * local, (r + 1) * local
+            i = bisect.bisect_right(ends, lo)
+            count = 0
+            while i < len(trainable) and trainable[i][0] < hi:
+                a, b = trainable[i]
+                count += max(0, min(b, hi) - max(a, lo))
+                i += 1
+            states[r] += count
+    return [{"parameters": params, "gradients": grads, "optimizer_state": 2 * n * stored_bytes} for n in states]
+
+
+# --------------------------------------------------------------------------------------------
+# One strategy column
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str  # "single", "DDP" or an FSDP sharding strategy
+    kind: Literal["single", "ddp", "fsdp"]
+    shard_size: int  # devices each FSDP unit is sharded over (1 = replicated)
+    group_size: int = 1  # FSDP pads each unit to a multiple of its process group's size
+
+
+def make_column(name: str, devices: int, num_nodes: int) -> Column:
+    """The column for "single", "DDP" or an FSDP sharding on devices x num_nodes."""
+    world = devices * num_nodes
+    if name == "single":
+        return Column(name, "single", 1, 1)
+    if name == "DDP":
+        return Column(name, "ddp", 1, world)
+    if name == "NO_SHARD":
+        return Column(name, "fsdp", 1, world)
+    if name == "HYBRID_SHARD":
+        return Column(name, "fsdp", devices, devices)  # shard within a node, replicate across nodes
+    return Column(name, "fsdp", world, world)
+
+
+@dataclass
+class Options:
+    """What is being trained, and how (everything but the strategy and the micro batch)."""
+
+    config: Config
+    precision: str
+    finetune: Optional[str]
+    lora_modules: tuple[str, ...]
+    lora_r: int
+    quantize: Optional[str]
+    max_seq_length: int
+    cuda: bool = True
+    lora_dropout: float = 0.0
+
+    @property
+    def stored_bytes(self) -> int:  # bytes of a trainable weight
+        return 2 if self.precision.endswith("-true") and self.precision != "32-true" else 4
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "32-true" else 2
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+
+def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[str, int]:
+    """Bytes per device of every component for one strategy."""
+    c = opts.config
+    specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
+    ps, cb = opts.stored_bytes, opts.compute_bytes
+    fsdp = column.kind == "fsdp"
+    quantized = {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+    # bitsandbytes' 4-bit layers convert their bias to the compute dtype in the first forward pass
+    half_bias = {s.name for s in specs if opts.quantize not in (None, "bnb.int8") and s.kind == "bias" and s.unit >= 0}
+
+    def stored(s: ParamSpec) -> int:
+        if s.name in quantized:
+            return quantized_bytes(s.shape, opts.quantize)  # type: ignore[arg-type]
+        return s.numel * (cb if s.name in half_bias else ps)
+
+    out: dict[str, int] = {}
+    trainable = [s for s in specs if s.trainable]
+    if not fsdp:
+        out["parameters"] = sum(stored(s) for s in specs)
+        out["gradients"] = sum(s.numel * ps for s in trainable)
+        out["optimizer_state"] = 2 * out["gradients"]
+        out["step_scratch"] = out["gradients"]
+        buffers = out["gradients"] if column.kind == "ddp" else 0  # DDP's gradient buckets
+    else:
+        ranks = fsdp_rank_memory(specs, column, ps, cb)
+        out["parameters"] = ranks[0]["parameters"]
+        out["gradients"] = ranks[0]["gradients"]
+        out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
+        out["step_scratch"] = out["optimizer_state"] // 2
+        units: dict[int, list[ParamSpec]] = {}
+        for s in specs:
+            units.setdefault(s.unit, []).append(s)
+        flat = {u: fsdp_flat_layout(m, column.group_size, 16 // cb)[0] for u, m in units.items()}
+        root = flat.get(-1, 0)
+        block = max((v for k, v in flat.items() if k >= 0), default=0)
+        if column.name == "SHARD_GRAD_OP":
+            gathered = sum(flat.values()) * cb  # kept from forward to backward
+        elif column.name == "NO_SHARD":
+            gathered = (root + 2 * block) * cb if ps != cb else 0  # 16-bit copies while in use
+        else:
+            gathered = (root + 2 * block) * cb
+        head_names = ("embed.weight",) if c.tie_embeddings else ("lm_head.weight", "lm_head.base_layer.weight")
+        head = next(s for s in specs if s.name in head_names)
+        head_grad = head.numel * cb if head.trainable else 0  # held until the root unit reduces
+        block_grad = block * cb if any(s.trainable for s in specs if s.unit >= 0) else 0
+        buffers = gathered + head_grad + block_grad
+    weights, lora = forward_weights(opts, specs, fsdp, quantized)
+    mode = Mode(opts.autocast, cb, opts.cuda, opts.lora_dropout > 0)
+    act1 = trace_activations(c, mode, weights, lora, 1, opts.max_seq_length)
+    if micro_batch_size == 1:
+        act = act1
+    else:
+        act2 = trace_activations(c, mode, weights, lora, 2, opts.max_seq_length)
+        act = _extrapolate(act1, act2, micro_batch_size)
+    out["activations"] = act.stored
+    out["activations_checkpointed"] = act.checkpointed
+    out["logits_and_loss"] = act.logits
+    out["weight_copies"] = act.weight_copies
+    out["buffers"] = buffers + act.dequant_scratch
+    persistent = out["parameters"] + out["gradients"] + out["optimizer_state"]
+    transient = out["logits_and_loss"] + out["weight_copies"] + out["buffers"]
+    out["total"] = persistent + max(out["activations"] + transient, out["step_scratch"])
+    out["total_checkpointed"] = persistent + max(out["activations_checkpointed"] + transient, out["step_scratch"])
+    return out
+
+
+def _extrapolate(a1: Activations, a2: Activations, B: int) -> Activations:
+    """Activations are affine in the batch size (cos/sin tables depend on T only)."""
+
+    def f(x1: int, x2: int) -> int:
+        return x1 + (x2 - x1) * (B - 1)
+
+    return Activations(
+        [f(x, y) for x, y in zip(a1.blocks, a2.blocks)],
+        [f(x, y) for x, y in zip(a1.block_inputs, a2.block_inputs)],
+        f(a1.head, a2.head),
+        f(a1.loss_scratch, a2.loss_scratch),
+        a1.weight_copies,
+        a1.dequant_scratch,
+    )
+
+
+def forward_weights(opts: Options, specs: list[ParamSpec], fsdp: bool, quantized: set[str]):
+    """How each weight looks to the forward pass, keyed by parameter name (the module's view)."""
+    ps, cb = opts.stored_bytes, opts.compute_bytes
+    weights: dict[str, _Weight] = {}
+    adapters: dict[str, dict[str, _Weight]] = {}
+    for s in specs:
+        b = cb if fsdp else ps  # FSDP gathers every weight in its param_dtype
+        w = _Weight(b, s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
+        name = s.name.replace(".base_layer.", ".")
+        if s.kind == "lora":
+            module, which = s.name.split(".lora_")
+            adapters.setdefault(module, {})[which[0]] = w
+        else:
+            weights[name] = w
+    if opts.config.tie_embeddings:
+        weights["lm_head.weight"] = weights["embed.weight"]
+    lora = {m: (ab["A"], ab["B"]) for m, ab in adapters.items()}
+    return weights, lora
+
+
+# --------------------------------------------------------------------------------------------
+# The command
+# --------------------------------------------------------------------------------------------
+
+
+def estimate(
+    model_name: str,
+    devices: int = 1,
+    num_nodes: int = 1,
+    micro_batch_size: int = 1,
+    max_seq_length: Optional[int] = None,
+    precision: str = "bf16-mixed",
+    strategy: Literal["auto", "fsdp", "ddp"] = "auto",
+    sharding: Optional[Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]] = None,
+    finetune: Optional[Literal["lora", "full"]] = None,
+    lora_r: int = 8,
+    lora_targets: tuple[str, ...] = ("query", "value"),
+    lora_dropout: float = 0.05,
+    quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]] = None,
+    activation_checkpointing: Optional[bool] = None,
+    memory_budget_gb: Optional[float] = None,
+    model_overrides: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Estimate the memory per device of a training step, for each distributed strategy.
+
+    Prints a table (rows: memory components, columns: strategies) and, with --memory_budget_gb, the
+    cheapest set-up that fits. Figures are GiB (1024^3 bytes) per device.
+
+    Args:
+        model_name: A preset name, alias or Hugging Face repo id, or a checkpoint directory.
+        devices: Devices per node.
+        num_nodes: Number of nodes.
+        micro_batch_size: Sequences per forward/backward on one device.
+        max_seq_length: Tokens per sequence; default: min(the model's context, 2048), as pretrain.
+        precision: bf16-mixed, bf16-true, 16-mixed, 16-true or 32-true.
+        strategy: "auto": FSDP (every sharding) and DDP side by side when there is more than one
+            device; "fsdp" or "ddp" to show only those. One device in total is always "single".
+        sharding: Show only this FSDP sharding strategy (default: all of them).
+        finetune: None (pretraining) or "full": every weight trains; "lora": only the adapters.
+        lora_r: LoRA rank.
+        lora_targets: Layers that get adapters: query, key, value, projection, mlp, head.
+        lora_dropout: Dropout on the adapters' input (finetune_lora's default 0.05; 0 saves a mask per input).
+        quantize: bitsandbytes quantization of the frozen linear weights (QLoRA; needs finetune lora).
+        activation_checkpointing: Recompute each block in the backward pass (true), store its
+            activations (false), or show both (default).
+        memory_budget_gb: Memory per device in GiB; recommends the cheapest configuration that fits.
+        model_overrides: Config fields to change, e.g. '{n_layer: 2}'.
+    """
+    opts, columns, notes, chosen_ckpt = _resolve(
+        model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
+        lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
+    )  # fmt: skip
+    c = opts.config
+    specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
+    result: dict[str, Any] = {
+        "model": c.name,
+        "parameters": sum(s.numel for s in specs),
+        "trainable_parameters": sum(s.numel for s in specs if s.trainable),
+        "precision": opts.precision,
+        "micro_batch_size": micro_batch_size,
+        "max_seq_length": opts.max_seq_length,
+        "devices": devices,
+        "num_nodes": num_nodes,
+        "finetune": finetune,
+        "quantize": quantize,
+        "lora_dropout": opts.lora_dropout,
+        "activation_checkpointing": activation_checkpointing,
+        "columns": [col.name for col in columns],
+        "strategies": {col.name: column_memory(opts, col, micro_batch_size) for col in columns},
+        "notes": notes,
+        "recommendation": None,
+    }
+    if memory_budget_gb is not None:
+        result["recommendation"] = recommend(
+            opts, columns, micro_batch_size, memory_budget_gb, chosen_ckpt, devices, num_nodes
+        )
+    print(format_table(result))
+    return result
+
+
+def _check_choice(what: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(
+            f"Unknown {what} {value!r}; choose one of {', '.join(choices)}.{did_you_mean(str(value), choices)}"
+        )
+
+
+def _resolve(
+    model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
+    lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
+):  # fmt: skip
+    """Validate the arguments (UserError) and decide the columns to show."""
+    from toolkit.training.distributed import _PRECISION_ALIASES, PRECISIONS
+
+    for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} must be a positive whole number, got {value!r}.")
+    overrides = dict(model_overrides or {})
+    if (Path(model_name) / CONFIG_FILENAME).is_file():  # a checkpoint directory
+        config = Config.from_file(model_name)
+        config = config.replace(**overrides) if overrides else config
+    else:
+        config = Config.from_name(model_name, **overrides)
+    if max_seq_length is None:
+        max_seq_length = min(config.block_size, 2048)
+    if isinstance(max_seq_length, bool) or not isinstance(max_seq_length, int) or max_seq_length < 1:
+        raise UserError(f"max_seq_length must be a positive whole number, got {max_seq_length!r}.")
+    if max_seq_length > config.block_size:
+        raise UserError(
+            f"max_seq_length {max_seq_length} is larger than the context of {config.name} "
+            f"({config.block_size} tokens); use at most {config.block_size}."
+        )
+    name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
+    _check_choice("precision", precision if name not in PRECISIONS else name, PRECISIONS)
+    _check_choice("strategy", strategy, ("auto", "fsdp", "ddp"))
+    if sharding is not None:
+        _check_choice("sharding", sharding, SHARDINGS)
+        if strategy == "ddp":
+            raise UserError("sharding applies to FSDP; leave it out with strategy ddp, or use strategy fsdp.")
+    if finetune not in (None, "lora", "full"):
+        raise UserError(f"Unknown finetune {finetune!r}; choose lora or full (or leave it out for pretraining).")
+    if quantize is not None:
+        _check_choice("quantize", quantize, QUANTIZE_CHOICES)
+    if quantize is not None and finetune != "lora":
+        raise UserError("quantize applies to frozen weights: use it with finetune lora (QLoRA).")
+    lora_modules: tuple[str, ...] = ()
+    if finetune == "lora":
+        if isinstance(lora_r, bool) or not isinstance(lora_r, int) or lora_r < 1:
+            raise UserError(f"lora_r must be a positive whole number, got {lora_r!r}.")
+        if isinstance(lora_targets, str):
+            lora_targets = (lora_targets,)
+        if not lora_targets:
+            raise UserError(f"lora_targets is empty; choose from {', '.join(LORA_TARGETS)}.")
+        for target in lora_targets:
+            _check_choice("lora target", target, tuple(LORA_TARGETS))
+        if quantize is not None and "head" in lora_targets:
+            raise UserError("lora target head cannot be combined with quantize: the head is not quantized; drop 'head'.")
+        if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
+            raise UserError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}.")
+        leaves = {leaf for t in lora_targets for leaf in LORA_TARGETS[t]}
+        lora_modules = tuple(sorted(leaves))
+    if memory_budget_gb is not None and (isinstance(memory_budget_gb, bool) or not memory_budget_gb > 0):
+        raise UserError(f"memory_budget_gb must be a positive number of GiB, got {memory_budget_gb!r}.")
+    if activation_checkpointing not in (None, True, False):
+        raise UserError(
+            f"activation_checkpointing must be true, false or left out, got {activation_checkpointing!r}."
+        )
+
+    notes: list[str] = []
+    world = devices * num_nodes
+    columns: list[Column] = []
+    if world == 1:
+        columns.append(make_column("single", 1, 1))
+        if strategy != "auto" or sharding is not None:
+            notes.append("One device in total: a single device is used whatever the strategy.")
+    else:
+        if quantize is not None:
+            raise UserError(
+                "quantize runs on one device (as finetune_lora): sharding bitsandbytes weights with FSDP is not "
+                "supported; use devices 1, or drop quantize and shard instead."
+            )
+        else:
+            if strategy == "ddp":
+                columns.append(make_column("DDP", devices, num_nodes))
+            else:
+                wanted = [sharding] if sharding else ["NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
+                for s in wanted:
+                    if s == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
+                        why = "one node" if num_nodes == 1 else "one device per node"
+                        notes.append(f"HYBRID_SHARD with {why} runs as FULL_SHARD (see toolkit.training.distributed).")
+                        if sharding:
+                            columns.append(make_column("FULL_SHARD", devices, num_nodes))
+                        continue
+                    columns.append(make_column(s, devices, num_nodes))
+                if strategy == "auto" and sharding is None:
+                    columns.append(make_column("DDP", devices, num_nodes))
+    columns.sort(key=lambda col: COLUMN_ORDER.index(col.name))
+    opts = Options(config, name, finetune, lora_modules, lora_r, quantize, max_seq_length,
+                   lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0)  # fmt: skip
+    return opts, columns, notes, activation_checkpointing
+
+
+# --------------------------------------------------------------------------------------------
+# Recommendation
+# --------------------------------------------------------------------------------------------
+
+
+def _max_micro_batch(opts: Options, column: Column, checkpointing: bool, budget: int) -> tuple[int, dict]:
+    """The largest micro batch that fits in `budget` bytes (0 if not even one), and its figures."""
+    key = "total_checkpointed" if checkpointing else "total"
+    one = column_memory(opts, column, 1)
+    if one[key] > budget:
+        return 0, one
+    two = column_memory(opts, column, 2)
+    per_sample = two[key] - one[key]
+    if per_sample <= 0:
+        return 1 << 20, one
+    m = 1 + (budget - one[key]) // per_sample
+    while m > 1 and column_memory(opts, column, m)[key] > budget:
+        m -= 1
+    return m, column_memory(opts, column, m)
+
+
+def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budget_gb: float,
+              checkpointing: Optional[bool], devices: int, num_nodes: int) -> dict[str, Any]:  # fmt: skip
+    """The cheapest set-up that fits `budget_gb` GiB per device.
+
+    Without activation checkpointing first (it costs about a third more compute): the cheapest
+    strategy (communication) that fits the requested micro batch, else the strategy that fits the
+    largest micro batch. Checkpointing only when nothing fits without it.
+    """
+    budget = int(budget_gb * GiB)
+    choices = [False, True] if checkpointing is None else [checkpointing]
+    for ckpt in choices:
+        fits = [(col, *_max_micro_batch(opts, col, ckpt, budget)) for col in columns]
+        fits = [(col, m, fig) for col, m, fig in fits if m >= 1]
+        if not fits:
+            continue
+        enough = [f for f in fits if f[1] >= micro_batch_size]
+        col, m, _ = enough[0] if enough else max(fits, key=lambda f: f[1])  # max() keeps the first of ties
+        m = min(m, 4096)
+        pow2 = 1 << (m.bit_length() - 1)
+        micro = micro_batch_size if enough else pow2
+        fig = column_memory(opts, col, micro)
+        total = fig["total_checkpointed" if ckpt else "total"]
+        return {
+            "fits": True,
+            "strategy": col.name,
+            "activation_checkpointing": ckpt,
+            "micro_batch_size": micro,
+            "max_micro_batch_size": m,
+            "total": total,
+            "budget": budget,
+            "options": _training_options(col, micro, ckpt),
+            "message": (
+                f"Fits in {budget_gb:g} GiB per device: {_describe(col)}, micro batch {micro}"
+                f"{'' if micro == m else f' (up to {m} fits)'}, activation checkpointing "
+                f"{'on' if ckpt else 'off'}: {total / GiB:.2f} GiB.\n"
+                f"Training options: {_training_options(col, micro, ckpt)}"
+            ),
+        }
+    # Nothing fits: say by how much and what would help.
+    best = min(columns, key=lambda col: column_memory(opts, col, 1)["total_checkpointed"])
+    need = column_memory(opts, best, 1)["total_checkpointed"]
+    hints = []
+    if opts.finetune != "lora":
+        hints.append("fine-tune with LoRA (--finetune lora)")
+    elif opts.quantize is None:
+        hints.append("quantize the frozen weights (--quantize bnb.nf4)")
+    more = _devices_needed(opts, budget)
+    if more and more > devices * num_nodes:
+        hints.append(f"more devices (FULL_SHARD fits on {more} devices in total, micro batch 1, checkpointing)")
+    fig = column_memory(opts, best, 1)
+    sequence = fig["activations_checkpointed"] + fig["logits_and_loss"]
+    if more is None or sequence > budget / 4:
+        hints.append(
+            f"a shorter --max_seq_length (one sequence's activations and logits alone take {sequence / GiB:.2f} GiB)"
+        )
+    if opts.quantize is None and devices * num_nodes > 1:
+        hints.append(
+            "CPU offload of FSDP parameters, gradients and optimizer state (--distributed.cpu_offload true; slow)"
+        )
+    return {
+        "fits": False,
+        "strategy": best.name,
+        "activation_checkpointing": True,
+        "micro_batch_size": 1,
+        "total": need,
+        "budget": budget,
+        "message": (
+            f"Does not fit in {budget_gb:g} GiB per device: the smallest set-up here ({_describe(best)}, "
+            f"micro batch 1, activation checkpointing) needs {need / GiB:.2f} GiB. Try: " + "; ".join(hints) + "."
+        ),
+    }
+
+
+def _devices_needed(opts: Options, budget: int) -> Optional[int]:
+    if opts.quantize is not None:
+        return None
+    world = 2
+    while world <= 8192:
+        if column_memory(opts, make_column("FULL_SHARD", world, 1), 1)["total_checkpointed"] <= budget:
+            return world
+        world *= 2
+    return None
+
+
+def _describe(col: Column) -> str:
+    return {"single": "one device", "ddp": "DDP"}.get(col.kind, f"FSDP {col.name}")
+
+
+def _training_options(col: Column, micro_batch_size: int, checkpointing: bool) -> str:
+    """The same set-up as options of the training commands."""
+    options = []
+    if col.kind == "ddp":
+        options.append("--distributed.strategy ddp")
+    elif col.kind == "fsdp":
+        options.append(f"--distributed.sharding {col.name}")
+    options.append(f"--train.micro_batch_size {micro_batch_size}")
+    options.append(f"--distributed.activation_checkpointing {'true' if checkpointing else 'false'}")
+    return " ".join(options)
+
+
+# --------------------------------------------------------------------------------------------
+# Printing
+# --------------------------------------------------------------------------------------------
+
+_ROWS = [
+    ("parameters", "parameters", None),
+    ("gradients", "gradients", None),
+    ("optimizer_state", "optimizer state (AdamW)", None),
+    ("activations", "activations", False),
+    ("activations_checkpointed", "activations, checkpointed", True),
+    ("logits_and_loss", "logits and loss", None),
+    ("weight_copies", "autocast weight copies", None),
+    ("buffers", "FSDP/DDP/quantization buffers", None),
+    ("step_scratch", "optimizer step scratch", None),
+    ("total", "peak", False),
+    ("total_checkpointed", "peak, checkpointed", True),
+]
+
+
+def format_table(result: dict[str, Any]) -> str:
+    cols = result["columns"]
+    figures = result["strategies"]
+    ckpt = result["activation_checkpointing"]
+    rows = [(key, label) for key, label, when in _ROWS if when is None or ckpt is None or when == ckpt]
+    biggest = max(figures[c][k] for c in cols for k, _ in rows)
+    unit, scale = ("GiB", GiB) if biggest >= GiB else ("MiB", 1024**2)
+    width = max(len(label) for _, label in rows) + 2
+    cell = max(11, *(len(c) + 2 for c in cols))
+    tokens = result["micro_batch_size"] * result["max_seq_length"]
+    what = {None: "pretraining", "full": "full fine-tuning", "lora": "LoRA"}[result["finetune"]]
+    if result["quantize"]:
+        what = f"QLoRA ({result['quantize']})"
+    lines = [
+        f"{result['model']}: {result['parameters']:,} parameters ({result['trainable_parameters']:,} trainable), "
+        f"{what}, {result['precision']}",
+        f"micro batch {result['micro_batch_size']} x {result['max_seq_length']} tokens = {tokens:,} tokens per device, "
+        f"{result['devices']} device(s) x {result['num_nodes']} node(s). Memory per device, {unit}:",
+        "",
+        "".ljust(width) + "".join(c.rjust(cell) for c in cols),
+    ]
+    for key, label in rows:
+        if key in ("total", "total_checkpointed"):
+            lines.append("-" * (width + cell * len(cols)))
+        lines.append(label.ljust(width) + "".join(f"{figures[c][key] / scale:.2f}".rjust(cell) for c in cols))
+    lines.append("")
+    lines.append(
+        "peak = parameters + gradients + optimizer state + max(activations + logits and loss + weight copies + "
+        "buffers, step scratch)"
+    )
+    for note in result["notes"]:
+        lines.append(f"note: {note}")
+    if result["recommendation"]:
+        lines.append(result["recommendation"]["message"])
+    return "\n".join(lines)
