@@ -150,3 +150,24 @@ def test_bad_input_is_one_clear_line(base, tmp_path, capsys):
     _fails_with(_args("finetune_full", base["checkpoint"], tmp_path / "e", "--quantize", "bnb.nf4"), capsys, "finetune_lora")
     _fails_with(_args("finetune_lora", base["checkpoint"], tmp_path / "f", "--lora.targets", "[querry]"), capsys, "querry", "query")
     assert not any((tmp_path / name).exists() for name in "abcdef")
+
+
+def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tmp_path):
+    """Same global batch (8): one process accumulates 4 micro-batches, two processes 2 each."""
+    import os
+    import subprocess
+    import sys
+
+    def adapter(out_dir: Path, devices: str) -> dict:
+        args = _args("finetune_lora", base["checkpoint"], out_dir, "--train.micro_batch_size", "2", "--train.max_steps", "3",
+                     "--train.learning_rate", "0.002", "--lora.dropout", "0.0", "--lora.targets", "[query, value, mlp]",
+                     "--eval.initial_validation", "false", "--devices", devices)
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=600)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return load_file(str(out_dir / "final" / "lora_adapter.safetensors"))
+
+    single, sharded = adapter(tmp_path / "one", "1"), adapter(tmp_path / "two", "2")
+    assert single.keys() == sharded.keys() and any("lora_B" in k for k in single)
+    for name in single:
+        torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)

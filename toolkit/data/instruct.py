@@ -246,6 +246,7 @@ class InstructLoader:
         pad_id: int = 0,
         ignore_index: int = IGNORE_INDEX,
         bucket_batches: int = BUCKET_BATCHES,
+        step_batch_size: Optional[int] = None,
     ) -> None:
         if micro_batch_size < 1:
             raise UserError(f"micro_batch_size must be at least 1, got {micro_batch_size}")
@@ -261,6 +262,11 @@ class InstructLoader:
         self.pad_id = pad_id
         self.ignore_index = ignore_index
         self.bucket_batches = max(1, bucket_batches)
+        # Samples per optimizer step over all ranks (the global batch). Training plans whole steps,
+        # so the samples of step k are the same whatever the world size and accumulation.
+        self.step_batch_size = step_batch_size or micro_batch_size * world_size
+        if self.step_batch_size % (micro_batch_size * world_size):
+            raise ValueError("step_batch_size must be a multiple of micro_batch_size x world_size")
         self._epoch = 0
         self._consumed = 0
         self._plan_cache: Optional[tuple[int, list["torch.Tensor"]]] = None
@@ -272,6 +278,8 @@ class InstructLoader:
 
     def __len__(self) -> int:
         """Batches per epoch on this rank (the same on every rank)."""
+        if self.shuffle:
+            return len(self.samples) // self.step_batch_size * self.step_batch_size // self.global_batch
         return _batches_per_epoch(len(self.samples), self.micro_batch_size, self.world_size, self.shuffle)
 
     def batch_indices(self, epoch: int = 0) -> list["torch.Tensor"]:
@@ -294,6 +302,8 @@ class InstructLoader:
             units = order[: (n // unit) * unit].view(-1, unit)
             return [u[self.rank * mb : (self.rank + 1) * mb] for u in units]
 
+        # Training: whole optimizer steps of `step_batch_size` samples ("units").
+        unit = self.step_batch_size
         generator = torch.Generator().manual_seed(self.seed + epoch)
         order = torch.randperm(n, generator=generator)[: (n // unit) * unit]
         if self.group_by_length and len(order):
@@ -309,7 +319,14 @@ class InstructLoader:
                 units[[0, longest]] = units[[longest, 0]]
         else:
             units = order.view(-1, unit)
-        return [u[self.rank * mb : (self.rank + 1) * mb] for u in units]
+        # A step's samples are cut into micro-batches in order; rank r accumulates the r-th run of
+        # `accumulation` consecutive micro-batches (sorted units: similar lengths in each).
+        accumulation = unit // (mb * self.world_size)
+        mine = []
+        for u in units:
+            micro = u.view(-1, mb)
+            mine.extend(micro[self.rank * accumulation : (self.rank + 1) * accumulation])
+        return mine
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -349,6 +366,7 @@ class InstructLoader:
             "samples_checksum": self.samples.checksum,
             "micro_batch_size": self.micro_batch_size,
             "world_size": self.world_size,
+            "step_batch_size": self.step_batch_size,
             "group_by_length": self.group_by_length,
             "bucket_batches": self.bucket_batches,
         }
@@ -559,7 +577,10 @@ class InstructData:
             raise RuntimeError(f"call {type(self).__name__}.setup(tokenizer, max_seq_length, model_name) first")
         return self._train
 
-    def train_dataloader(self, micro_batch_size: int, seed: int, rank: int = 0, world_size: int = 1) -> InstructLoader:
+    def train_dataloader(
+        self, micro_batch_size: int, seed: int, rank: int = 0, world_size: int = 1, global_batch_size: Optional[int] = None
+    ) -> InstructLoader:
+        """`global_batch_size`: samples per optimizer step over all ranks (default micro x world)."""
         samples = self._require_setup()
         loader = InstructLoader(
             samples,
@@ -571,6 +592,7 @@ class InstructData:
             group_by_length=self.group_by_length,
             pad_id=self.pad_id,
             ignore_index=self.ignore_index,
+            step_batch_size=global_batch_size,
         )
         if len(loader) == 0:
             raise UserError(

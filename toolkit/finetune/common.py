@@ -73,7 +73,9 @@ def run_finetune(
     session.checkpoint_filter = checkpoint_filter
     fabric = session.fabric
     with session.remove_output_on_error():
-        train_loader = data.train_dataloader(train.micro_batch_size, seed, fabric.global_rank, fabric.world_size)
+        train_loader = data.train_dataloader(
+            train.micro_batch_size, seed, fabric.global_rank, fabric.world_size, global_batch_size=train.global_batch_size
+        )
         val_loader = data.val_dataloader(train.micro_batch_size, fabric.global_rank, fabric.world_size)
         steps_per_epoch = len(train_loader) // session.plan.gradient_accumulation_iters
         if steps_per_epoch == 0:
