@@ -135,3 +135,40 @@ def test_toolkit_help_lists_commands_without_importing_torch():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "pretrain" in result.stdout and "generate" in result.stdout
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
+    """The real recipe (StreamMix of litdata streams) with local streams and a shrunken model."""
+    from toolkit.data.pretrain import optimize_text_to_stream
+    from toolkit.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer(SHARED_DATA / "tokenizers" / "llama2")  # TinyLlama uses the Llama-2 tokenizer
+    prose = optimize_text_to_stream(SHARED_DATA / "tinyshakespeare.txt", tokenizer, tmp_path / "streams" / "prose")
+    web = optimize_text_to_stream(SHARED_DATA / "pretrain" / "c4_demo.jsonl", tokenizer, tmp_path / "streams" / "web")
+    val = optimize_text_to_stream(SHARED_DATA / "pretrain" / "tinystories_train_head_197k.txt", tokenizer, tmp_path / "streams" / "val")
+    out = tmp_path / "run"
+    args = [
+        "pretrain", "--config", str(REPO / "config_hub" / "pretrain" / "tinyllama.yaml"),
+        "--out_dir", str(out), "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "llama2"),
+        "--data.train_streams", f"[{prose}, {web}]", "--data.val_stream", str(val),
+        "--devices", "1", "--precision", "32-true",
+        "--model_overrides", "{n_layer: 2, n_embd: 64, n_head: 4, n_query_groups: 2, intermediate_size: 128}",
+        "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.max_seq_length", "64",
+        "--train.max_steps", "3", "--train.warmup_steps", "1", "--eval.interval", "3", "--eval.max_iters", "2",
+        "--log.loggers", "[csv]", "--log.interval", "1",
+    ]
+    assert run(args) == 0
+    assert json.loads((out / "summary.json").read_text())["step"] == 3
+    losses = [float(r["train/loss"]) for r in _metrics(out) if r.get("train/loss")]
+    assert losses and all(0 < x < 20 for x in losses)
+
+
+def test_the_tinyllama_recipe_without_streams_says_what_to_pass(tmp_path):
+    result = _toolkit("pretrain", "--config", str(REPO / "config_hub" / "pretrain" / "tinyllama.yaml"),
+                      "--out_dir", str(tmp_path / "out"), "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "llama2"),
+                      "--devices", "1", cwd=tmp_path)
+    _assert_one_line_error(result, "data/slimpajama/train", "optimize_text_to_stream")
+    assert not (tmp_path / "out").exists()

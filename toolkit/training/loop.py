@@ -187,7 +187,7 @@ def _micro_batches(loader: Iterable[dict], state: TrainState, epochs: Optional[i
     not when the loader next raises StopIteration: a checkpoint taken right after the last batch
     then records the finished epoch, matching the loader's own position.
     """
-    per_epoch = len(loader) if hasattr(loader, "__len__") else None
+    per_epoch = _length(loader)
     empty_passes = 0
     while epochs is None or state.epoch < epochs:
         yielded = False
@@ -207,6 +207,14 @@ def _micro_batches(loader: Iterable[dict], state: TrainState, epochs: Optional[i
         empty_passes = 0 if yielded else empty_passes + 1
         if empty_passes >= 2:
             return
+
+
+def _length(loader) -> Optional[int]:
+    """Batches per epoch, or None where the loader cannot tell (a weighted mix of streams)."""
+    try:
+        return len(loader)
+    except TypeError:
+        return None
 
 
 def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
@@ -256,7 +264,8 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int) -> tuple[flo
     loss_sum = torch.zeros((), device=fabric.device)
     targets = torch.zeros((), device=fabric.device, dtype=torch.long)
     # Under FSDP every rank must run the same number of forward passes: agree on the shortest.
-    n_batches = torch.tensor(min(max_iters, len(loader)) if hasattr(loader, "__len__") else max_iters, device=fabric.device)
+    length = _length(loader)
+    n_batches = torch.tensor(max_iters if length is None else min(max_iters, length), device=fabric.device)
     if fabric.world_size > 1:
         import torch.distributed as dist
 
