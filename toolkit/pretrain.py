@@ -64,12 +64,7 @@ def pretrain(
         raise UserError(NO_DATA_HELP)
     if tokenizer_dir is None and train_tokenizer_vocab is None:
         raise UserError("Pass --tokenizer_dir <folder with tokenizer.json>, or --train_tokenizer_vocab N to train one on the data.")
-    max_seq_length = train.max_seq_length or min(config.block_size, 2048)
-    if max_seq_length > config.block_size:
-        raise UserError(
-            f"--train.max_seq_length {max_seq_length} is larger than the context of {config.name} "
-            f"({config.block_size} tokens); use at most {config.block_size}."
-        )
+    max_seq_length = train.sequence_length(config)
 
     if tokenizer_dir is not None:
         from toolkit.tokenizer import Tokenizer

@@ -51,12 +51,7 @@ def run_finetune(
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
     config = Config.from_file(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
-    max_seq_length = train.max_seq_length or min(config.block_size, 2048)
-    if max_seq_length > config.block_size:
-        raise UserError(
-            f"--train.max_seq_length {max_seq_length} is larger than the context of {config.name} "
-            f"({config.block_size} tokens); use at most {config.block_size}."
-        )
+    max_seq_length = train.sequence_length(config)
     if check_args is not None:
         check_args(config)
     # Read and tokenize the data before any process starts or anything is written: bad records fail here.

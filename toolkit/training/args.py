@@ -47,6 +47,16 @@ class TrainArgs:
         if self.max_time is not None:
             parse_duration(self.max_time)
 
+    def sequence_length(self, config) -> int:
+        """max_seq_length, defaulting to the model's context capped at 2048; longer than the context is an error."""
+        length = self.max_seq_length or min(config.block_size, 2048)
+        if length > config.block_size:
+            raise UserError(
+                f"--train.max_seq_length {length} is larger than the context of {config.name} "
+                f"({config.block_size} tokens); use at most {config.block_size}."
+            )
+        return length
+
     @property
     def max_seconds(self) -> Optional[float]:
         return None if self.max_time is None else parse_duration(self.max_time)

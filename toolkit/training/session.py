@@ -131,11 +131,17 @@ class Session:
         from toolkit.models.gpt import GPT, init_weights
 
         self.fabric.seed_everything(self.seed)
-        model = GPT(self.config)
         if init == "random":
+            model = GPT(self.config)
             init_weights(model, self.config.n_layer)
         else:
-            model.load_state_dict(init, strict=True)
+            # Build on the meta device and take the loaded tensors as they are: no throw-away
+            # random initialisation, no second copy of the weights.
+            with torch.device("meta"):
+                model = GPT(self.config)
+            model.load_state_dict(init, strict=True, assign=True)
+            if self.config.tie_embeddings:
+                model.lm_head.weight = model.embed.weight
         if prepare is not None:
             model = prepare(model) or model
         total = sum(p.numel() for p in model.parameters())
