@@ -171,3 +171,43 @@ def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tm
     assert single.keys() == sharded.keys() and any("lora_B" in k for k in single)
     for name in single:
         torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_quantized_layers_keep_passing_gradients_after_an_evaluation_pass():
+    """bitsandbytes' CPU inference kernel must not take over after validation (no_grad, eval)."""
+    from toolkit.finetune.lora import quantize_linears
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, init_weights
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("debug", n_layer=1, vocab_size=512))
+    init_weights(model, 1)
+    quantize_linears(model, "bnb.nf4", compute_dtype=torch.bfloat16)
+    layer = model.blocks[0].mlp.down_proj
+    x = torch.randn(2, 8, layer.in_features)
+
+    def input_grad():
+        x_ = x.clone().requires_grad_(True)
+        layer(x_).float().sum().backward()
+        return x_.grad
+
+    before = input_grad()
+    model.eval()
+    with torch.no_grad():
+        model(torch.randint(0, 512, (2, 8)))
+    model.train()
+    after = input_grad()
+    assert before is not None and after is not None
+    torch.testing.assert_close(after, before)
+
+
+def test_adapters_on_fused_projections_have_no_peft_copy_but_are_saved(tmp_path):
+    from toolkit.finetune.lora import LoRAArgs, write_peft_adapter
+    from toolkit.models.config import Config
+
+    adapters = {"blocks.0.attn.q_proj.lora_A.weight": torch.zeros(4, 64), "blocks.0.attn.q_proj.lora_B.weight": torch.zeros(64, 4)}
+    reason = write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-neox"))
+    assert "fused" in reason and "merge_lora" in reason
+    assert not any(tmp_path.iterdir())  # nothing half-written
+    assert write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-llama2")) is None
+    assert (tmp_path / "adapter_model.safetensors").is_file()

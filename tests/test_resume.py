@@ -143,3 +143,4 @@ def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     cmd[cmd.index("--resume") + 1] = "true"
     result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert result.returncode != 0 and "holds no usable checkpoint" in result.stderr
+    assert not (tmp_path / "empty").exists()

@@ -112,6 +112,10 @@ def quantize_linears(model, mode: str, compute_dtype):
                                               compress_statistics=double, quant_type=quant_type, device="cpu")
                     layer.weight = bnb.nn.Params4bit(child.weight.data.contiguous(), requires_grad=False,
                                                      compress_statistics=double, quant_type=quant_type)
+                    # bitsandbytes 0.50 on CPUs with AVX-512 BF16: the first forward pass in eval mode
+                    # without gradients (validation) repacks the weights for an inference-only kernel,
+                    # after which the layer passes no gradient to its input. Training needs it.
+                    layer.support_avx512bf16_for_cpu = False
                 if bias:
                     layer.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
                 setattr(parent, child_name, layer.to("cpu"))  # .to() quantizes
@@ -204,14 +208,19 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
             meta = {"base_checkpoint": str(Path(base_checkpoint).resolve()), "lora": asdict(lora), "quantize": quantize}
             (tmp / LORA_META).write_text(json.dumps(meta, indent=2) + "\n")
             save_checkpoint_files(tmp, {}, session.config, session.tokenizer_dir, weights=False)
-            write_peft_adapter(tmp, adapters, lora, session.config)
+            skipped = write_peft_adapter(tmp, adapters, lora, session.config)
+        if skipped:
+            fabric.print(f"Note: {skipped}.")
         fabric.print(f"Saved the LoRA adapter ({sum(v.numel() for v in adapters.values()):,} parameters) to {target}")
     fabric.barrier()
     return target
 
 
-def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) -> None:
-    """peft's own adapter format, with the module names of the Hugging Face export of the base."""
+def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) -> Optional[str]:
+    """peft's own adapter format, with the module names of the Hugging Face export of the base.
+
+    Returns why it could not be written (an adapter on a projection that Hugging Face fuses), or None.
+    """
     from safetensors.torch import save_file
 
     from toolkit.convert.weight_maps import toolkit_to_hf_name
@@ -221,9 +230,9 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
         module, lora_part = name.split(".lora_")  # blocks.0.attn.q_proj, A.weight
         hf_name, index, parts = toolkit_to_hf_name(config.family, module + ".weight")
         if parts > 1:
-            raise UserError(
+            return (
                 f"{config.family} stores {module.rsplit('.', 1)[-1]} fused with other projections in Hugging Face "
-                "format, so this adapter has no peft equivalent: use `toolkit merge_lora` and export the merged model."
+                "format, so this adapter has no peft-format copy; use `toolkit merge_lora` and export the merged model"
             )
         hf_module = hf_name.removesuffix(".weight")
         hf_modules.add(hf_module.rsplit(".", 1)[-1])
@@ -236,6 +245,7 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
         if isinstance(value, set):
             peft_config[key] = sorted(value)
     (directory / "adapter_config.json").write_text(json.dumps(peft_config, indent=2, default=str) + "\n")
+    return None
 
 
 def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> Path:

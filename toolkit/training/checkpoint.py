@@ -94,7 +94,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save(
     fabric, out_dir: Path, model, optimizer, loader, train_state: dict, run_shape: dict, config,
-    keep_last: Optional[int], model_filter: Optional[Callable[[str], bool]] = None,
+    keep_last: Optional[int], model_filter: Optional[Callable[[str], bool]] = None, tokenizer_dir: Optional[Path] = None,
 ) -> Path:
     """Write one checkpoint atomically (collective: every rank calls it). Returns its folder.
 
@@ -124,6 +124,12 @@ def save(
 
     if fabric.global_rank == 0:
         config.save(tmp)
+        if tokenizer_dir is not None:  # so that convert_pretrained_checkpoint gives a usable model on its own
+            from toolkit.tokenizer import TOKENIZER_FILES
+
+            for name in TOKENIZER_FILES:
+                if (Path(tokenizer_dir) / name).is_file():
+                    shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
         files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(tmp)}
         meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
                 "filtered": filter is not None, "files": files}
@@ -205,7 +211,16 @@ def find_resume_checkpoint(fabric, out_dir: Path, resume: Union[bool, str, Path]
 def check_compatible(checkpoint: Path, run_shape: dict) -> None:
     """Refuse to resume a run whose model, global batch or world size differs, saying what differs."""
     saved = json.loads((checkpoint / META).read_text())["run"]
-    different = [f"{key}: checkpoint has {saved.get(key)!r}, this run {value!r}" for key, value in run_shape.items() if saved.get(key) != value]
+    different = []
+    for key, value in run_shape.items():
+        old = saved.get(key)
+        if old == value:
+            continue
+        if isinstance(old, dict) and isinstance(value, dict):  # the model config: name the fields
+            fields = sorted(k for k in set(old) | set(value) if old.get(k) != value.get(k))
+            different += [f"model {k}: checkpoint has {old.get(k)!r}, this run {value.get(k)!r}" for k in fields]
+        else:
+            different.append(f"{key}: checkpoint has {old!r}, this run {value!r}")
     if different:
         raise UserError(f"Cannot resume from {checkpoint}: " + "; ".join(different) + ". Start a new --out_dir or restore the settings.")
 

@@ -168,7 +168,8 @@ def _step_limit(train: TrainArgs, tokens_per_step: Optional[int], total_steps: O
 
 def _should_stop(fabric, state: TrainState, train: TrainArgs, step_limit, max_seconds, run_start) -> Optional[str]:
     if step_limit is not None and state.step >= step_limit:
-        return f"reached {step_limit} steps" + (f" (max_tokens={train.max_tokens:,})" if train.max_tokens else "")
+        by_tokens = train.max_tokens and (not train.max_steps or step_limit < train.max_steps)
+        return f"reached {step_limit} steps" + (f" (the last whole step within max_tokens={train.max_tokens:,})" if by_tokens else "")
     if train.max_tokens and state.tokens_seen >= train.max_tokens:
         return f"reached max_tokens={train.max_tokens:,}"
     if max_seconds is not None:

@@ -70,15 +70,22 @@ class Session:
         """Validate what can be validated before any process starts, then launch Fabric."""
         from toolkit.models.gpt import Block
 
+        from toolkit.training.checkpoint import list_checkpoints
+
         out_dir = Path(out_dir)
         check_out_dir(out_dir, resume)
+        if resume in (True, "true", "True") and not list_checkpoints(out_dir):
+            raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
+        # The batch arithmetic is checked once, here, before any process starts.
+        strategy = plan_strategy(devices, num_nodes, precision, distributed)
+        plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         created_out_dir = not out_dir.exists()
         fabric = build_fabric(
             devices=devices, num_nodes=num_nodes, precision=precision, dist=distributed, block_cls=Block,
             loggers=_make_loggers(out_dir, log),
         )
         fabric.launch()
-        fabric.print(plan_strategy(devices, num_nodes, precision, distributed).describe())
+        fabric.print(strategy.describe())
         devices_per_node = fabric.world_size // num_nodes
         plan = plan_batches(devices_per_node, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         fabric.print(plan.table())
@@ -200,7 +207,7 @@ class Session:
         def save(current: TrainState) -> None:
             checkpoint.save(
                 self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape,
-                self.config, self.train.keep_last, model_filter=self.checkpoint_filter,
+                self.config, self.train.keep_last, model_filter=self.checkpoint_filter, tokenizer_dir=self.tokenizer_dir,
             )
             saved_steps.add(current.step)
 
