@@ -1,0 +1,115 @@
+"""Every YAML recipe under config_hub/ parses and instantiates against the entry point that runs it.
+
+The folder decides the entry point: pretrain/*.yaml -> `toolkit pretrain`, finetune/<model>/full.yaml
+-> `toolkit finetune_full`, finetune/<model>/{lora,qlora}.yaml -> `toolkit finetune_lora`. Parsing
+goes through the CLI's own parser, so a misspelled key, a wrong type or an unknown data class_path
+fails here. Then the cheap checks a run would do before it starts: the model exists, the batch
+splits over the devices, the sequence fits the context. Nothing reads data or weights (data modules
+only store their paths until a run sets them up), so this stays fast.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolkit.cli import COMMANDS, _load, build_parser
+
+CONFIG_HUB = Path(__file__).resolve().parents[1] / "config_hub"
+
+FINETUNE_MODELS = (
+    "tiny-llama-1.1b", "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b",
+    "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "phi-2", "pythia-160m",
+)
+EXPECTED = {
+    "pretrain/debug.yaml",
+    "pretrain/tinyllama.yaml",
+    "pretrain/pythia-160m.yaml",
+    *(f"finetune/{model}/{kind}.yaml" for model in FINETUNE_MODELS for kind in ("full", "lora", "qlora")),
+}
+# Placeholder positional arguments for a YAML that leaves them to the command line.
+POSITIONAL = {"pretrain": ["model_name", "debug"], "finetune_full": ["checkpoint_dir", "checkpoints/x"],
+              "finetune_lora": ["checkpoint_dir", "checkpoints/x"]}
+
+
+def entry_point(relative: str) -> str:
+    parts = Path(relative).parts
+    if parts[0] == "pretrain" and len(parts) == 2:
+        return "pretrain"
+    if parts[0] == "finetune" and len(parts) == 3:
+        return {"full.yaml": "finetune_full", "lora.yaml": "finetune_lora", "qlora.yaml": "finetune_lora"}[parts[2]]
+    raise AssertionError(f"config_hub/{relative}: no entry point for this location; add it to entry_point()")
+
+
+def all_yamls() -> list[str]:
+    return sorted(str(p.relative_to(CONFIG_HUB)) for p in CONFIG_HUB.rglob("*.yaml"))
+
+
+_PARSERS: dict[str, object] = {}
+
+
+def parse(relative: str):
+    """(entry point name, raw YAML dict, instantiated arguments) for one recipe."""
+    name = entry_point(relative)
+    if name not in _PARSERS:
+        _PARSERS[name] = build_parser(name, _load(COMMANDS[name][0]))
+    parser = _PARSERS[name]
+    path = CONFIG_HUB / relative
+    raw = yaml.safe_load(path.read_text())
+    key, placeholder = POSITIONAL[name]
+    argv = ["--config", str(path)] + ([] if key in raw else [placeholder])
+    cfg = parser.parse_args(argv)
+    return name, raw, parser.instantiate(cfg)
+
+
+def test_the_expected_recipes_exist():
+    missing = sorted(EXPECTED - set(all_yamls()))
+    assert not missing, f"missing recipes: {missing}"
+
+
+@pytest.mark.parametrize("relative", all_yamls())
+def test_recipe_parses_and_is_consistent(relative):
+    from toolkit.models.config import Config
+    from toolkit.models.presets import find_preset
+    from toolkit.training.distributed import plan_batches, plan_strategy, resolve_devices
+
+    name, raw, args = parse(relative)
+    if name == "pretrain":
+        config = Config.from_name(args["model_name"], **(args["model_overrides"] or {}))
+        assert args["data"] is not None, "a pretraining recipe names its data"
+        assert args["tokenizer_dir"] is not None or args["train_tokenizer_vocab"], "no tokenizer"
+    else:
+        model = Path(relative).parts[1]
+        config = Config.from_name(model)  # the folder is named after a preset
+        assert find_preset(model)["name"] == model
+        checkpoint = str(args["checkpoint_dir"])
+        assert "checkpoint_dir" in raw, "fine-tuning recipes name the checkpoint `toolkit download` writes"
+        assert checkpoint == f"checkpoints/{config.hf_repo_id}", checkpoint
+        data = args["data"]
+        assert type(data).__name__ == "Alpaca" and str(data.json_path) == "data/alpaca/alpaca_data_cleaned.json"
+        qlora = relative.endswith("qlora.yaml")
+        assert (args.get("quantize") is not None) == qlora
+        if qlora:
+            assert args["quantize"] == "bnb.nf4"
+            assert "head" not in args["lora"].targets  # refused with --quantize
+        if name == "finetune_lora" and config.family == "gpt_neox":
+            # Hugging Face fuses GPT-NeoX's query/key/value: adapters on them have no peft export,
+            # and the run would fail when it writes the final adapter.
+            assert not {"query", "key", "value"} & set(args["lora"].targets)
+
+    train = args["train"]
+    max_seq_length = train.max_seq_length or min(config.block_size, 2048)
+    assert max_seq_length <= config.block_size
+    # The checks a run makes before it starts; recipes that name a precision are GPU recipes.
+    accelerator = "cuda" if args["precision"] else "cpu"
+    devices, num_nodes = resolve_devices(args["devices"], accelerator), args["num_nodes"]
+    if args.get("quantize") is not None:
+        assert devices * num_nodes == 1, "--quantize runs on one device"
+    plan_strategy(devices, num_nodes, args["precision"], args["distributed"], accelerator=accelerator)
+    plan_batches(devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
+    if name == "pretrain":
+        assert train.max_steps or train.max_tokens or train.max_time, "a pretraining recipe needs a stopping rule"
+    # The command in the header comment runs this very file.
+    assert f"--config config_hub/{relative}" in (CONFIG_HUB / relative).read_text()
