@@ -55,6 +55,14 @@ def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp
     final = out / "final"
     assert {"model.safetensors", "model_config.json", "tokenizer.json"} <= {p.name for p in final.iterdir()}
     assert run(["generate", str(final), "--prompt", "ROMEO:", "--max_new_tokens", "5", "--temperature", "0"]) == 0
+    assert run(["generate", str(final), "--prompt", "Name a king.", "--prompt_style", "alpaca", "--max_new_tokens", "3"]) == 0
+
+    # Continued pretraining starts from those weights: its first validation is the trained model's.
+    again = tmp_path / "continued"
+    assert run(_pretrain_args(again, "--initial_checkpoint_dir", str(final), "--train.max_steps", "1",
+                              "--eval.initial_validation", "true", "--eval.final_validation", "false")) == 0
+    first_val = [float(r["val/loss"]) for r in _metrics(again) if r.get("val/loss")][0]
+    assert abs(first_val - val[-1]) < 1e-3, (first_val, val[-1])
 
 
 def test_max_tokens_stops_before_exceeding_the_budget(tmp_path):

@@ -75,6 +75,7 @@ def generate(
     seed: int = 1234,
     device: str = "auto",
     precision: Optional[str] = None,
+    prompt_style: Optional[str] = None,
 ) -> list[str]:
     """Sample text from a toolkit checkpoint.
 
@@ -89,6 +90,8 @@ def generate(
         seed: Random seed.
         device: "auto", "cpu" or "cuda".
         precision: "bf16-true" or "32-true"; default bf16 on GPUs that support it, float32 on CPU.
+        prompt_style: Wrap the prompt as an instruction in this style (alpaca, chatml, llama-3, ...),
+            as fine-tuning did; "auto" picks the model's default style. None: the prompt as written.
     """
     from toolkit.checkpoint import load_model, require_checkpoint_dir
     from toolkit.tokenizer import Tokenizer
@@ -105,6 +108,11 @@ def generate(
         raise UserError(f"--precision must be one of {', '.join(dtypes)} for generation, got {precision!r}.")
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device=device, dtype=dtypes[precision])
+    if prompt_style is not None:
+        from toolkit.data.prompts import resolve_style
+
+        style = resolve_style(None if prompt_style == "auto" else prompt_style, model.config)
+        prompt = style.apply(prompt)
     encoded = tokenizer.encode(prompt).to(device)
     if encoded.numel() == 0:
         if tokenizer.bos_id is None:

@@ -34,6 +34,7 @@ def pretrain(
     precision: Optional[str] = None,
     seed: int = 42,
     resume: Union[bool, str, Path] = False,
+    initial_checkpoint_dir: Optional[Path] = None,
 ) -> None:
     """Pretrain a model from randomly initialised weights.
 
@@ -56,10 +57,18 @@ def pretrain(
         seed: Random seed for initialisation and data order.
         resume: false; "auto" to continue from the newest checkpoint in out_dir if there is one; true
             to require one; or the path of a training checkpoint.
+        initial_checkpoint_dir: Start from the weights of this toolkit checkpoint instead of random
+            ones (continued pretraining; also how a run moves to another number of devices: export
+            with `convert_pretrained_checkpoint`, then start here). Its model config is used.
     """
     from toolkit.training.session import Session
 
-    config = Config.from_name(model_name, **(model_overrides or {}))
+    if initial_checkpoint_dir is not None:
+        from toolkit.checkpoint import require_checkpoint_dir
+
+        config = Config.from_file(require_checkpoint_dir(initial_checkpoint_dir))
+    else:
+        config = Config.from_name(model_name, **(model_overrides or {}))
     if data is None:
         raise UserError(NO_DATA_HELP)
     if tokenizer_dir is None and train_tokenizer_vocab is None:
@@ -94,7 +103,12 @@ def pretrain(
         train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed, rank=rank, world_size=world_size)
         val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
 
-    model = session.build_model(init="random")
+    if initial_checkpoint_dir is not None:
+        from toolkit.checkpoint import load_state_dict
+
+        model = session.build_model(init=load_state_dict(initial_checkpoint_dir))
+    else:
+        model = session.build_model(init="random")
     optimizer = session.build_optimizer(model)
     tokens_per_step = session.plan.tokens_per_step
     total_steps = None
