@@ -115,3 +115,18 @@ def test_two_fsdp_processes_killed_and_resumed_from_a_sharded_checkpoint(tmp_pat
     wa, wb = _final_weights(reference), _final_weights(killed)
     for name in wa:
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0, msg=name)
+
+
+def test_lora_killed_in_the_middle_of_saving_its_adapter_checkpoint(base, tmp_path):
+    """The adapter-only (filtered) checkpoint is as crash-safe as a full one."""
+    reference, killed = tmp_path / "reference", tmp_path / "killed"
+    cmd = lambda out, steps: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.max_steps", str(steps))  # noqa: E731
+    _run(cmd(reference, 6))
+    # The step-3 save completes; the process is killed inside the second one, at step 6.
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOOLKIT_KILL_AT="save:2")
+    crashed = subprocess.run(cmd(killed, 6), capture_output=True, text=True, env=env, timeout=600)
+    assert crashed.returncode == -signal.SIGKILL
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.endswith(".tmp")) == ["step-00000003"]
+    result = _run(cmd(killed, 6))
+    assert "Resumed from" in result.stdout and "step-00000003" in result.stdout
+    _assert_identical(reference, killed)

@@ -148,13 +148,22 @@ def save(
     return final
 
 
+_FAULT_COUNTS: dict[str, int] = {}
+
+
 def _fault_point(name: str) -> None:
-    """Crash tests: TOOLKIT_KILL_AT=save kills this process with SIGKILL half-way through a save.
+    """Crash tests: TOOLKIT_KILL_AT=save (or save:N, the N-th save of this process) kills the
+    process with SIGKILL half-way through a save.
 
     Nothing but the crash-safety tests sets the variable; it exists so they can kill a run at a
     precise point instead of hoping a timer lands inside a save.
     """
-    if os.environ.get("TOOLKIT_KILL_AT") == name:
+    target = os.environ.get("TOOLKIT_KILL_AT", "")
+    point, _, nth = target.partition(":")
+    if point != name:
+        return
+    _FAULT_COUNTS[name] = _FAULT_COUNTS.get(name, 0) + 1
+    if _FAULT_COUNTS[name] == int(nth or 1):
         import signal
 
         os.kill(os.getpid(), signal.SIGKILL)
