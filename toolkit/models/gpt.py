@@ -58,7 +58,22 @@ class GPT(nn.Module):
         x = self.norm_f(x)
         if labels is None:
             return self.lm_head(x)
-        return cross_entropy_sum(self.lm_head(x), labels)
+        return self.head_loss(x, labels)
+
+    def head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Summed cross-entropy of `lm_head(x)` against `labels`, equal to `cross_entropy_sum(lm_head(x), labels)`.
+
+        A plain `nn.Linear` head goes through `linear_cross_entropy_sum`, which never holds the
+        whole (B * T, V) float32 logits; under torch.compile it runs eagerly, outside the graph.
+        Anything else in its place (a peft LoRA layer, a quantized layer, a head with hooks) takes
+        the plain path.
+        """
+        head = self.lm_head
+        if type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
+            if _compiling():
+                return _outside_compile(linear_cross_entropy_sum)(x, head.weight, head.bias, labels)
+            return linear_cross_entropy_sum(x, head.weight, head.bias, labels)
+        return cross_entropy_sum(head(x), labels)
 
     # ------------------------------------------------------------------ KV cache
     def set_kv_cache(self, batch_size: int, max_seq_length: int, device=None, dtype=None) -> None:
@@ -290,6 +305,186 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return F.cross_entropy(
         logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+# The fused loss computes the logits of this many bytes of float32 rows at a time (at least one row).
+LOSS_CHUNK_BYTES = 128 * 2**20
+
+
+def linear_cross_entropy_sum(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    labels: torch.Tensor,
+    chunk_rows: Optional[int] = None,
+    skip_ignored: Optional[bool] = None,
+) -> torch.Tensor:
+    """`cross_entropy_sum(F.linear(hidden, weight, bias), labels)` without the full logits.
+
+    hidden (..., E), weight (V, E), bias (V,) or None, labels (...). The rows are processed in
+    chunks of `chunk_rows` (default: LOSS_CHUNK_BYTES of float32 logits). For each chunk the
+    forward pass computes the logits, their float32 log-softmax, the loss, and at once the gradient
+    of the loss with respect to `hidden`, `weight` and `bias` (softmax minus one-hot, pushed
+    through the head). Only those gradients are kept for the backward pass, which scales them by
+    the incoming gradient. Next to the plain computation this drops the (B * T, V) float32 logits,
+    log-probabilities and their gradients from memory, and the same matrix products are done.
+
+    Rows whose label is IGNORE_INDEX are left out before the head when `skip_ignored` (default: on
+    CPU), so padding and masked prompts cost nothing; otherwise they are computed and weighted by 0,
+    because finding them would make the host wait for the device.
+    Under autocast the products run in the autocast dtype, as `nn.Linear` would; the softmax and
+    the sums are float32.
+    """
+    E = hidden.shape[-1]
+    hidden, labels = hidden.reshape(-1, E), labels.reshape(-1)
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type) and weight.is_floating_point():
+        dtype = torch.get_autocast_dtype(device_type)
+    else:
+        dtype = weight.dtype
+    if chunk_rows is None:
+        chunk_rows = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
+    if skip_ignored is None:
+        skip_ignored = device_type == "cpu"
+    # Under no_grad (validation) the Function still reports that its inputs require grad: ask here.
+    want_grad = torch.is_grad_enabled()
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad)
+
+
+class _LinearCrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad):
+        n_rows, E = hidden.shape
+        need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
+        need_b = want_grad and bias is not None and ctx.needs_input_grad[2]
+        need_grad = need_h or need_w or need_b
+        device = hidden.device
+        rows = mask = None
+        valid = labels != IGNORE_INDEX
+        if skip_ignored:
+            rows = valid.nonzero().squeeze(1)
+            if rows.numel() == n_rows:
+                rows = None
+        else:
+            mask = valid
+        with torch.autocast(device.type, enabled=False):
+            h = hidden if rows is None else hidden.index_select(0, rows)
+            y = labels if rows is None else labels.index_select(0, rows)
+            if mask is not None:
+                y = y.masked_fill(~mask, 0)  # any valid class: these rows are weighted by 0 below
+            h, w = h.to(dtype), weight.to(dtype)
+            b = None if bias is None else bias.to(dtype)
+            n = h.shape[0]
+            loss = torch.zeros((), dtype=torch.float32, device=device)
+            grad_h = torch.empty((n, E), dtype=dtype, device=device) if need_h else None
+            grad_w = None
+            if need_w:  # the first chunk writes it (no zero-fill), unless there is no chunk at all
+                grad_w = (torch.empty if n else torch.zeros)(weight.shape, dtype=torch.float32, device=device)
+            grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
+            if n:  # equal chunks: a small last chunk would stream the whole weight for a few rows
+                chunk_rows = math.ceil(n / math.ceil(n / chunk_rows))
+            # One logits buffer and one float32 log-softmax buffer serve every chunk (on CPU, every
+            # call: see _scratch). log_softmax may write over its input on CPU (each row is read
+            # before it is written).
+            shape = (min(chunk_rows, n), w.shape[0])
+            in_place = dtype == torch.float32 and device.type == "cpu"
+            logits_buf = _scratch(shape, dtype, device, 0)
+            logp_buf = logits_buf if in_place else _scratch(shape, torch.float32, device, 1)
+            for start in range(0, n, chunk_rows):
+                end = min(start + chunk_rows, n)
+                hc, yc = h[start:end], y[start:end]
+                logits = logits_buf[: end - start]
+                if b is None:
+                    torch.mm(hc, w.t(), out=logits)
+                else:
+                    torch.addmm(b, hc, w.t(), out=logits)
+                logp = torch.log_softmax(logits, dim=1, dtype=torch.float32, out=logp_buf[: end - start])
+                picked = logp.gather(1, yc.unsqueeze(1)).squeeze(1)  # log-probability of each label
+                if mask is not None:
+                    loss -= (picked * mask[start:end]).sum()
+                else:
+                    loss -= picked.sum()
+                if not need_grad:
+                    continue
+                grad = logp.exp_()  # softmax; d(loss)/d(logits) = softmax - one_hot(label)
+                grad.scatter_add_(1, yc.unsqueeze(1), grad.new_full((end - start, 1), -1.0))
+                if mask is not None:
+                    grad.mul_(mask[start:end].unsqueeze(1))
+                if need_b:
+                    grad_b += grad.sum(0)
+                if dtype != torch.float32:
+                    grad = _scratch(shape, dtype, device, 2)[: end - start].copy_(grad)
+                if need_h:
+                    torch.mm(grad, w, out=grad_h[start:end])
+                if need_w:
+                    if dtype != torch.float32:
+                        grad_w.add_(grad.t() @ hc) if start else grad_w.copy_(grad.t() @ hc)
+                    elif start:
+                        grad_w.addmm_(grad.t(), hc)
+                    else:
+                        torch.mm(grad.t(), hc, out=grad_w)
+        ctx.n_rows, ctx.dtypes = n_rows, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.save_for_backward(grad_h, grad_w, grad_b, rows)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w, grad_b, rows = ctx.saved_tensors
+        h_dtype, w_dtype, b_dtype = ctx.dtypes
+        d_hidden = d_weight = d_bias = None
+        if grad_h is not None:
+            d_hidden = (grad_h * grad_loss).to(h_dtype)
+            if rows is not None:
+                d_hidden = d_hidden.new_zeros((ctx.n_rows, d_hidden.shape[1])).index_copy_(0, rows, d_hidden)
+        if grad_w is not None:
+            d_weight = (grad_w * grad_loss).to(w_dtype)
+        if grad_b is not None:
+            d_bias = (grad_b * grad_loss).to(b_dtype)
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+_SCRATCH: dict = {}
+
+
+def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
+    """A reusable (rows, V) buffer for the fused loss's logits.
+
+    On CPU a fresh buffer of this size (hundreds of MB) is memory-mapped anew at every call, and
+    writing it first costs a page fault per 4 KiB (~40% of the time of the matrix product that fills
+    it), so the largest buffer asked for is kept and reused (one per dtype and slot, at most
+    LOSS_CHUNK_BYTES each). CUDA's caching allocator already reuses memory: other devices allocate.
+    """
+    numel = shape[0] * shape[1]
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    key = (dtype, slot)
+    buffer = _SCRATCH.get(key)
+    if buffer is None or buffer.numel() < numel:
+        _SCRATCH.pop(key, None)
+        buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype)
+    return buffer[:numel].view(shape)
+
+
+def _compiling() -> bool:
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and compiler.is_compiling())
+
+
+_EAGER: dict = {}
+
+
+def _outside_compile(fn):
+    """`fn` wrapped so that torch.compile leaves it out of the graph and calls it as it is.
+
+    The fused loss computes its gradients in the forward pass with data-dependent row selection;
+    compiled, it would be traced into the graph or replaced by the plain loss. Created on first use
+    (inside a compiled region torch._dynamo is loaded already; importing it eagerly would slow every
+    start-up).
+    """
+    wrapped = _EAGER.get(fn)
+    if wrapped is None:
+        wrapped = _EAGER[fn] = torch.compiler.disable(fn)
+    return wrapped
 
 
 @torch.no_grad()

@@ -1,0 +1,207 @@
+"""The fused head + cross-entropy (`linear_cross_entropy_sum`) against the plain computation.
+
+Plain: `F.cross_entropy(F.linear(h, W, b).float(), labels, ignore_index=-100, reduction="sum")`,
+whose loss and gradients (w.r.t. h, W, b) the fused version must reproduce within float tolerance,
+whatever the chunking, the ignored rows, the bias, weight tying or autocast. All on small random
+tensors: the whole file runs in a few seconds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from toolkit.models import gpt
+from toolkit.models.config import Config
+from toolkit.models.gpt import GPT, IGNORE_INDEX, cross_entropy_sum, init_weights, linear_cross_entropy_sum
+
+N, E, V = 37, 16, 101  # rows, hidden size, vocabulary: odd sizes so that chunks do not divide evenly
+
+
+def _inputs(bias: bool, ignored: float, seed: int = 0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(N, E, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.randn(V, E, generator=g, dtype=dtype) * 0.5).requires_grad_()
+    b = (torch.randn(V, generator=g, dtype=dtype) * 0.5).requires_grad_() if bias else None
+    labels = torch.randint(0, V, (N,), generator=g)
+    labels[torch.rand(N, generator=g) < ignored] = IGNORE_INDEX
+    return h, w, b, labels
+
+
+def _grads(loss, tensors):
+    tensors = [t for t in tensors if t is not None]
+    return [g for g in torch.autograd.grad(loss, tensors)]
+
+
+def _plain(h, w, b, labels):
+    return cross_entropy_sum(F.linear(h, w, b), labels)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("ignored", [0.0, 0.4])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 64])
+@pytest.mark.parametrize("skip_ignored", [True, False])
+def test_loss_and_gradients_match_plain_cross_entropy(bias, ignored, chunk_rows, skip_ignored):
+    h, w, b, labels = _inputs(bias, ignored)
+    want = _plain(h, w, b, labels)
+    want_grads = _grads(want, (h, w, b))
+    got = linear_cross_entropy_sum(h, w, b, labels, chunk_rows=chunk_rows, skip_ignored=skip_ignored)
+    got_grads = _grads(got, (h, w, b))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    for g, ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_ignored_rows_get_zero_gradient_and_add_nothing():
+    h, w, b, labels = _inputs(True, 0.5)
+    ignored = labels == IGNORE_INDEX
+    assert ignored.any() and (~ignored).any()
+    loss = linear_cross_entropy_sum(h, w, b, labels)
+    (grad_h,) = torch.autograd.grad(loss, (h,))
+    assert (grad_h[ignored] == 0).all()
+    # the loss over the kept rows alone is the same number
+    kept = linear_cross_entropy_sum(h[~ignored], w, b, labels[~ignored])
+    torch.testing.assert_close(loss, kept)
+
+
+def test_all_rows_ignored_gives_zero_loss_and_gradients():
+    h, w, b, labels = _inputs(True, 1.1)
+    assert (labels == IGNORE_INDEX).all()
+    for skip in (True, False):
+        loss = linear_cross_entropy_sum(h, w, b, labels, skip_ignored=skip)
+        grads = _grads(loss, (h, w, b))
+        assert loss.item() == 0.0 == _plain(h, w, b, labels).item()
+        assert all((g == 0).all() for g in grads)
+
+
+def test_incoming_gradient_scales_every_gradient():
+    """The loop backpropagates loss_sum * scale: the stored gradients must be multiplied by it."""
+    h, w, b, labels = _inputs(True, 0.2)
+    scale = torch.tensor(0.37)
+    want = _grads(_plain(h, w, b, labels) * scale + 2.0 * _plain(h, w, b, labels), (h, w, b))
+    fused = linear_cross_entropy_sum(h, w, b, labels)
+    got = _grads(fused * scale + 2.0 * fused, (h, w, b))
+    for g, ref in zip(got, want):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_shapes_and_partial_requires_grad():
+    h, w, b, labels = _inputs(False, 0.3)
+    w.requires_grad_(False)
+    hb, lb = h.reshape(1, N, E), labels.reshape(1, N)
+    got = linear_cross_entropy_sum(hb, w, None, lb)
+    (grad_h,) = torch.autograd.grad(got, (h,))
+    want = _plain(h, w, None, labels)
+    (want_h,) = torch.autograd.grad(want, (h,))
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(grad_h, want_h, rtol=1e-5, atol=1e-6)
+
+
+def test_no_grad_computes_the_loss_only(monkeypatch):
+    h, w, b, labels = _inputs(True, 0.3)
+    with torch.no_grad():
+        got = linear_cross_entropy_sum(h, w, b, labels)
+        want = _plain(h, w, b, labels)
+    torch.testing.assert_close(got, want)
+    assert not got.requires_grad
+
+
+def test_bf16_autocast_matches_plain_autocast():
+    h, w, b, labels = _inputs(True, 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = _plain(h, w, b, labels)
+        got = linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8)
+    want_grads = _grads(want, (h, w, b))
+    got_grads = _grads(got, (h, w, b))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-2)
+    for g, ref in zip(got_grads, want_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_bf16_weights_give_bf16_gradients():
+    h, w, b, labels = _inputs(False, 0.3, dtype=torch.bfloat16)
+    got = linear_cross_entropy_sum(h, w, None, labels)
+    want = _plain(h, w, None, labels)
+    got_grads, want_grads = _grads(got, (h, w)), _grads(want, (h, w))
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-1)
+    for g, ref in zip(got_grads, want_grads):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+
+# ------------------------------------------------------------------------------ through the model
+
+
+def _model_and_batch(name: str, seed: int = 0, **overrides):
+    config = Config.from_name(name, **overrides)
+    torch.manual_seed(seed)
+    model = GPT(config)
+    init_weights(model, config.n_layer)
+    ids = torch.randint(0, config.vocab_size, (2, 24))
+    labels = torch.randint(0, config.vocab_size, (2, 24))
+    labels[0, :5] = IGNORE_INDEX  # a masked prompt
+    labels[1, -7:] = IGNORE_INDEX  # padding
+    return model, ids, labels
+
+
+@pytest.mark.parametrize("name", ["debug-neox", "debug-gemma", "debug-phi"])
+def test_model_loss_equals_plain_loss_on_its_logits(name):
+    """GPT(ids, labels) (fused) == cross_entropy_sum(GPT(ids), labels), gradients included.
+
+    debug-gemma ties the head to the embedding (both gradients land on one tensor); debug-phi has a
+    bias on the head.
+    """
+    model, ids, labels = _model_and_batch(name)
+    params = [p for p in model.parameters()]
+    fused = model(ids, labels=labels)
+    fused_grads = torch.autograd.grad(fused, params)
+    plain = cross_entropy_sum(model(ids), labels)
+    plain_grads = torch.autograd.grad(plain, params)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+    for (n, _), g, ref in zip(model.named_parameters(), fused_grads, plain_grads):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_head_with_lora_takes_the_plain_path(monkeypatch):
+    peft = pytest.importorskip("peft")
+    model, ids, labels = _model_and_batch("debug-neox")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the fused loss must not bypass a LoRA head")
+
+    monkeypatch.setattr(gpt, "linear_cross_entropy_sum", refuse)
+    loss = model(ids, labels=labels)
+    torch.testing.assert_close(loss, cross_entropy_sum(model(ids), labels))
+    loss.backward()
+
+
+def test_plain_linear_head_takes_the_fused_path(monkeypatch):
+    model, ids, labels = _model_and_batch("debug-neox")
+    calls = []
+    original = gpt.linear_cross_entropy_sum
+    monkeypatch.setattr(gpt, "linear_cross_entropy_sum", lambda *a, **k: calls.append(1) or original(*a, **k))
+    model(ids, labels=labels)
+    assert calls == [1]
+
+
+@pytest.mark.slow
+def test_compiled_model_keeps_the_fused_loss_outside_the_graph(monkeypatch):
+    """Under torch.compile the fused loss runs eagerly (graph break), with the same result."""
+    model, ids, labels = _model_and_batch("debug-neox")
+    calls = []
+    original = gpt.linear_cross_entropy_sum
+
+    def counting(*args, **kwargs):
+        calls.append(torch.compiler.is_compiling())
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(gpt, "linear_cross_entropy_sum", counting)
+    want = model(ids, labels=labels)
+    got = torch.compile(model)(ids, labels=labels)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    assert calls and not any(calls)  # called, and never while tracing
+    got.backward()
