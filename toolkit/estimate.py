@@ -8,8 +8,13 @@ For every strategy it splits the memory of one device into:
     optimizer state   AdamW: exp_avg and exp_avg_sq per trainable weight, in the weight's dtype
     activations       what autograd saves in the forward pass for the backward pass, derived op by op
                       from `toolkit.models.gpt` (see `_Tracer`), with and without checkpointing
-    logits and loss   the float32 log-softmax the loss keeps, plus the two (tokens x vocab) float32
-                      gradients its backward creates at the start of the backward pass
+    logits and loss   the head and the loss. A plain head takes the fused loss
+                      (`linear_cross_entropy_sum`): it keeps the loss's gradients with respect to the
+                      head's input (tokens x E, compute dtype) and trainable weight and bias (float32),
+                      and briefly holds one chunk of logits (at most LOSS_CHUNK_BYTES of float32 rows)
+                      in the forward pass, or the outgoing gradients in the backward pass. A LoRA head
+                      takes the plain loss: the float32 log-softmax it keeps, plus the two
+                      (tokens x vocab) float32 gradients its backward creates
     weight copies     bf16 copies of float32 weights that autocast makes (single device / DDP)
     buffers           FSDP's gathered (unsharded) weights and unreduced gradients; DDP's gradient buckets;
                       bitsandbytes' dequantized weight
@@ -51,6 +56,12 @@ What is assumed, and where it comes from:
   every gathered block from forward to backward. The head's gradient is held unsharded until the
   root unit's gradients are reduced at the end of the backward pass.
 - DDP keeps a second copy of the gradients in its communication buckets.
+- The loss (`GPT.head_loss`): a plain `nn.Linear` head goes through the fused
+  `linear_cross_entropy_sum`, which computes the loss's gradients in the forward pass in chunks and
+  keeps only them (no autocast weight copy of the head). Every label is assumed to count: on CPU,
+  ignored rows would be skipped (and their indices kept); on GPUs they are computed and weighted
+  by 0. On CPU the chunk buffers are kept between calls (module-level scratch); on GPUs they are
+  freed after the forward pass. A LoRA head (target "head") takes the plain cross_entropy_sum.
 """
 
 from __future__ import annotations
@@ -65,6 +76,9 @@ from toolkit.errors import UserError, did_you_mean
 from toolkit.models.config import CONFIG_FILENAME, Config
 
 GiB = 1024**3
+# toolkit.models.gpt.LOSS_CHUNK_BYTES (not imported: that would import torch): the fused loss computes
+# at most this many bytes of float32 logits at a time.
+LOSS_CHUNK_BYTES = 128 * 2**20
 
 QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
 # LoRA target name -> the linear layers (last name component) it adapts
@@ -396,8 +410,10 @@ class Activations:
 
     blocks: list[int]  # saved by each block
     block_inputs: list[int]  # each block's input, what a checkpointed block keeps
-    head: int  # saved outside the blocks: token ids, final norm, head input, log-softmax, labels
-    loss_scratch: int  # the two float32 (tokens x vocab) gradients at the start of the backward pass
+    head: int  # saved outside the blocks: token ids, final norm, the loss's gradients (fused) or
+    # head input, log-softmax and labels (LoRA head)
+    loss_scratch: int  # the loss's transients: fused, the larger of the forward's chunk buffers and the
+    # backward's outgoing gradients; LoRA head, the two float32 (tokens x vocab) gradients of the backward
     weight_copies: int  # autocast's bf16 copies of float32 weights
     dequant_scratch: int  # bitsandbytes: one dequantized weight at a time
 
@@ -436,16 +452,64 @@ def trace_activations(
         x = tr.block(x, i)
         blocks.append(tr.saved_bytes() - before)
     h = tr.norm(x, "norm_f")
-    logits = tr.linear(h, "lm_head", V)
-    tr.cast(logits, 4)  # cross_entropy_sum: .float()
-    lsm = tr.new(n * V, 4, logits.rg)
-    if lsm.rg:
-        tr.save(lsm)  # log_softmax keeps its result
-        tr.save(tr.new(n, 8, False))  # nll_loss keeps the labels
-        tr.save(tr.new(1, 4, False))  # and the total weight
+    if "lm_head" in lora:  # a peft LoRA head: GPT.head_loss takes the plain cross_entropy_sum(lm_head(x))
+        logits = tr.linear(h, "lm_head", V)
+        tr.cast(logits, 4)  # cross_entropy_sum: .float()
+        lsm = tr.new(n * V, 4, logits.rg)
+        if lsm.rg:
+            tr.save(lsm)  # log_softmax keeps its result
+            tr.save(tr.new(n, 8, False))  # nll_loss keeps the labels
+            tr.save(tr.new(1, 4, False))  # and the total weight
+        scratch = 2 * n * V * 4 if lsm.rg else 0  # the two float32 (tokens x vocab) gradients
+    else:
+        scratch = _fused_loss(tr, h, weights["lm_head.weight"], weights.get("lm_head.bias"))
     head = tr.saved_bytes() - sum(blocks)  # everything outside the blocks, token ids included
-    scratch = 2 * n * V * 4 if lsm.rg else 0
     return Activations(blocks, inputs, head, scratch, sum(tr.weight_copies.values()), tr.dequant_scratch)
+
+
+
+def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> int:
+    """`linear_cross_entropy_sum(h, lm_head.weight, lm_head.bias, labels)` (a plain nn.Linear head).
+
+    Saves the loss's gradients, computed in the forward pass: grad_h (tokens x E, compute dtype)
+    if h needs a gradient, grad_w (V x E float32) if the head weight trains, grad_b (V float32) if
+    the bias trains. `rows` (the non-ignored rows) is not counted: every label is assumed to count
+    (on GPUs it is never kept). Returns the loss's transient bytes: the larger of the forward
+    pass's chunk buffers (with the casts and products beside them) and the gradients its
+    backward pass creates. Weights are not autocast-cached: no weight copy.
+    """
+    c, mode, n = tr.c, tr.mode, tr.n
+    E, V = c.n_embd, c.vocab_size
+    cdt = mode.compute if mode.autocast else w.b  # the products' dtype; softmax and sums float32
+    need_h, need_w = h.rg, w.trainable
+    need_b = bias is not None and bias.trainable
+    if need_h:
+        tr.save(tr.new(n * E, cdt, False))  # grad_h
+    if need_w:
+        tr.save(tr.new(V * E, 4, False))  # grad_w
+    if need_b:
+        tr.save(tr.new(V, 4, False))  # grad_b
+    need_grad = need_h or need_w or need_b
+    if not need_grad:
+        return 0
+    # Forward: equal chunks of at most LOSS_CHUNK_BYTES of float32 logits (toolkit.models.gpt).
+    chunk = max(1, LOSS_CHUNK_BYTES // (4 * V))
+    chunk = -(-n // -(-n // chunk))
+    in_place = cdt == 4 and not mode.cuda  # CPU float32: log_softmax writes over the logits
+    forward = chunk * V * (cdt + (0 if in_place else 4) + (cdt if cdt != 4 else 0))
+    forward += n * E * cdt if h.b != cdt else 0  # h.to(dtype)
+    forward += V * E * cdt if w.b != cdt else 0  # weight.to(dtype)
+    if need_w and cdt != 4:
+        forward += V * E * cdt  # grad.t() @ hc, before it is added to the float32 grad_w
+    # Backward: the incoming-gradient products and their casts to the inputs' dtypes.
+    backward = 0
+    if need_h:
+        backward += n * E * cdt + (n * E * h.b if h.b != cdt else 0)
+    if need_w:
+        backward += V * E * 4 + (V * E * w.b if w.b != 4 else 0)
+    if need_b:
+        backward += V * 4 + (V * bias.b if bias.b != 4 else 0)  # type: ignore[union-attr]
+    return max(forward, backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -616,6 +680,9 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
     else:
         act2 = trace_activations(c, mode, weights, lora, 2, opts.max_seq_length)
         act = _extrapolate(act1, act2, micro_batch_size)
+        if micro_batch_size > 2:  # the fused loss's chunks are not affine in the batch size
+            full = trace_activations(c, mode, weights, lora, micro_batch_size, opts.max_seq_length)
+            act.loss_scratch = full.loss_scratch
     out["activations"] = act.stored
     out["activations_checkpointed"] = act.checkpointed
     out["logits_and_loss"] = act.logits
