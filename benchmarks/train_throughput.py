@@ -30,12 +30,17 @@ run the script records:
   Data-loader worker processes are separate and not included. On CUDA the synthetic mode also
   reports torch.cuda.max_memory_allocated.
 
-The results go to a JSON file with the ratios (toolkit / LitGPT; for memory LitGPT / toolkit is not
-used: `rss_ratio` is toolkit / LitGPT, lower is better) and a table is printed. See
-benchmarks/README.md for how to install LitGPT next to the project and for the latest figures.
+- interference: the CPU time all other processes on the machine used while the run lasted
+  (/proc/stat minus the run's own CPU time from wait4), so a figure taken on a busy shared machine
+  shows as such.
 
-The parent process never imports torch (it only starts processes, except for counting the toolkit's
-LoRA tokens, which runs in a subprocess), so it does not disturb the measurements.
+The results go to a JSON file: every run, the per-tool medians over --repeat pairs, and the ratios
+(throughput toolkit / LitGPT, step time LitGPT / toolkit: above 1 the toolkit is faster; peak memory
+toolkit / LitGPT: below 1 the toolkit uses less), with the goals they are checked against; a table is
+printed. See benchmarks/README.md for how to install LitGPT next to the project and the latest figures.
+
+The parent process never imports torch (counting the toolkit's LoRA tokens runs in a subprocess),
+so it takes nothing from the measured runs.
 """
 
 from __future__ import annotations
@@ -236,7 +241,7 @@ def prepare_checkpoints(args, tools: list[str]) -> dict[str, Path]:
     out = {}
     if "toolkit" in tools:
         tk = root / "toolkit"
-        if not (tk / "model_config.json").exists() and not any(tk.glob("*.safetensors")):
+        if not (tk / "model_config.json").exists():
             shutil.rmtree(tk, ignore_errors=True)
             subprocess.run(toolkit_command(args) + ["convert_from_hf", str(hf_dir), str(tk)], check=True)
         out["toolkit"] = tk
@@ -262,9 +267,10 @@ def fresh_dir(args, name: str) -> Path:
 
 # What the Pythia repositories' tokenizer_config.json says; the shared tokenizer folder has only
 # tokenizer.json, and LitGPT's TextFiles refuses a tokenizer without a known BOS token.
-NEOX_TOKENIZER_CONFIG = {"tokenizer_class": "GPTNeoXTokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
-                         "unk_token": "<|endoftext|>",
-                         "add_prefix_space": False}
+NEOX_TOKENIZER_CONFIG = {
+    "tokenizer_class": "GPTNeoXTokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+    "unk_token": "<|endoftext|>", "add_prefix_space": False,
+}
 
 
 def litgpt_tokenizer_dir(args) -> Path:
@@ -275,12 +281,22 @@ def litgpt_tokenizer_dir(args) -> Path:
     return folder
 
 
-def pretrain_commands(args, total_steps: int, tag: str) -> dict[str, tuple[list[str], Path, re.Pattern]]:
+def pretrain_command(args, tool: str, total_steps: int, tag: str) -> tuple[list[str], Path, re.Pattern]:
+    """(command line, output folder, step-line pattern) of one pretraining run of `tool`."""
     text = prepare_text(args)
     tokenizer = args.shared / "tokenizers" / "gpt-neox-20b"
     m, g, seq = args.micro_batch, args.global_batch, args.seq
-    commands = {}
-    out = fresh_dir(args, f"toolkit-pretrain-{tag}")
+    out = fresh_dir(args, f"{tool}-pretrain-{tag}")
+    if tool == "litgpt":
+        return litgpt_command(args) + [
+            "pretrain", args.model, "--out_dir", str(out),
+            "--data", "TextFiles", "--data.train_data_path", str(text), "--data.val_data_path", str(text),
+            "--tokenizer_dir", str(litgpt_tokenizer_dir(args)),
+            "--train.micro_batch_size", str(m), "--train.global_batch_size", str(g), "--train.max_seq_length", str(seq),
+            "--train.max_tokens", str(total_steps * g * seq), "--train.lr_warmup_steps", "10",
+            "--train.save_interval", "null", "--eval.interval", "100000", "--eval.final_validation", "false",
+            "--logger_name", "csv", "--precision", args.precision, "--devices", "1",
+        ], out, LITGPT_STEP
     cmd = toolkit_command(args) + [
         "pretrain", args.model, "--out_dir", str(out),
         "--data", "TextFiles", "--data.train_path", str(text / "tinyshakespeare.txt"),
@@ -292,45 +308,18 @@ def pretrain_commands(args, total_steps: int, tag: str) -> dict[str, tuple[list[
     ]
     if args.compile:
         cmd += ["--train.compile", "true"]
-    commands["toolkit"] = (cmd, out, TOOLKIT_STEP)
-    out = fresh_dir(args, f"litgpt-pretrain-{tag}")
-    commands["litgpt"] = (litgpt_command(args) + [
-        "pretrain", args.model, "--out_dir", str(out),
-        "--data", "TextFiles", "--data.train_data_path", str(text), "--data.val_data_path", str(text),
-        "--tokenizer_dir", str(litgpt_tokenizer_dir(args)),
-        "--train.micro_batch_size", str(m), "--train.global_batch_size", str(g), "--train.max_seq_length", str(seq),
-        "--train.max_tokens", str(total_steps * g * seq), "--train.lr_warmup_steps", "10",
-        "--train.save_interval", "null", "--eval.interval", "100000", "--eval.final_validation", "false",
-        "--logger_name", "csv", "--precision", args.precision, "--devices", "1",
-    ], out, LITGPT_STEP) if "litgpt" in args.tools else None
-    return commands
+    return cmd, out, TOOLKIT_STEP
 
 
-def lora_commands(args, total_steps: int, tag: str, checkpoints: dict[str, Path]):
+def lora_command(args, tool: str, total_steps: int, tag: str, checkpoint: Path) -> tuple[list[str], Path, re.Pattern]:
+    """(command line, output folder, step-line pattern) of one LoRA run of `tool`."""
     data = args.shared / "instruct" / "alpaca_en_demo.json"
     m, g, seq = args.micro_batch, args.global_batch, args.seq
     mask = "true" if args.mask_prompt else "false"
-    commands = {}
-    if "toolkit" in checkpoints:
-        out = fresh_dir(args, f"toolkit-lora-{tag}")
-        cmd = toolkit_command(args) + [
-            "finetune_lora", str(checkpoints["toolkit"]), "--out_dir", str(out),
-            "--data", "Alpaca", "--data.json_path", str(data), "--data.prompt_style", "alpaca",
-            "--data.mask_prompt", mask, "--data.val_split_fraction", "0.05",
-            "--lora.r", "8", "--lora.alpha", "16", "--lora.dropout", "0.05", "--lora.targets", "[query, value]",
-            "--train.micro_batch_size", str(m), "--train.global_batch_size", str(g), "--train.max_seq_length", str(seq),
-            "--train.max_steps", str(total_steps), "--train.save_interval", "null",
-            "--eval.interval", "100000", "--eval.initial_validation", "false", "--eval.final_validation", "false",
-            "--log.interval", "1", "--log.loggers", "[csv]", "--precision", args.precision, "--devices", "1",
-            "--seed", str(args.seed),
-        ]
-        if args.compile:
-            cmd += ["--train.compile", "true"]
-        commands["toolkit"] = (cmd, out, TOOLKIT_STEP)
-    if "litgpt" in checkpoints:
-        out = fresh_dir(args, f"litgpt-lora-{tag}")
-        commands["litgpt"] = (litgpt_command(args) + [
-            "finetune_lora", str(checkpoints["litgpt"]), "--out_dir", str(out),
+    out = fresh_dir(args, f"{tool}-lora-{tag}")
+    if tool == "litgpt":
+        return litgpt_command(args) + [
+            "finetune_lora", str(checkpoint), "--out_dir", str(out),
             "--data", "JSON", "--data.json_path", str(data), "--data.prompt_style", "alpaca",
             "--data.mask_prompt", mask, "--data.val_split_fraction", "0.05",
             "--lora_r", "8", "--lora_alpha", "16", "--lora_dropout", "0.05",
@@ -340,8 +329,21 @@ def lora_commands(args, total_steps: int, tag: str, checkpoints: dict[str, Path]
             "--train.max_steps", str(total_steps), "--train.save_interval", "null", "--train.epochs", "100",
             "--eval.interval", "100000", "--eval.initial_validation", "false", "--eval.final_validation", "false",
             "--logger_name", "csv", "--precision", args.precision, "--devices", "1", "--seed", str(args.seed),
-        ], out, LITGPT_STEP)
-    return commands
+        ], out, LITGPT_STEP
+    cmd = toolkit_command(args) + [
+        "finetune_lora", str(checkpoint), "--out_dir", str(out),
+        "--data", "Alpaca", "--data.json_path", str(data), "--data.prompt_style", "alpaca",
+        "--data.mask_prompt", mask, "--data.val_split_fraction", "0.05",
+        "--lora.r", "8", "--lora.alpha", "16", "--lora.dropout", "0.05", "--lora.targets", "[query, value]",
+        "--train.micro_batch_size", str(m), "--train.global_batch_size", str(g), "--train.max_seq_length", str(seq),
+        "--train.max_steps", str(total_steps), "--train.save_interval", "null",
+        "--eval.interval", "100000", "--eval.initial_validation", "false", "--eval.final_validation", "false",
+        "--log.interval", "1", "--log.loggers", "[csv]", "--precision", args.precision, "--devices", "1",
+        "--seed", str(args.seed),
+    ]
+    if args.compile:
+        cmd += ["--train.compile", "true"]
+    return cmd, out, TOOLKIT_STEP
 
 
 # ------------------------------------------------------------------------------------------------
@@ -474,13 +476,16 @@ def run_training(args, mode: str) -> dict:
     if mode == "pretrain" and args.prepare:
         # One short run per tool first, so that tokenizing the text into each tool's cache is not measured.
         for tool in tools:
-            spec = pretrain_commands(args, 1, "prepare")[tool]
-            Run(f"{tool} prepare", spec[0], args.work_dir / "logs" / f"{tool}-prepare.log", spec[2]).run()
+            command, _, pattern = pretrain_command(args, tool, 1, "prepare")
+            Run(f"{tool} prepare", command, args.work_dir / "logs" / f"{tool}-prepare.log", pattern).run()
     for r in range(args.repeat):
         order = tools if r % 2 == 0 else list(reversed(tools))  # alternate who goes first
         for tool in order:
-            specs = pretrain_commands(args, total, str(r)) if mode == "pretrain" else lora_commands(args, total, str(r), {tool: checkpoints[tool]})
-            runs[tool].append(measure(args, mode, tool, specs[tool], str(r), checkpoints))
+            if mode == "pretrain":
+                spec = pretrain_command(args, tool, total, str(r))
+            else:
+                spec = lora_command(args, tool, total, str(r), checkpoints[tool])
+            runs[tool].append(measure(args, mode, tool, spec, str(r), checkpoints))
     summary = {"runs": runs}
     for tool in tools:
         keys = ["seconds_per_step", "median_step_seconds", "real_tokens_per_sec", "peak_rss_mib"]
@@ -661,8 +666,8 @@ def print_table(results: dict) -> None:
                                 ("peak_rss_mib", "peak RSS (MiB)", "{:,.0f}")):
             tk = summary.get("toolkit", {}).get(key)
             lg = summary.get("litgpt", {}).get(key)
-            if tk is None and lg is None:
-                continue
+            if (tk is None and lg is None) or (mode == "lora" and key == "median_step_seconds"):
+                continue  # LoRA steps hold different tokens in each tool: their median step says little
             ratio = ""
             if tk and lg:
                 ratio = f"{(lg / tk if 'seconds' in key else tk / lg):.2f}x"
