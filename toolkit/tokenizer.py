@@ -25,6 +25,7 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "chat_template.jinja",  # transformers 5 keeps the chat template here (toolkit.data.chat_template)
 )
 
 # Special token of the tokenizers made by `train_bpe_tokenizer` (and GPT-2/GPT-NeoX): BOS and EOS at once.
@@ -47,7 +48,7 @@ def _read_json(path: Path) -> Optional[dict]:
     return data
 
 
-def _token_content(value: Any) -> Optional[str]:
+def token_text(value: Any) -> Optional[str]:
     """A token given as "<s>" or as {"content": "<s>", ...} (both appear in tokenizer_config.json)."""
     if isinstance(value, str):
         return value
@@ -112,7 +113,7 @@ class Tokenizer:
 
         def resolve(name: str) -> Optional[int]:
             for source in (config, special_map):
-                token = _token_content(source.get(f"{name}_token"))
+                token = token_text(source.get(f"{name}_token"))
                 if token is not None and self._tok.token_to_id(token) is not None:
                     return self._tok.token_to_id(token)
             for source in (generation, model_config):
@@ -160,6 +161,15 @@ class Tokenizer:
 
     def token_to_id(self, token: str) -> Optional[int]:
         return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self._tok.id_to_token(token_id)
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the added tokens marked special (control tokens such as <|im_end|>), and EOS."""
+        ids = {i for i, token in self._tok.get_added_tokens_decoder().items() if token.special}
+        return frozenset(ids | ({self.eos_id} if self.eos_id is not None else set()))
 
     def _specials(self, bos: Optional[bool], eos: bool) -> tuple[list[int], list[int]]:
         use_bos = self.add_bos if bos is None else bos

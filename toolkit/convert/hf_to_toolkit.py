@@ -43,6 +43,7 @@ TOKENIZER_FILES: tuple[str, ...] = (
     "special_tokens_map.json",
     "tokenizer.model",
     "generation_config.json",
+    "chat_template.jinja",
 )
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"

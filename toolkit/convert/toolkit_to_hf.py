@@ -9,6 +9,8 @@ The result loads with `AutoModelForCausalLM.from_pretrained(out_dir)` and
     generation_config.json               BOS/EOS ids (copied when the checkpoint has one)
     model.safetensors                    or model-0000N-of-0000M.safetensors + model.safetensors.index.json
     tokenizer.json, tokenizer_config.json, special_tokens_map.json, tokenizer.model
+    chat_template.jinja                  when the checkpoint has one (else the template, if any, is
+                                         the "chat_template" of tokenizer_config.json)
 
 Every tensor is stored once (a tied output head is not duplicated). tokenizer_config.json names
 `PreTrainedTokenizerFast`, so that transformers encodes with tokenizer.json exactly as the toolkit
@@ -145,7 +147,7 @@ def _special_tokens(checkpoint_dir: Path) -> dict[str, Any]:
 
 
 def _write_tokenizer_files(checkpoint_dir: Path, out: Path, special: dict[str, Any]) -> None:
-    for name in ("tokenizer.json", "special_tokens_map.json", "tokenizer.model"):
+    for name in ("tokenizer.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja"):
         if (checkpoint_dir / name).is_file():
             shutil.copyfile(checkpoint_dir / name, out / name)
     config_path = checkpoint_dir / "tokenizer_config.json"

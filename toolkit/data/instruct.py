@@ -178,6 +178,9 @@ class TokenizedSamples:
     def subset(self, indices: list[int]) -> "TokenizedSamples":
         return TokenizedSamples([self.tokens_of(i).tolist() for i in indices], [int(self.masked[i]) for i in indices])
 
+    def collate(self, indices: "torch.Tensor | list[int]", pad_id: int, ignore_index: int) -> dict:
+        return collate(self, indices, pad_id, ignore_index)
+
     @property
     def checksum(self) -> int:
         """A cheap fingerprint of the sample lengths and masks: a changed dataset changes the batch order."""
@@ -342,7 +345,7 @@ class InstructLoader:
     def __iter__(self) -> Iterator[dict]:
         if not self.shuffle:
             for indices in self.batch_indices(0):
-                yield collate(self.samples, indices, self.pad_id, self.ignore_index)
+                yield self.samples.collate(indices, self.pad_id, self.ignore_index)
             return
         if len(self) == 0:
             return
@@ -352,7 +355,7 @@ class InstructLoader:
         while self._epoch == epoch and self._consumed < len(self):
             indices = self.batch_indices(epoch)[self._consumed]
             self._consumed += 1  # before yielding: a checkpoint taken while this batch trains skips it
-            yield collate(self.samples, indices, self.pad_id, self.ignore_index)
+            yield self.samples.collate(indices, self.pad_id, self.ignore_index)
         if self._epoch == epoch and self._consumed >= len(self):
             self._epoch, self._consumed = epoch + 1, 0
 
@@ -508,7 +511,7 @@ class InstructData:
         )
         self.style = style
         self.max_seq_length = max_seq_length
-        self.pad_id = next((t for t in (tokenizer.pad_id, tokenizer.eos_id) if t is not None), 0)
+        self.pad_id = pad_id_for(tokenizer)
         self._train, train_stats = tokenize_examples(
             train_examples, tokenizer, style, max_seq_length, self.mask_prompt, "training"
         )
@@ -553,6 +556,10 @@ class InstructData:
             train_stats["dropped"] + val_stats["dropped"],
             max_seq_length,
         )
+
+    def output_tokenizer_dir(self, checkpoint_dir: Path, out_dir: Path) -> Path:
+        """Where the run's checkpoints and final model take their tokenizer files from."""
+        return Path(checkpoint_dir)
 
     def _split(self, examples: list[Example]) -> tuple[list[Example], list[Example]]:
         """Hold out val_split_fraction of the records, chosen with `seed` (independent of the tokenizer)."""
@@ -632,6 +639,11 @@ class InstructData:
             )
             return None
         return loader
+
+
+def pad_id_for(tokenizer: "Tokenizer") -> int:
+    """The id padding positions hold (never trained: their labels are ignore_index): PAD, else EOS, else 0."""
+    return next((t for t in (tokenizer.pad_id, tokenizer.eos_id) if t is not None), 0)
 
 
 def tokenize_examples(
@@ -760,6 +772,7 @@ __all__ = [
     "JSON",
     "TokenizedSamples",
     "collate",
+    "pad_id_for",
     "read_json_records",
     "tokenize_examples",
 ]

@@ -64,10 +64,11 @@ def run_finetune(
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
         max_seq_length=max_seq_length,
     )
-    session.tokenizer_dir = checkpoint_dir
     session.checkpoint_filter = checkpoint_filter
     fabric = session.fabric
     with session.remove_output_on_error():
+        # Chat data whose template is not the checkpoint's writes it into <out_dir>/tokenizer.
+        session.tokenizer_dir = data.output_tokenizer_dir(checkpoint_dir, out_dir)
         train_loader = data.train_dataloader(
             train.micro_batch_size, seed, fabric.global_rank, fabric.world_size, global_batch_size=train.global_batch_size
         )
