@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Collection, Optional
 
 import torch
 
@@ -19,14 +19,17 @@ def generate_tokens(
     temperature: float = 0.8,
     top_k: Optional[int] = 50,
     top_p: Optional[float] = None,
-    eos_id: Optional[int] = None,
+    eos_id: Optional[int] | Collection[int] = None,
     generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Prompt (T,) followed by up to `max_new_tokens` sampled tokens (greedy when temperature is 0).
 
+    Generation stops after `eos_id` (one id, or several: a chat template's end-of-turn token and EOS).
+
     The prompt is processed in one forward pass that fills the KV cache; each new token then costs
     one forward pass over a single position.
     """
+    stop_ids = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     total = min(prompt.numel() + max_new_tokens, model.config.block_size)
     model.set_kv_cache(batch_size=1, max_seq_length=total, device=prompt.device)
     try:
@@ -36,7 +39,7 @@ def generate_tokens(
         while position < total:
             next_token = sample(logits, temperature, top_k, top_p, generator)
             tokens.append(next_token[None])
-            if eos_id is not None and int(next_token) == eos_id:
+            if int(next_token) in stop_ids:
                 break
             if position + 1 >= total:
                 break
@@ -76,8 +79,12 @@ def generate(
     device: str = "auto",
     precision: Optional[str] = None,
     prompt_style: Optional[str] = None,
+    messages: Optional[Path] = None,
+    chat: bool = False,
+    system: Optional[str] = None,
+    chat_template: Optional[str] = None,
 ) -> list[str]:
-    """Sample text from a toolkit checkpoint.
+    """Sample text from a toolkit checkpoint, or chat with it through its chat template.
 
     Args:
         checkpoint_dir: A toolkit checkpoint, e.g. `out/pretrain/debug/final`.
@@ -92,6 +99,12 @@ def generate(
         precision: "bf16-true" or "32-true"; default bf16 on GPUs that support it, float32 on CPU.
         prompt_style: Wrap the prompt as an instruction in this style (alpaca, chatml, llama-3, ...),
             as fine-tuning did; "auto" picks the model's default style. None: the prompt as written.
+        messages: A JSON file with a conversation ending in a user message ([{"role", "content"}, ...]):
+            print the model's reply, prompted through the chat template as chat fine-tuning trained it.
+        chat: An interactive multi-turn chat on stdin (/reset starts over, /exit or Ctrl-D ends).
+        system: A system message for --messages or --chat (unless the conversation has one).
+        chat_template: For --messages and --chat: a built-in template (chatml, llama-3, llama-2, gemma,
+            zephyr) or a .jinja file; default: the checkpoint's own (see `toolkit.data.chat_template`).
     """
     from toolkit.checkpoint import load_model, require_checkpoint_dir
     from toolkit.tokenizer import Tokenizer
@@ -106,8 +119,24 @@ def generate(
     dtypes = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
     if precision not in dtypes:
         raise UserError(f"--precision must be one of {', '.join(dtypes)} for generation, got {precision!r}.")
+    if (chat or messages is not None) and (prompt or prompt_style is not None):
+        raise UserError("--prompt and --prompt_style are for plain text; --messages and --chat use the chat template.")
+    if messages is not None:
+        from toolkit.generate_chat import read_messages
+
+        conversation = read_messages(messages, system)  # a bad file fails before the model loads
     tokenizer = Tokenizer(checkpoint_dir)
     model = load_model(checkpoint_dir, device=device, dtype=dtypes[precision])
+    if chat or messages is not None:
+        from toolkit.data.chat_template import resolve_chat_template
+        from toolkit.generate_chat import ChatSession, answer_messages, interactive
+
+        template = resolve_chat_template(tokenizer, chat_template, model.config)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        session = ChatSession(model, tokenizer, template, device, max_new_tokens, temperature, top_k, top_p, generator)
+        if messages is not None:
+            return answer_messages(session, conversation, num_samples)
+        return interactive(session, system)
     if prompt_style is not None:
         from toolkit.data.prompts import resolve_style
 

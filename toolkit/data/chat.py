@@ -124,12 +124,17 @@ def detect_format(record: Any, path: Path, where: str) -> str:
 
 
 def parse_conversation(
-    record: Any, path: Path, where: str, spec: RecordFormat, system_prompt: Optional[str] = None
+    record: Any, path: Path, where: str, spec: RecordFormat, system_prompt: Optional[str] = None,
+    final_role: str = "assistant",
 ) -> Conversation:
-    """Check one record and turn it into a Conversation; any problem is one UserError line."""
+    """Check one record and turn it into a Conversation; any problem is one UserError line.
+
+    `final_role`: the role the last message must have (training data ends with the assistant turn
+    the model learns; a prompt for `generate` ends with the user message to answer).
+    """
 
     def bad(problem: str) -> UserError:
-        return UserError(f"{path} {where}: {problem}")
+        return UserError(f"{f'{path} {where}'.strip()}: {problem}")
 
     if not isinstance(record, dict):
         raise bad(f"is a JSON {_json_type(record)}; each record must be a JSON object")
@@ -163,9 +168,10 @@ def parse_conversation(
         if not content.strip():
             raise bad(f"message {index} ({role}) has empty content")
         messages.append((role, content))
-    if messages[-1][0] != "assistant":
-        raise bad(f"the conversation ends with a {messages[-1][0]} message; it must end with an assistant turn "
-                  "(the turn the model learns to write)")
+    if messages[-1][0] != final_role:
+        why = "the turn the model learns to write" if final_role == "assistant" else "the message to answer"
+        raise bad(f"the conversation ends with a {messages[-1][0]} message; it must end with a {final_role} "
+                  f"message ({why})")
     if system_prompt and messages[0][0] != "system":
         messages.insert(0, ("system", system_prompt))
     return Conversation(tuple(messages), where)
