@@ -32,8 +32,8 @@ def _args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[st
         "--data", "Chat", "--data.json_path", str(FASTCHAT), "--data.val_split_fraction", "0.1",
         "--data.chat_template", "llama-2",
         "--precision", "32-true", "--train.micro_batch_size", "4", "--train.global_batch_size", "8",
-        "--train.max_seq_length", "256", "--train.max_steps", "16", "--train.warmup_steps", "2",
-        "--eval.interval", "8", "--eval.max_iters", "4", "--log.interval", "8", "--log.loggers", "[csv]",
+        "--train.max_seq_length", "256", "--train.max_steps", "10", "--train.warmup_steps", "2",
+        "--eval.interval", "5", "--eval.max_iters", "4", "--log.interval", "5", "--log.loggers", "[csv]",
         *extra,
     ]
 
@@ -59,7 +59,7 @@ def chat_run(base) -> dict:
 
 def test_lora_on_conversations_lowers_the_validation_loss_on_assistant_tokens(chat_run):
     losses = _val_losses(chat_run["out"])
-    assert len(losses) == 3, losses  # before training, after 8 and after 16 steps
+    assert len(losses) == 3, losses  # before training, after 5 and after 10 steps
     assert losses[-1] < losses[0] - 1.0, losses
     adapters = load_file(str(chat_run["out"] / "final" / "lora_adapter.safetensors"))
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapters.items())
@@ -159,8 +159,13 @@ def test_full_finetuning_on_conversations_at_the_default_precision(base, tmp_pat
     assert (out / "final" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow  # 30 s on 2 cores; test_finetune.py runs the same loader under FSDP with Alpaca data
 def test_lora_on_conversations_under_two_fsdp_processes_equals_one_process(base, tmp_path):
-    """Same global batch (8): one process accumulates 2 micro-batches of 4, two processes 1 each."""
+    """Same global batch (8): one process accumulates 2 micro-batches of 4, two processes 1 each.
+
+    Every rank renders and tokenizes the conversations itself and writes the template into
+    <out_dir>/tokenizer: the ranks must agree on every sample for the adapters to match.
+    """
 
     def adapter(out_dir: Path, devices: str) -> dict:
         args = _args("finetune_lora", base["checkpoint"], out_dir, "--train.max_steps", "2", "--train.learning_rate",
