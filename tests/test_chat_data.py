@@ -315,7 +315,7 @@ def test_long_conversations_are_cut_at_turn_boundaries_or_dropped(qwen, tmp_path
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]},
          r"line 2: message 1 \(assistant\) has empty content"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                       {"role": "user", "content": "c"}]}, "line 2: the conversation ends with a user message; it must end with an assistant"),
+                       {"role": "user", "content": "c"}]}, "line 2: the last message's role is 'user'; a conversation must end with 'assistant'"),
         ({"messages": [{"role": "user", "content": ["a"]}]}, r"line 2: message 0 \(user\): 'content' is a JSON array"),
         ({"messages": [{"role": "user"}]}, "line 2: message 0 has no 'content' field"),
         ({"messages": ["hi"]}, "line 2: message 0 is a JSON string"),

@@ -123,10 +123,6 @@ def detect_format(record: Any, path: Path, where: str) -> str:
     )
 
 
-def _a(word: str) -> str:
-    return "an" if word[0] in "aeiou" else "a"
-
-
 def parse_conversation(
     record: Any, path: Path, where: str, spec: RecordFormat, system_prompt: Optional[str] = None,
     final_role: str = "assistant",
@@ -173,10 +169,8 @@ def parse_conversation(
             raise bad(f"message {index} ({role}) has empty content")
         messages.append((role, content))
     if messages[-1][0] != final_role:
-        last = messages[-1][0]
         why = "the turn the model learns to write" if final_role == "assistant" else "the message to answer"
-        raise bad(f"the conversation ends with {_a(last)} {last} message; it must end with {_a(final_role)} "
-                  f"{final_role} message ({why})")
+        raise bad(f"the last message's role is {messages[-1][0]!r}; a conversation must end with {final_role!r} ({why})")
     if system_prompt and messages[0][0] != "system":
         messages.insert(0, ("system", system_prompt))
     return Conversation(tuple(messages), where)
