@@ -28,6 +28,7 @@ EXPECTED = {
     "pretrain/tinyllama.yaml",
     "pretrain/pythia-160m.yaml",
     *(f"finetune/{model}/{kind}.yaml" for model in FINETUNE_MODELS for kind in ("full", "lora", "qlora")),
+    "finetune/qwen2.5-0.5b/chat_lora.yaml",
 }
 # Placeholder positional arguments for a YAML that leaves them to the command line.
 POSITIONAL = {"pretrain": ["model_name", "debug"], "finetune_full": ["checkpoint_dir", "checkpoints/x"],
@@ -39,7 +40,8 @@ def entry_point(relative: str) -> str:
     if parts[0] == "pretrain" and len(parts) == 2:
         return "pretrain"
     if parts[0] == "finetune" and len(parts) == 3:
-        return {"full.yaml": "finetune_full", "lora.yaml": "finetune_lora", "qlora.yaml": "finetune_lora"}[parts[2]]
+        return {"full.yaml": "finetune_full", "lora.yaml": "finetune_lora", "qlora.yaml": "finetune_lora",
+                "chat_lora.yaml": "finetune_lora"}[parts[2]]
     raise AssertionError(f"config_hub/{relative}: no entry point for this location; add it to entry_point()")
 
 
@@ -88,7 +90,11 @@ def test_recipe_parses_and_is_consistent(relative):
         assert "checkpoint_dir" in raw, "fine-tuning recipes name the checkpoint `toolkit download` writes"
         assert checkpoint == f"checkpoints/{config.hf_repo_id}", checkpoint
         data = args["data"]
-        assert type(data).__name__ == "Alpaca" and str(data.json_path) == "data/alpaca/alpaca_data_cleaned.json"
+        if relative.endswith("chat_lora.yaml"):  # conversations in the model's chat template
+            assert type(data).__name__ == "Chat" and str(data.json_path) == "data/chat/conversations.jsonl"
+            assert data.prompt_style is None  # refused by Chat: the template lays conversations out
+        else:
+            assert type(data).__name__ == "Alpaca" and str(data.json_path) == "data/alpaca/alpaca_data_cleaned.json"
         qlora = relative.endswith("qlora.yaml")
         assert (args.get("quantize") is not None) == qlora
         if qlora:
