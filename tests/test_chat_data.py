@@ -404,3 +404,31 @@ def test_the_cli_builds_chat_data():
 def test_prompt_style_is_refused(qwen):
     with pytest.raises(UserError, match="prompt_style does not apply to Chat data"):
         Chat(json_path=FASTCHAT, prompt_style="alpaca").setup(qwen, max_seq_length=64)
+
+
+def test_chat_batches_resume_at_the_exact_next_batch(tokenizer_dirs):
+    """The instruction loader with per-token chat masks: k batches, state_dict, a new loader, the rest."""
+    tokenizer = Tokenizer(tokenizer_dirs["llama2-chat"])
+    data = Chat(json_path=FASTCHAT, val_split_fraction=0.1)
+    data.setup(tokenizer, max_seq_length=256)
+    assert data.stats["train_samples"] == 450 and data.stats["val_samples"] == 50
+    assert 0 < data.stats["train_target_tokens"] < data.stats["train_tokens"]
+    whole = list(data.train_dataloader(micro_batch_size=4, seed=7))
+    loader = data.train_dataloader(micro_batch_size=4, seed=7)
+    head = [batch for _, batch in zip(range(9), loader)]
+    resumed = data.train_dataloader(micro_batch_size=4, seed=7)
+    resumed.load_state_dict(loader.state_dict())
+    rest = list(resumed)
+    assert len(head) + len(rest) == len(whole)
+    for got, want in zip(head + rest, whole):
+        assert torch.equal(got["input_ids"], want["input_ids"]) and torch.equal(got["labels"], want["labels"])
+
+
+def test_generation_stops_at_the_template_end_of_turn_token(tokenizer_dirs):
+    from toolkit.generate_chat import end_of_turn_ids
+
+    for name, token in (("qwen2.5", "<|im_end|>"), ("llama3.2", "<|eot_id|>"), ("gemma", "<end_of_turn>"),
+                        ("llama2-chat", "</s>")):
+        tokenizer = Tokenizer(tokenizer_dirs[name])
+        stops = end_of_turn_ids(resolve_chat_template(tokenizer), tokenizer)
+        assert stops == {tokenizer.token_to_id(token), tokenizer.eos_id}, name
