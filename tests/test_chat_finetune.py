@@ -182,3 +182,23 @@ def test_lora_on_conversations_under_two_fsdp_processes_equals_one_process(base,
     assert single.keys() == sharded.keys() and any("lora_B" in k for k in single)
     for name in single:
         torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_chat_template_jinja_file_survives_conversion_both_ways(base, tmp_path):
+    """transformers 5 saves a tokenizer's template as chat_template.jinja: convert_from_hf keeps it,
+    training reads it, convert_to_hf hands it on, and transformers loads it from the export."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from toolkit.convert import convert_from_hf
+
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(base["hf_dir"], hf_dir)
+    (hf_dir / "chat_template.jinja").write_text(CHAT_TEMPLATES["zephyr"])
+    checkpoint = tmp_path / "checkpoint"
+    convert_from_hf(hf_dir, checkpoint)
+    template = resolve_chat_template(Tokenizer(checkpoint))
+    assert template.from_checkpoint and template.source == CHAT_TEMPLATES["zephyr"]
+    assert run(["convert_to_hf", str(checkpoint), str(tmp_path / "export")]) == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "export").chat_template == CHAT_TEMPLATES["zephyr"]

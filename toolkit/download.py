@@ -20,7 +20,7 @@ from typing import Literal, Optional
 from toolkit.errors import UserError
 
 CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 # transformers' weight files: single or sharded; variants (model.fp16.safetensors...) are not fetched
 _SAFETENSORS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
 _BIN = re.compile(r"pytorch_model(-\d+-of-\d+)?\.bin")
