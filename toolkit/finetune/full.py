@@ -31,7 +31,8 @@ def finetune_full(
     Args:
         checkpoint_dir: A toolkit checkpoint (from `toolkit convert_from_hf`, `download` or pretraining).
         out_dir: Where logs, training checkpoints and the fine-tuned model (`<out_dir>/final`) go.
-        data: Instruction data: `Alpaca` or `JSON` (records with configurable field names).
+        data: Instruction data: `Alpaca`, `JSON` (records with configurable field names), or `Chat`
+            (multi-turn conversations in the model's chat template).
         train: Optimisation and stopping (default: one epoch).
         eval: Validation cadence.
         log: Logging cadence and destinations.

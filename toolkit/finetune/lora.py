@@ -143,7 +143,8 @@ def finetune_lora(
     Args:
         checkpoint_dir: A toolkit checkpoint (from `toolkit convert_from_hf`, `download` or pretraining).
         out_dir: Where logs, training checkpoints and the adapter (`<out_dir>/final`) go.
-        data: Instruction data: `Alpaca` or `JSON` (records with configurable field names).
+        data: Instruction data: `Alpaca`, `JSON` (records with configurable field names), or `Chat`
+            (multi-turn conversations in the model's chat template).
         lora: Adapter rank, alpha, dropout and targets.
         quantize: Store the frozen base in 4-bit (nf4, fp4; -dq also quantizes the scales) or 8-bit
             with bitsandbytes (QLoRA).
