@@ -351,6 +351,20 @@ def test_a_template_that_rewrites_earlier_turns_is_refused(qwen, tmp_path):
         Chat(json_path=path, val_split_fraction=0, chat_template=str(template_file)).setup(qwen, max_seq_length=128)
 
 
+def test_a_template_that_renders_the_last_turn_differently_is_refused(qwen, tmp_path):
+    # The last assistant turn gets a marker the others lose (as reasoning templates do with <think>).
+    last_only = (
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] -}}"
+        "{%- if m['role'] != 'assistant' or loop.last -%}{{- '<|im_end|>' -}}{%- endif -%}{{- '\\n' -}}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    )
+    template_file = tmp_path / "last_only.jinja"
+    template_file.write_text(last_only)
+    path = _write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS["two turns"]}])
+    with pytest.raises(UserError, match="line 1: the chat template renders an assistant turn differently when it is the last"):
+        Chat(json_path=path, val_split_fraction=0, chat_template=str(template_file)).setup(qwen, max_seq_length=128)
+
+
 def test_template_choice_and_the_template_written_into_the_output(qwen, tmp_path):
     from toolkit.data.chat_template import checkpoint_template
 

@@ -107,7 +107,8 @@ def answer_messages(session: ChatSession, messages: list[dict[str, str]], num_sa
     """One reply (per sample) to a conversation from `read_messages`, printed."""
     prompt = session.prompt_ids(messages)
     if not session.fits(prompt):
-        raise UserError(f"the conversation is {len(prompt)} tokens; the model's context is {session.model.config.block_size}")
+        context = session.model.config.block_size
+        raise UserError(f"the conversation is {len(prompt)} tokens; the model's context is {context}")
     replies = []
     for _ in range(num_samples):
         text, generated, seconds = session.reply(prompt)

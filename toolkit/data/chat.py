@@ -102,8 +102,9 @@ class Conversation:
     messages: tuple[tuple[str, str], ...]
     where: str = ""
 
-    def as_dicts(self, stop: Optional[int] = None) -> list[dict[str, str]]:
-        return [{"role": role, "content": content} for role, content in self.messages[:stop]]
+    def as_dicts(self) -> list[dict[str, str]]:
+        """The messages as a chat template (and transformers' apply_chat_template) takes them."""
+        return [{"role": role, "content": content} for role, content in self.messages]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -118,7 +119,7 @@ def detect_format(record: Any, path: Path, where: str) -> str:
                 return name
     fields = ", ".join(repr(k) for k in list(record)[:8]) if isinstance(record, dict) else _json_type(record)
     raise UserError(
-        f"{path} {where} has neither a 'messages' nor a 'conversations' array (found: {fields}); "
+        f"{f'{path} {where}'.strip()} has neither a 'messages' nor a 'conversations' array (found: {fields}); "
         "set --data.format and --data.conversation_key"
     )
 
@@ -282,6 +283,15 @@ def spans_from_ids(
         else:
             unclosed += 1
         spans.append((max(start, 1), stop))  # token 0 is never a label
+    if 0 < unclosed < len(spans):
+        # Some turns end with a special token and others not: the template renders a turn differently
+        # when it is the conversation's last (e.g. adds or strips a reasoning block), so the end of
+        # the other turns cannot be found from prefixes.
+        raise UserError(
+            f"{where}: the chat template renders an assistant turn differently when it is the last message, so "
+            "the end of its other turns cannot be told apart exactly; use a template that keeps earlier turns "
+            "as they are (--data.chat_template)"
+        )
     return full, spans, unclosed
 
 
@@ -404,7 +414,9 @@ class Chat(InstructData, _InstructOptions):
         name = self.format
         if name == "auto":
             if self.conversation_key is not None:
-                raise UserError("--data.conversation_key needs --data.format messages or sharegpt (the role and content keys differ)")
+                raise UserError(
+                    "--data.conversation_key needs --data.format messages or sharegpt (their role and content keys differ)"
+                )
             name = detect_format(records[0][1], path, records[0][0])
         spec = self.record_format(name)
         return [parse_conversation(record, path, where, spec, self.system_prompt) for where, record in records]

@@ -159,7 +159,9 @@ class ChatTemplate:
         try:
             self._compiled = _compile(self.source, datetime.now())
         except jinja2.TemplateSyntaxError as err:
-            raise UserError(f"the chat template ({self.origin}) is not valid Jinja: {err.message} (line {err.lineno})") from err
+            raise UserError(
+                f"the chat template ({self.origin}) is not valid Jinja: {err.message} (line {err.lineno})"
+            ) from err
 
     def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         """The conversation as text. Raises `TemplateRenderError` with the template's own message."""
@@ -259,7 +261,9 @@ def resolve_chat_template(
         elif name.endswith((".jinja", ".j2", ".txt")) or os.sep in name or Path(name).is_file():
             path = Path(name)
             if not path.is_file():
-                raise UserError(f"chat template file {path} does not exist; pass a .jinja file or one of: {', '.join(CHAT_TEMPLATES)}")
+                raise UserError(
+                    f"chat template file {path} does not exist; pass a .jinja file or one of: {', '.join(CHAT_TEMPLATES)}"
+                )
             try:
                 source, origin = path.read_text(encoding="utf-8"), str(path)
             except (OSError, UnicodeDecodeError) as err:
