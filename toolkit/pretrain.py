@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from toolkit.data.pretrain import PretrainData
 from toolkit.errors import UserError
@@ -35,6 +35,7 @@ def pretrain(
     seed: int = 42,
     resume: Union[bool, str, Path] = False,
     initial_checkpoint_dir: Optional[Path] = None,
+    export_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None,
 ) -> None:
     """Pretrain a model from randomly initialised weights.
 
@@ -60,6 +61,9 @@ def pretrain(
         initial_checkpoint_dir: Start from the weights of this toolkit checkpoint instead of random
             ones (continued pretraining; also how a run moves to another number of devices: export
             with `convert_pretrained_checkpoint`, then start here). Its model config is used.
+        export_dtype: dtype of the weights in `<out_dir>/final`; default: the dtype of
+            --initial_checkpoint_dir's weights, or the dtype trained in (float32 master weights
+            under mixed precision).
     """
     from toolkit.training.session import Session
 
@@ -103,12 +107,10 @@ def pretrain(
         train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed, rank=rank, world_size=world_size)
         val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
 
-    if initial_checkpoint_dir is not None:
-        from toolkit.checkpoint import load_state_dict
+    from toolkit.checkpoint import export_dtype as resolve_export_dtype
 
-        model = session.build_model(init=load_state_dict(initial_checkpoint_dir))
-    else:
-        model = session.build_model(init="random")
+    session.export_dtype = resolve_export_dtype(export_dtype, initial_checkpoint_dir)
+    model = session.build_model(weights=initial_checkpoint_dir if initial_checkpoint_dir is not None else "random")
     optimizer = session.build_optimizer(model)
     tokens_per_step = session.plan.tokens_per_step
     total_steps = None

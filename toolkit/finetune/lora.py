@@ -80,10 +80,30 @@ def is_adapter_weight(name: str) -> bool:
 
 
 def adapter_key(name: str) -> str:
-    """Toolkit name of an adapter weight: no peft wrapper prefix, no adapter name."""
-    for prefix in ("_forward_module.", "_orig_mod.", "base_model.model."):
-        name = name.replace(prefix, "")
-    return name.replace(".default.", ".")
+    """Toolkit name of an adapter weight: no wrapper prefixes, no adapter name."""
+    from toolkit.training.distributed import toolkit_name
+
+    return toolkit_name(name).replace(".default.", ".")
+
+
+def init_adapters(model, seed: int) -> None:
+    """(Re)initialise every LoRA adapter with peft's own rule, from `seed`, on the CPU.
+
+    peft creates adapters on the device of the layer they wrap, which is the meta device when the
+    model is built for sharding. Initialising them here, in module order from one seed, gives the
+    same adapters on one device and on any number of devices.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.lora_A:
+                    module.lora_A[adapter].to_empty(device="cpu")
+                    module.lora_B[adapter].to_empty(device="cpu")
+                    module.reset_lora_parameters(adapter, True)
 
 
 def quantize_linears(model, mode: str, compute_dtype):
@@ -178,7 +198,9 @@ def finetune_lora(
         if quantize is not None:
             model = quantize_linears(model, quantize, compute_dtype=torch.bfloat16)
         # peft freezes every weight that is not an adapter.
-        return get_peft_model(model, lora.peft_config())
+        model = get_peft_model(model, lora.peft_config())
+        init_adapters(model, seed)
+        return model
 
     def export(session, model) -> None:
         save_adapter(session, model, lora, Path(checkpoint_dir), quantize)
