@@ -116,9 +116,11 @@ def describe(fabric, model) -> dict:
         "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
     }
     if is_fsdp(fabric):
-        mesh = fabric.strategy._fsdp_kwargs.get("device_mesh")
-        info["sharding"] = fabric.strategy.sharding_strategy.name
-        info["mesh"] = list(mesh.shape) if mesh is not None else None
+        from torch.distributed.fsdp import FSDPModule
+
+        info["sharding"] = fabric.strategy.sharding
+        info["mesh"] = list(fabric.strategy.device_mesh.shape)
+        info["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
     return info
 
 
@@ -127,7 +129,7 @@ def check_saves(fabric, plan: BatchPlan, model, optimizer, out: Path, steps: int
     results = {}
     saved = full_state_dict(fabric, model, rank0_only=False)
     for kind in ("full", "sharded"):
-        fabric.strategy._state_dict_type = kind  # test only: exercise both formats in one run
+        fabric.strategy._save_distributed_checkpoint = kind == "sharded"  # test only: both formats in one run
         path = out / f"ckpt_{kind}"
         fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps})
         torch.manual_seed(123)  # different initial weights, so loading must overwrite them
