@@ -10,7 +10,7 @@ The model code and the training loop stay free of distributed details. A caller 
     with torch.device("meta"):
         model = GPT(config)                     # no memory yet
     apply_precision_policy(model, precision)    # the dtype of every parameter (see precision_dtypes)
-    model, _ = setup_model(fabric, model, weights)   # shard (FSDP2), then each rank reads its own rows
+    model = setup_model(fabric, model, read_rows)   # shard (FSDP2), then each rank reads its own rows
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), ...))  # created AFTER setup
 
     for step in range(max_steps):
@@ -624,7 +624,7 @@ def _replace_parameters(model: nn.Module, make: Any) -> None:
 ReadRows = Callable[[str, int, Optional[int]], "Tensor"]
 
 
-def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> tuple[Any, int]:
+def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
     """Set up a model built on the meta device and fill its parameters from `read_rows`.
 
     Parameters that are already real (not meta) keep their values: LoRA adapters are initialised
@@ -632,15 +632,14 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> tuple[
     Under FSDP the model is sharded first, still on the meta device; then each rank allocates and
     reads only its own rows of each parameter, so no rank ever holds the whole model.
 
-    Returns (Fabric's wrapped model, host memory in bytes that the set-up took on this rank).
+    Returns Fabric's wrapped model.
     """
     import torch
 
-    rss_before = _peak_rss()
     if not is_fsdp(fabric):
         materialize(model, read_rows)
         module = fabric.setup_module(model)
-        return module, _peak_rss() - rss_before
+        return module
     preset = {toolkit_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     module = fabric.setup_module(model)
     inner = module.module if hasattr(module, "module") else module
@@ -663,7 +662,7 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> tuple[
             full = preset.get(name)
             values = full[start:stop] if full is not None else read_rows(name, start, stop)
             local.copy_(values.reshape(local.shape))
-    return module, _peak_rss() - rss_before
+    return module
 
 
 def materialize(model: nn.Module, read_rows: ReadRows) -> None:
@@ -675,19 +674,38 @@ def materialize(model: nn.Module, read_rows: ReadRows) -> None:
     def fill(param):
         if not param.is_meta:
             return None
-        values = read_rows(names[id(param)], 0, None)
-        return values.to(param.dtype) if values.dtype != param.dtype else values
+        # Kept in the dtype it is stored in: the precision policy, applied next, casts only what it must.
+        return read_rows(names[id(param)], 0, None)
 
     _replace_parameters(model, fill)
 
 
-def _peak_rss() -> int:
-    """This process's peak resident memory so far, in bytes (Linux reports KiB)."""
-    import resource
-    import sys
+def start_host_memory_window() -> int:
+    """Reset this process's peak-RSS mark (Linux) and return its current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak resident set size (VmHWM) to the current RSS
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
 
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
+
+def host_memory_growth(start: int) -> int:
+    """Peak RSS since `start_host_memory_window` above the RSS it started from, in bytes."""
+    return max(_status_bytes("VmHWM") - start, 0)
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the lifetime peak
 
 
 # Added to parameter names by Fabric, FSDP1, activation checkpointing, torch.compile and peft.

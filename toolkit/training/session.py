@@ -142,8 +142,16 @@ class Session:
         anything is allocated.
         """
         from toolkit.models.gpt import GPT
-        from toolkit.training.distributed import apply_precision_policy, is_fsdp, materialize, setup_model
+        from toolkit.training.distributed import (
+            apply_precision_policy,
+            host_memory_growth,
+            is_fsdp,
+            materialize,
+            setup_model,
+            start_host_memory_window,
+        )
 
+        memory_start = start_host_memory_window()
         with torch.device("meta"):
             model = GPT(self.config)
         read_rows = self._weight_reader(model, weights)
@@ -159,8 +167,8 @@ class Session:
         self._decay_names = {toolkit_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
         if self.train.compile:
             model = torch.compile(model)
-        model, setup_bytes = setup_model(self.fabric, model, read_rows)
-        self._report_setup_memory(setup_bytes)
+        model = setup_model(self.fabric, model, read_rows)
+        self._report_setup_memory(host_memory_growth(memory_start))
         return model
 
     def _weight_reader(self, model, weights: Union[str, Path]):
