@@ -205,6 +205,8 @@ def test_fsdp_full_shard_matches_single_process_and_saves(tmp_path):
     results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
     for result in results:
         assert (result["sharding"], result["mesh"], result["fsdp_units"]) == ("FULL_SHARD", [2], 4)  # 3 blocks + root
+        # Accumulation keeps only each rank's shard of the gradients (no full gradient per rank).
+        assert result["sharded_grads_while_accumulating"] is True
         saves = result["saves"]
         assert saves["is_file_full"] and saves["is_dir_sharded"]
         for kind in ("full", "sharded"):
@@ -247,6 +249,7 @@ def test_hybrid_on_two_nodes_shards_within_and_replicates_across(tmp_path):
     results = _check_against_reference(tmp_path, world_size=4, micro=1, global_batch=8)
     for result in results:
         assert (result["sharding"], result["mesh"]) == ("HYBRID_SHARD", [2, 2])
+        assert result["sharded_grads_while_accumulating"] is True  # all-reduce across nodes deferred, shards kept
 
 
 def test_ddp_matches_single_process(tmp_path):

@@ -101,9 +101,23 @@ def train_step(fabric, plan: BatchPlan, model, optimizer, step: int) -> dict[str
             loss = nn.functional.mse_loss(model(x[j * m : (j + 1) * m]), y[j * m : (j + 1) * m])
             fabric.backward(loss / accum)
         losses[f"{step}/{j}"] = loss.item()
+        if is_accumulating and is_fsdp(fabric):
+            ACCUMULATION["sharded_grads"] = _grads_are_sharded(model)
     optimizer.step()
     optimizer.zero_grad()
     return losses
+
+
+ACCUMULATION: dict = {}  # what the gradients looked like between micro-batches of one step
+
+
+def _grads_are_sharded(model) -> bool:
+    """After a micro-batch that is not the last of its step, every gradient is this rank's shard
+    (FSDP2 reduce-scattered it) rather than a full tensor kept until the step's end."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters()]
+    return bool(grads) and all(isinstance(g, DTensor) and g.to_local().numel() < g.numel() for g in grads)
 
 
 def describe(fabric, model) -> dict:
@@ -121,6 +135,7 @@ def describe(fabric, model) -> dict:
         info["sharding"] = fabric.strategy.sharding
         info["mesh"] = list(fabric.strategy.device_mesh.shape)
         info["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+        info["sharded_grads_while_accumulating"] = ACCUMULATION.get("sharded_grads")
     return info
 
 
