@@ -112,12 +112,23 @@ ACCUMULATION: dict = {}  # what the gradients looked like between micro-batches 
 
 
 def _grads_are_sharded(model) -> bool:
-    """After a micro-batch that is not the last of its step, every gradient is this rank's shard
-    (FSDP2 reduce-scattered it) rather than a full tensor kept until the step's end."""
+    """After a micro-batch that is not the last of its step, no rank holds a full gradient: each
+    gradient is this rank's shard (FSDP2 reduce-scattered it). Under HYBRID_SHARD the shards wait,
+    summed, in FSDP2's partial-reduce buffer for the deferred all-reduce across nodes."""
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    grads = [p.grad for p in model.parameters()]
-    return bool(grads) and all(isinstance(g, DTensor) and g.to_local().numel() < g.numel() for g in grads)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not all(isinstance(g, DTensor) and g.to_local().numel() < g.numel() for g in grads):
+        return False
+    waiting = [
+        m._get_fsdp_state()._fsdp_param_group._partial_reduce_output
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+    ]
+    waiting_numel = sum(t.numel() for t in waiting if t is not None)
+    total = sum(p.numel() for p in model.parameters())
+    return bool(grads) or 0 < waiting_numel < total
 
 
 def describe(fabric, model) -> dict:
