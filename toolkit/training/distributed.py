@@ -79,7 +79,8 @@ class DistributedArgs:
             all devices; SHARD_GRAD_OP keeps full parameters between forward and backward;
             HYBRID_SHARD shards within each machine and replicates across machines (on one
             machine it is FULL_SHARD; with one device per machine it falls back to FULL_SHARD);
-            NO_SHARD replicates everything, like DDP. Ignored unless FSDP is used.
+            NO_SHARD replicates everything, like DDP. FSDP2 (`fully_shard`) in every case.
+            Ignored unless FSDP is used.
         activation_checkpointing: recompute each transformer block's activations in the backward
             pass instead of storing them: less memory, about a third more compute.
         cpu_offload: keep FSDP parameters and gradients in CPU memory between uses (CUDA only; on
@@ -279,8 +280,7 @@ def plan_strategy(
             sharding = "FULL_SHARD"
             notes.append((logging.INFO, "HYBRID_SHARD on one node is FULL_SHARD; using FULL_SHARD."))
         elif devices == 1:
-            # Measured (torch 2.13): with one process per node the shard group has size 1 and FSDP
-            # then skips gradient synchronization across nodes entirely. Shard over everyone.
+            # Nothing to shard within a node: shard over all nodes rather than replicate on each.
             sharding = "FULL_SHARD"
             notes.append(
                 (logging.WARNING, "HYBRID_SHARD needs more than one device per node; using FULL_SHARD across all nodes.")
