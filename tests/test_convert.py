@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit.checkpoint import load_model, load_state_dict
+from toolkit.model_dir import load_model, load_state_dict
 from toolkit.convert import config_from_hf, config_to_hf, convert_from_hf, convert_pretrained_checkpoint, convert_to_hf
 from toolkit.models.config import Config
 from toolkit.models.presets import PRESETS

@@ -133,7 +133,7 @@ def test_activation_checkpointing_gives_the_same_result(workdir, reference):
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_checkpoints_of_a_two_process_run_load_into_one_process(workdir, state_dict_type, tmp_path):
-    from toolkit.checkpoint import load_model
+    from toolkit.model_dir import load_model
     from toolkit.convert import convert_pretrained_checkpoint
 
     out = workdir / f"ckpt-{state_dict_type}"

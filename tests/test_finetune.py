@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import SHARED_DATA
-from toolkit.checkpoint import load_model
+from toolkit.model_dir import load_model
 from toolkit.cli import run
 
 ALPACA = SHARED_DATA / "instruct" / "alpaca_tiny.json"

@@ -93,7 +93,7 @@ def generate(
         prompt_style: Wrap the prompt as an instruction in this style (alpaca, chatml, llama-3, ...),
             as fine-tuning did; "auto" picks the model's default style. None: the prompt as written.
     """
-    from toolkit.checkpoint import load_model, require_checkpoint_dir
+    from toolkit.model_dir import load_model, require_checkpoint_dir
     from toolkit.tokenizer import Tokenizer
 
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)

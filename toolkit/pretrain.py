@@ -64,7 +64,7 @@ def pretrain(
     from toolkit.training.session import Session
 
     if initial_checkpoint_dir is not None:
-        from toolkit.checkpoint import require_checkpoint_dir
+        from toolkit.model_dir import require_checkpoint_dir
 
         config = Config.from_file(require_checkpoint_dir(initial_checkpoint_dir))
     else:
@@ -104,7 +104,7 @@ def pretrain(
         val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
 
     if initial_checkpoint_dir is not None:
-        from toolkit.checkpoint import load_state_dict
+        from toolkit.model_dir import load_state_dict
 
         model = session.build_model(init=load_state_dict(initial_checkpoint_dir))
     else:

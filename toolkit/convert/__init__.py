@@ -115,8 +115,8 @@ def convert_pretrained_checkpoint(training_checkpoint: Path, out_dir: Path, over
     Returns:
         out_dir.
     """
-    from toolkit.checkpoint import atomic_directory, save_checkpoint_files
     from toolkit.convert.hf_to_toolkit import expected_shapes, refuse_existing, shape_mismatch
+    from toolkit.model_dir import atomic_directory, save_checkpoint_files
     from toolkit.models.config import Config
 
     out_dir = Path(out_dir)

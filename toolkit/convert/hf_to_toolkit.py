@@ -6,7 +6,7 @@ Reads `model.safetensors`, a sharded `model.safetensors.index.json`, or (when th
 safetensors file) `pytorch_model.bin` / `pytorch_model.bin.index.json`. Everything is checked
 before a byte is written: every weight name must be known, every shape must match config.json,
 nothing may be missing. The output is written into a temporary directory that is renamed into
-place at the end (`toolkit.checkpoint.atomic_directory`).
+place at the end (`toolkit.model_dir.atomic_directory`).
 
 Memory: the output safetensors file is written by this module, header first and then one tensor
 after the other, so that nothing has to be held in memory at once. A tensor whose bytes are only
@@ -649,7 +649,7 @@ def convert_hf_dir(
         raise UserError(f"Unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     refuse_existing(out_dir, overwrite)
 
-    from toolkit.checkpoint import WEIGHTS_FILENAME, atomic_directory
+    from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory
     from toolkit.convert.hf_config import config_from_hf
 
     config = config_from_hf(read_hf_config(hf_dir), model_name, default_name=default_name or hf_dir.resolve().name)

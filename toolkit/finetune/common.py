@@ -43,7 +43,7 @@ def run_finetune(
     check_args: Optional[Callable] = None,
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model)."""
-    from toolkit.checkpoint import load_state_dict, require_checkpoint_dir
+    from toolkit.model_dir import load_state_dict, require_checkpoint_dir
     from toolkit.models.config import Config
     from toolkit.tokenizer import Tokenizer
     from toolkit.training.session import Session

@@ -195,7 +195,7 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     """Write the adapter in toolkit and peft formats to `<out_dir>/final` (collective call)."""
     from safetensors.torch import save_file
 
-    from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+    from toolkit.model_dir import atomic_directory, save_checkpoint_files
     from toolkit.training.distributed import full_state_dict
 
     fabric = session.fabric
@@ -260,7 +260,7 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
     from peft import get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from toolkit.checkpoint import atomic_directory, load_model, save_checkpoint_files
+    from toolkit.model_dir import atomic_directory, load_model, save_checkpoint_files
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / LORA_META).is_file() and (adapter_dir / "final" / LORA_META).is_file():

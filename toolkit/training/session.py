@@ -237,7 +237,7 @@ class Session:
     # ------------------------------------------------------------------ export
     def export_final(self, model, name: str = "final") -> Path:
         """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
-        from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+        from toolkit.model_dir import atomic_directory, save_checkpoint_files
         from toolkit.training.distributed import full_state_dict
 
         start = time.perf_counter()

@@ -1,4 +1,6 @@
-"""The toolkit's inference checkpoint: a directory that `generate`, fine-tuning and export read.
+"""A model directory: the toolkit's inference checkpoint, which `generate`, fine-tuning and export read.
+
+(Resumable training state is a different thing and lives in `toolkit.training.checkpoint`.)
 
     <dir>/model.safetensors     weights, toolkit names (a tied output head is stored once)
     <dir>/model_config.json     `Config` fields
