@@ -218,7 +218,7 @@ def test_select_files_prefers_safetensors():
                "training_args.bin", "tf_model.h5", "flax_model.msgpack", "tokenizer.model", "model.fp16.safetensors"]
     assert select_files(listing) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
-        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
         "tokenizer.model",
     ]
     bin_only = ["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",

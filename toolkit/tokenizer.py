@@ -19,12 +19,16 @@ from toolkit.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-# Files that belong to a tokenizer; `Tokenizer.save` copies whichever of them exist.
+# The files that travel with a tokenizer (the one list: checkpoints, conversion and download all use
+# it). `Tokenizer` reads tokenizer.json and takes BOS/EOS/PAD from the config files and
+# generation_config.json; tokenizer.model (SentencePiece) is not read here but is kept so that an
+# export to Hugging Face hands it on.
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "tokenizer.model",
 )
 
 # Special token of the tokenizers made by `train_bpe_tokenizer` (and GPT-2/GPT-NeoX): BOS and EOS at once.

@@ -36,15 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from toolkit.models.config import Config
 
-# Files copied next to the weights, so that the checkpoint carries its tokenizer.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "generation_config.json",
-)
-
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
@@ -583,6 +574,9 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 
 
 def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
+    """Copy the tokenizer files that `src_dir` has, so that the checkpoint carries its tokenizer."""
+    from toolkit.tokenizer import TOKENIZER_FILES
+
     copied = []
     for name in TOKENIZER_FILES:
         if (Path(src_dir) / name).is_file():

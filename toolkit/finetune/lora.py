@@ -23,6 +23,7 @@ from typing import Literal, Optional, Union
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
+from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.training.distributed import DistributedArgs
 
@@ -80,10 +81,8 @@ def is_adapter_weight(name: str) -> bool:
 
 
 def adapter_key(name: str) -> str:
-    """Toolkit name of an adapter weight: no peft wrapper prefix, no adapter name."""
-    for prefix in ("_forward_module.", "_orig_mod.", "base_model.model."):
-        name = name.replace(prefix, "")
-    return name.replace(".default.", ".")
+    """Toolkit name of an adapter weight: no wrapper parts, no adapter name."""
+    return unwrapped_name(name).replace(".default.", ".")
 
 
 def quantize_linears(model, mode: str, compute_dtype):

@@ -19,6 +19,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.models.config import Config
+from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches, plan_strategy
 from toolkit.training.loop import LoopHooks, TrainState, fit
@@ -155,14 +156,14 @@ class Session:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable")
         # Decide weight decay by the original shapes now: under FSDP the parameters become flat shards.
-        self._decay_names = {_clean_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+        self._decay_names = {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
         if self.train.compile:
             model = torch.compile(model)
         return self.fabric.setup_module(model)
 
     def build_optimizer(self, model):
         """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-        named = [(_clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if n in self._decay_names]
         no_decay = [p for n, p in named if n not in self._decay_names]
         groups = [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -249,16 +250,6 @@ class Session:
             self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
         self.fabric.barrier()
         return target
-
-
-_WRAPPER_PARTS = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _clean_name(name: str) -> str:
-    """A parameter's name without the prefixes that Fabric, FSDP, DDP, checkpointing or compile add."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name.removeprefix("module.")
 
 
 def _describe_position(position: dict) -> str:
