@@ -150,7 +150,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
     """The real recipe (StreamMix of litdata streams) with local streams and a shrunken model."""
-    from toolkit.data.pretrain import optimize_text_to_stream
+    from toolkit.data.streams import optimize_text_to_stream
     from toolkit.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(SHARED_DATA / "tokenizers" / "llama2")  # TinyLlama uses the Llama-2 tokenizer

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from toolkit.data import StreamMix, TextFiles
-from toolkit.data.pretrain import _publish, _stream_stats, collate_blocks, optimize_text_to_stream
+from toolkit.data.streams import _publish, _stream_stats, collate_blocks, optimize_text_to_stream
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer
 
@@ -134,7 +134,7 @@ def test_second_prepare_reuses_cache(tmp_path, tok, corpora, caplog):
     assert data.data_dir.parent == tmp_path / "data_cache"
     chunk = next((data.data_dir / "train").glob("*.bin"))
     before = (chunk.stat().st_ino, chunk.stat().st_mtime_ns)
-    caplog.set_level(logging.INFO, logger="toolkit.data.pretrain")
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
     again = TextFiles(train_path=corpora["txt"])
     again.prepare(tok, BLOCK, tmp_path)
     assert "reusing tokenized data at" in caplog.text
@@ -211,7 +211,7 @@ def test_interrupted_preparation_is_redone(tmp_path, tok, corpora, caplog):
     (stale / "train").mkdir(parents=True)
     (stale / "train" / "index.json").write_text("{broken")
     (stale / "meta.json").write_text("{}")
-    caplog.set_level(logging.INFO, logger="toolkit.data.pretrain")
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
     data.prepare(tok, BLOCK, tmp_path)
     assert "reusing" not in caplog.text and "tokenizing" in caplog.text
     assert not stale.exists()

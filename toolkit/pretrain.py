@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from toolkit.data.pretrain import PretrainData
+from toolkit.data.streams import PretrainData
 from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs

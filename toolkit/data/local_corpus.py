@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from toolkit.data.pretrain import PretrainData, TextFiles
+from toolkit.data.streams import PretrainData, TextFiles
 from toolkit.errors import UserError
 
 # Skipped: tests (huge, repetitive), vendored packages and generated tables.

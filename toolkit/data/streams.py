@@ -791,7 +791,7 @@ def _check_stream(url: str, what: str) -> None:
         return  # litdata streams it; checking would need credentials and a round trip
     path = Path(_local(url))
     how = (
-        "make one with toolkit.data.pretrain.optimize_text_to_stream (as TextFiles does) "
+        "make one with toolkit.data.streams.optimize_text_to_stream (as TextFiles does) "
         "or litdata.optimize(..., item_loader=TokensLoader())"
     )
     if not path.is_dir():
