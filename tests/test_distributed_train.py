@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED_DATA
+from conftest import ASSETS
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -39,8 +39,8 @@ def _env() -> dict:
 def _pretrain_args(out_dir: Path, cache: Path, *extra: str) -> list[str]:
     return [
         "pretrain", "debug-neox", "--out_dir", str(out_dir),
-        "--data", "TextFiles", "--data.train_path", str(SHARED_DATA / "tinyshakespeare.txt"), "--data.cache_dir", str(cache),
-        "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "gpt-neox-20b"),
+        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"), "--data.cache_dir", str(cache),
+        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
         "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.warmup_steps", "1",
         "--train.learning_rate", "0.002", "--train.save_interval", str(STEPS),

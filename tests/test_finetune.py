@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED_DATA
+from conftest import ASSETS
 from toolkit.model_dir import load_model
 from toolkit.cli import run
 
-ALPACA = SHARED_DATA / "instruct" / "alpaca_tiny.json"
+ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
 
 
 def _args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import ASSETS
 
 from toolkit.data.instruct import (
     IGNORE_INDEX,
@@ -25,7 +25,7 @@ from toolkit.models.config import Config
 from toolkit.models.presets import PRESETS
 from toolkit.tokenizer import Tokenizer
 
-INSTRUCT = SHARED_DATA / "instruct"
+INSTRUCT = ASSETS / "instruct"
 TINY = INSTRUCT / "alpaca_tiny.json"
 DEMO = INSTRUCT / "alpaca_en_demo.json"
 SEED_TASKS = INSTRUCT / "alpaca_seed_tasks.jsonl"
@@ -33,12 +33,12 @@ SEED_TASKS = INSTRUCT / "alpaca_seed_tasks.jsonl"
 
 @pytest.fixture(scope="module")
 def llama2() -> Tokenizer:
-    return Tokenizer(SHARED_DATA / "tokenizers" / "llama2")
+    return Tokenizer(ASSETS / "tokenizers" / "llama2")
 
 
 @pytest.fixture(scope="module")
 def neox() -> Tokenizer:
-    return Tokenizer(SHARED_DATA / "tokenizers" / "gpt-neox-20b")
+    return Tokenizer(ASSETS / "tokenizers" / "gpt-neox-20b")
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,10 @@ import pytest
 
 from toolkit.cli import run
 
-from conftest import SHARED_DATA
+from conftest import ASSETS
 
-NEOX_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt-neox-20b"
-SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+NEOX_TOKENIZER = ASSETS / "tokenizers" / "gpt-neox-20b"
+SHAKESPEARE = ASSETS / "tinyshakespeare.txt"
 
 
 def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
@@ -153,14 +153,14 @@ def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
     from toolkit.data.streams import optimize_text_to_stream
     from toolkit.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(SHARED_DATA / "tokenizers" / "llama2")  # TinyLlama uses the Llama-2 tokenizer
-    prose = optimize_text_to_stream(SHARED_DATA / "tinyshakespeare.txt", tokenizer, tmp_path / "streams" / "prose")
-    web = optimize_text_to_stream(SHARED_DATA / "pretrain" / "c4_demo.jsonl", tokenizer, tmp_path / "streams" / "web")
-    val = optimize_text_to_stream(SHARED_DATA / "pretrain" / "tinystories_train_head_197k.txt", tokenizer, tmp_path / "streams" / "val")
+    tokenizer = Tokenizer(ASSETS / "tokenizers" / "llama2")  # TinyLlama uses the Llama-2 tokenizer
+    prose = optimize_text_to_stream(ASSETS / "tinyshakespeare.txt", tokenizer, tmp_path / "streams" / "prose")
+    web = optimize_text_to_stream(ASSETS / "pretrain" / "c4_demo.jsonl", tokenizer, tmp_path / "streams" / "web")
+    val = optimize_text_to_stream(ASSETS / "pretrain" / "tinystories_train_head_197k.txt", tokenizer, tmp_path / "streams" / "val")
     out = tmp_path / "run"
     args = [
         "pretrain", "--config", str(REPO / "config_hub" / "pretrain" / "tinyllama.yaml"),
-        "--out_dir", str(out), "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "llama2"),
+        "--out_dir", str(out), "--tokenizer_dir", str(ASSETS / "tokenizers" / "llama2"),
         "--data.train_streams", f"[{prose}, {web}]", "--data.val_stream", str(val),
         "--devices", "1", "--precision", "32-true",
         "--model_overrides", "{n_layer: 2, n_embd: 64, n_head: 4, n_query_groups: 2, intermediate_size: 128}",
@@ -176,7 +176,7 @@ def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
 
 def test_the_tinyllama_recipe_without_streams_says_what_to_pass(tmp_path):
     result = _toolkit("pretrain", "--config", str(REPO / "config_hub" / "pretrain" / "tinyllama.yaml"),
-                      "--out_dir", str(tmp_path / "out"), "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "llama2"),
+                      "--out_dir", str(tmp_path / "out"), "--tokenizer_dir", str(ASSETS / "tokenizers" / "llama2"),
                       "--devices", "1", cwd=tmp_path)
     _assert_one_line_error(result, "data/slimpajama/train", "optimize_text_to_stream")
     assert not (tmp_path / "out").exists()

@@ -23,18 +23,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tok(shared_data) -> Tokenizer:
-    return Tokenizer(shared_data / "tokenizers" / "gpt-neox-20b")
+def tok(assets) -> Tokenizer:
+    return Tokenizer(assets / "tokenizers" / "gpt-neox-20b")
 
 
 @pytest.fixture(scope="module")
-def corpora(tmp_path_factory, shared_data) -> dict:
+def corpora(tmp_path_factory, assets) -> dict:
     """Small real corpora: a ~50 KB Shakespeare slice (.txt) and 60 C4 documents (.jsonl)."""
     root = tmp_path_factory.mktemp("corpora")
     txt = root / "shakespeare.txt"
-    txt.write_text((shared_data / "tinyshakespeare.txt").read_text()[:50_000])
+    txt.write_text((assets / "tinyshakespeare.txt").read_text()[:50_000])
     jsonl = root / "c4.jsonl"
-    lines = (shared_data / "pretrain" / "c4_demo.jsonl").read_text().splitlines()[:60]
+    lines = (assets / "pretrain" / "c4_demo.jsonl").read_text().splitlines()[:60]
     jsonl.write_text("\n".join(lines) + "\n")
     return {"txt": txt, "jsonl": jsonl}
 
@@ -82,8 +82,8 @@ def test_text_file_batches(tmp_path, tok, corpora):
 
 
 @pytest.mark.parametrize("name", ["gpt-neox-20b", "llama2"])
-def test_jsonl_keeps_every_document(tmp_path, corpora, shared_data, name):
-    tok = Tokenizer(shared_data / "tokenizers" / name)
+def test_jsonl_keeps_every_document(tmp_path, corpora, assets, name):
+    tok = Tokenizer(assets / "tokenizers" / name)
     data = TextFiles(train_path=corpora["jsonl"], cache_dir=tmp_path / "cache", val_fraction=0.1)
     start_method = multiprocessing.get_start_method(allow_none=True)
     data.prepare(tok, BLOCK, tmp_path)
@@ -99,14 +99,14 @@ def test_jsonl_keeps_every_document(tmp_path, corpora, shared_data, name):
     assert 0 < meta["val_tokens"] < meta["train_tokens"]
 
 
-def test_folder_and_val_path(tmp_path, tok, corpora, shared_data):
+def test_folder_and_val_path(tmp_path, tok, corpora, assets):
     folder = tmp_path / "corpus"
     (folder / "sub").mkdir(parents=True)
     (folder / "a.txt").write_text(corpora["txt"].read_text()[:20_000])
     (folder / "sub" / "b.jsonl").write_text(corpora["jsonl"].read_text())
     (folder / "notes.md").write_text("ignored: not .txt or .jsonl")
     val = tmp_path / "val.txt"
-    stories = (shared_data / "pretrain" / "tinystories_train_head_197k.txt").read_text()
+    stories = (assets / "pretrain" / "tinystories_train_head_197k.txt").read_text()
     val.write_text(stories[:3_000])  # under 4 KB: a single piece, so its tokens equal one encode()
     data = TextFiles(train_path=folder, val_path=val, cache_dir=tmp_path / "cache")
     data.prepare(tok, BLOCK, tmp_path)
@@ -169,10 +169,10 @@ _PREPARE_SCRIPT = textwrap.dedent(
 )
 
 
-def test_concurrent_preparations(tmp_path, tok, corpora, shared_data):
+def test_concurrent_preparations(tmp_path, tok, corpora, assets):
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    tokenizer_dir = str(shared_data / "tokenizers" / "gpt-neox-20b")
+    tokenizer_dir = str(assets / "tokenizers" / "gpt-neox-20b")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _PREPARE_SCRIPT, str(corpora[kind]), str(cache), tokenizer_dir],
