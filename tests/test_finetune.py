@@ -211,3 +211,44 @@ def test_adapters_on_fused_projections_have_no_peft_copy_but_are_saved(tmp_path)
     assert not any(tmp_path.iterdir())  # nothing half-written
     assert write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-llama2")) is None
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("targets", [("query", "head"), ("query",)])
+def test_merging_a_head_adapter_into_tied_embeddings_leaves_the_embeddings_alone(tmp_path, targets):
+    """With tied embeddings (Llama 3.2, Qwen2.5, Gemma) the head's update must not reach the input embeddings."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, LoRAArgs, merge_lora
+    from toolkit.model_dir import save_checkpoint_files
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, init_weights
+
+    config = Config.from_name("debug", n_layer=1, vocab_size=128, tie_embeddings=True)
+    torch.manual_seed(0)
+    model = GPT(config)
+    init_weights(model, config.n_layer)
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    save_checkpoint_files(base_dir, model.state_dict(), config)
+    # An adapter as finetune_lora writes it, with non-zero B so that every update is real.
+    lora = LoRAArgs(r=2, alpha=4, dropout=0.0, targets=targets)
+    peft_model = get_peft_model(load_model(base_dir), lora.peft_config())
+    adapters = {k.replace("base_model.model.", "").replace(".default.", "."): torch.randn_like(v) * 0.1
+                for k, v in peft_model.state_dict().items() if "lora_" in k}
+    set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
+    adapter_dir = tmp_path / "run" / "final"
+    adapter_dir.mkdir(parents=True)
+    save_file(adapters, str(adapter_dir / ADAPTER_FILE))
+    (adapter_dir / LORA_META).write_text(json.dumps({"base_checkpoint": str(base_dir), "lora": {**vars(lora), "targets": list(targets)}}))
+
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = peft_model.eval()(tokens)
+    merged_dir = merge_lora(tmp_path / "run")
+    merged = load_model(merged_dir)
+    torch.testing.assert_close(merged.embed.weight, model.embed.weight, atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), expected, atol=1e-5, rtol=0)
+    # The head stays tied when no adapter touched it.
+    assert merged.config.tie_embeddings == ("head" not in targets)

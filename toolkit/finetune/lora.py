@@ -15,6 +15,7 @@ A finished run writes `<out_dir>/final/`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -271,6 +272,13 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
     out_dir = Path(out_dir) if out_dir is not None else adapter_dir.parent / "merged"
     model = load_model(base)
     lora = LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    if model.config.tie_embeddings and "lm_head" in lora.module_names():
+        # The head shares its matrix with the input embeddings; merging its update in place would
+        # change the embeddings too. Give the head its own copy: the merged model is untied.
+        model.lm_head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+        model.config = dataclasses.replace(model.config, tie_embeddings=False)
+        print("Note: the adapter updates the output head, which shares its weights with the embeddings; "
+              "the merged model has a separate head (tie_embeddings false).")
     peft_model = get_peft_model(model, lora.peft_config())
     adapters = load_file(str(adapter_dir / ADAPTER_FILE))
     set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
