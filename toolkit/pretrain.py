@@ -8,7 +8,8 @@ from typing import Any, Optional, Union
 from toolkit.data.streams import PretrainData
 from toolkit.errors import UserError
 from toolkit.models.config import Config
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.tokenizer import MIN_BPE_VOCAB
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
 from toolkit.training.distributed import DistributedArgs
 
 NO_DATA_HELP = (
@@ -63,6 +64,7 @@ def pretrain(
     """
     from toolkit.training.session import Session
 
+    check_seed(seed)
     if initial_checkpoint_dir is not None:
         from toolkit.model_dir import require_checkpoint_dir
 
@@ -73,6 +75,8 @@ def pretrain(
         raise UserError(NO_DATA_HELP)
     if tokenizer_dir is None and train_tokenizer_vocab is None:
         raise UserError("Pass --tokenizer_dir <folder with tokenizer.json>, or --train_tokenizer_vocab N to train one on the data.")
+    if tokenizer_dir is None and train_tokenizer_vocab < MIN_BPE_VOCAB:
+        raise UserError(f"--train_tokenizer_vocab must be at least {MIN_BPE_VOCAB} (every byte and one special token), got {train_tokenizer_vocab}")
     max_seq_length = train.sequence_length(config)
 
     if tokenizer_dir is not None:

@@ -33,6 +33,8 @@ TOKENIZER_FILES: tuple[str, ...] = (
 
 # Special token of the tokenizers made by `train_bpe_tokenizer` (and GPT-2/GPT-NeoX): BOS and EOS at once.
 ENDOFTEXT = "<|endoftext|>"
+# The smallest vocabulary `train_bpe_tokenizer` makes: every byte plus ENDOFTEXT.
+MIN_BPE_VOCAB = 256 + 1
 # Last-resort names when no config file names BOS/EOS (a folder with only tokenizer.json).
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", ENDOFTEXT)
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", ENDOFTEXT)
@@ -253,9 +255,8 @@ def train_bpe_tokenizer(text_files: list[Path], vocab_size: int, out_dir: Path) 
     out_dir = Path(out_dir)
     if not text_files:
         raise UserError("no text files given to train the tokenizer on; pass at least one UTF-8 text file")
-    min_vocab = 256 + 1  # every byte plus the special token
-    if vocab_size < min_vocab:
-        raise UserError(f"vocab_size {vocab_size} is too small for byte-level BPE; use at least {min_vocab}")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise UserError(f"vocab_size {vocab_size} is too small for byte-level BPE; use at least {MIN_BPE_VOCAB}")
     if not any([_check_text_file(path) for path in text_files]):
         raise UserError(f"no text to train on in {', '.join(map(str, text_files))}; pass files with text")
     if out_dir.exists():

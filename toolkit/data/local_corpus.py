@@ -36,6 +36,8 @@ class PythonStdlib(PretrainData):
     def __post_init__(self) -> None:
         if self.max_megabytes <= 0:
             raise UserError("--data.max_megabytes must be positive")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"--data.val_fraction must be between 0 and 1, got {self.val_fraction}")
         self._text: Optional[TextFiles] = None
 
     def source_files(self) -> list[Path]:

@@ -622,6 +622,7 @@ class TextFiles(PretrainData):
         self._entry: Optional[Path] = None
         self._train_files: list[Path] = []
         self._val_files: list[Path] = []
+        self._check_args()  # here, so that a bad value is refused before any process starts
 
     # -- locating ---------------------------------------------------------------------------------
 

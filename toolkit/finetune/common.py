@@ -12,7 +12,7 @@ from typing import Callable, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
 from toolkit.training.distributed import DistributedArgs
 
 # Defaults that suit fine-tuning rather than pretraining: one epoch, short warmup.
@@ -48,6 +48,7 @@ def run_finetune(
     from toolkit.tokenizer import Tokenizer
     from toolkit.training.session import Session
 
+    check_seed(seed)
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
     config = Config.from_file(checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)

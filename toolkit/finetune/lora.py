@@ -59,6 +59,8 @@ class LoRAArgs:
     def __post_init__(self) -> None:
         if self.r < 1:
             raise UserError(f"--lora.r must be at least 1, got {self.r}")
+        if not self.alpha > 0:
+            raise UserError(f"--lora.alpha must be positive, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--lora.dropout must be in [0, 1), got {self.dropout}")
         for target in self.targets:
