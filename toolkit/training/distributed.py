@@ -143,7 +143,8 @@ def resolve_precision(precision: str | None, accelerator: str) -> str:
         if accelerator == "cuda":
             import torch
 
-            return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+            # Native bfloat16 only (Ampere and later): V100 and T4 emulate it, much slower than float16.
+            return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
         return "32-true"
     name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
     if name not in PRECISIONS:
