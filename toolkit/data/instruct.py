@@ -228,9 +228,11 @@ class InstructLoader:
     iteration yield exactly the batches an uninterrupted run would have yielded next (the epoch's
     order is recomputed from the seed, no batch is replayed).
 
-    Validation (shuffle=False): every pass yields the same batches from the start, sorted by length
-    (group_by_length) or in file order; one process keeps a short last batch, several drop the
-    samples that do not fill a global batch.
+    Validation (shuffle=False): every pass yields the same batches from the start. With
+    group_by_length, each batch holds samples of similar length and the batches come longest first,
+    then in an order that spreads any first k batches over all lengths (`spread_order`): a
+    validation that reads k batches measures short and long samples alike. Without it, file order.
+    One process keeps a short last batch, several drop the samples that do not fill a global batch.
     """
 
     def __init__(
@@ -293,12 +295,17 @@ class InstructLoader:
         lengths = self.samples.lengths
         if not self.shuffle:
             order = torch.arange(n)
-            if self.group_by_length:  # longest first: an out-of-memory shows at the first batch
-                order = torch.sort(lengths, descending=True, stable=True).indices
+            if not self.group_by_length:
+                units = list(order.split(unit))
+            else:
+                # Batches of similar lengths (little padding), taken in an order whose every prefix
+                # spreads over all lengths: validation reads only its first max_iters batches.
+                # The longest batch stays first, so an out-of-memory shows at once.
+                units = list(torch.sort(lengths, descending=True, stable=True).indices.split(unit))
+                units = [units[i] for i in spread_order(len(units))]
             if self.world_size == 1:
-                return list(order.split(mb))
-            units = order[: (n // unit) * unit].view(-1, unit)
-            return [u[self.rank * mb : (self.rank + 1) * mb] for u in units]
+                return units
+            return [u[self.rank * mb : (self.rank + 1) * mb] for u in units if len(u) == unit]
 
         # Training: whole optimizer steps of `step_batch_size` samples ("units").
         unit = self.step_batch_size
@@ -411,6 +418,16 @@ class InstructLoader:
             f"rank={self.rank}/{self.world_size}, {len(self)} batches per epoch, epoch={self._epoch}, "
             f"batches_consumed={self._consumed})"
         )
+
+
+def spread_order(n: int) -> list[int]:
+    """0..n-1 in bit-reversed (van der Corput) order: every prefix is spread evenly over the range.
+
+    For n = 8: 0 4 2 6 1 5 3 7. Any first k positions are about n / k apart, whatever k is.
+    """
+    bits = max(1, (n - 1).bit_length())
+    reversed_positions = (int(format(i, f"0{bits}b")[::-1], 2) for i in range(1 << bits))
+    return [i for i in reversed_positions if i < n]
 
 
 def _batches_per_epoch(num_samples: int, micro_batch_size: int, world_size: int, shuffle: bool = True) -> int:
