@@ -252,3 +252,39 @@ def test_merging_a_head_adapter_into_tied_embeddings_leaves_the_embeddings_alone
         torch.testing.assert_close(merged(tokens), expected, atol=1e-5, rtol=0)
     # The head stays tied when no adapter touched it.
     assert merged.config.tie_embeddings == ("head" not in targets)
+
+
+def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
+    """tokens_seen, tokens/s and MFU of fine-tuning count the samples' tokens, not the padding of their batches."""
+    from lightning.fabric import Fabric
+
+    from toolkit.data.instruct import Alpaca
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, init_weights
+    from toolkit.tokenizer import Tokenizer
+    from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+    from toolkit.training.distributed import plan_batches
+    from toolkit.training.loop import LoopHooks, TrainState, fit
+
+    data = Alpaca(json_path=ALPACA, val_split_fraction=0, group_by_length=False)  # unsorted: much padding
+    data.setup(Tokenizer(ASSETS / "tokenizers" / "llama2"), 128, "debug")
+    loader = data.train_dataloader(4, seed=0)
+    steps, accumulation = 3, 2
+    batches = loader.batch_indices(0)[: steps * accumulation]
+    real = sum(int(data._train.lengths[b].sum()) for b in batches)
+    padded = sum(int(data._train.lengths[b].max()) * len(b) for b in batches)
+    assert padded > real
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("debug", n_layer=1, vocab_size=32000))
+    init_weights(model, 1)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train = TrainArgs(micro_batch_size=4, global_batch_size=8, max_steps=steps, warmup_steps=0)
+    plan = plan_batches(1, 1, 4, 8, 128)
+    assert plan.gradient_accumulation_iters == accumulation
+    state = fit(fabric, model, optimizer, loader, None, plan, TrainState(), train, EvalArgs(final_validation=False),
+                LogArgs(interval=1, loggers=()), LoopHooks(), total_steps=steps, tokens_per_step=None)
+    assert state.step == steps
+    assert state.tokens_seen == real

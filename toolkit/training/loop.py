@@ -28,7 +28,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     micro_step: int = 0  # micro-batches consumed per rank
-    tokens_seen: int = 0  # input tokens over all ranks
+    tokens_seen: int = 0  # input tokens over all ranks (padding excluded)
     epoch: int = 0  # completed passes over the training data
     epoch_batches: int = 0  # micro-batches consumed per rank in the current pass
     best_val_loss: float = float("inf")
@@ -83,7 +83,7 @@ def fit(
 
     `total_steps` is the step count the schedule decays over (None if only a time limit is known).
     `tokens_per_step` is the input tokens per optimizer step over all ranks when every batch has
-    the same shape (pretraining); None makes the loop count tokens from the batches.
+    the same shape (pretraining); None makes the loop count the batches' real (non-padding) tokens.
     """
     accumulation = plan.gradient_accumulation_iters
     world_size = fabric.world_size
@@ -228,8 +228,20 @@ def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
 
 
 def _global_tokens(fabric, group: list[dict]) -> int:
-    local = torch.tensor(sum(b["input_ids"].numel() for b in group), device=fabric.device)
+    """Input tokens of a step over all ranks, padding excluded (throughput and MFU count real work).
+
+    A sample's last label is a target (its EOS, or the last response token when cut), and padding
+    only follows it: a row's real tokens end at its last label that is not IGNORE_INDEX.
+    """
+    local = torch.tensor(sum(_real_tokens(b["labels"]) for b in group), device=fabric.device)
     return int(fabric.all_reduce(local, reduce_op="sum").item()) if fabric.world_size > 1 else int(local.item())
+
+
+def _real_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) labels -> tokens before the padding, summed over the rows (a 0-dim tensor)."""
+    counted = labels != IGNORE_INDEX
+    length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)  # 1 + index of the last counted label
+    return torch.where(counted.any(dim=1), length, 0).sum()
 
 
 def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit):
