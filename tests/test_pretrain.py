@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -65,7 +66,11 @@ def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp
     assert abs(first_val - val[-1]) < 1e-3, (first_val, val[-1])
 
 
-def test_max_tokens_stops_before_exceeding_the_budget(tmp_path):
+def _step_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+def test_max_tokens_stops_before_exceeding_the_budget(tmp_path, capsys):
     out = tmp_path / "run"
     tokens_per_step = 8 * 64
     budget = 3 * tokens_per_step + 100  # not a whole number of steps: 3 steps fit, a 4th would exceed
@@ -73,14 +78,20 @@ def test_max_tokens_stops_before_exceeding_the_budget(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 3
     assert summary["tokens_seen"] == 3 * tokens_per_step <= budget
+    # The run knows its length: every step line says how long it has run and about how long is left.
+    lines = _step_lines(capsys)
+    assert [line.split(" |")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert all(re.search(r"\| \d+:\d\d elapsed, \d+:\d\d left$", line) for line in lines), lines
+    assert lines[-1].endswith(", 0:00 left")
 
 
-def test_max_time_stops_at_a_step_boundary(tmp_path):
+def test_max_time_stops_at_a_step_boundary(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(_pretrain_args(out, "--train.max_time", "1s", "--train.max_steps", "10000", "--eval.final_validation", "false")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 1 <= summary["step"] < 10000
     assert summary["train_seconds"] >= 1.0
+    assert all(re.search(r"\| \d+:\d\d elapsed, 0:0[01] left$", line) for line in _step_lines(capsys))
 
 
 def _toolkit(*args: str, cwd=None) -> subprocess.CompletedProcess:

@@ -4,10 +4,12 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,32 @@ def test_corpus_files_for_tokenizer_training(tmp_path, corpora):
     assert data.corpus_files(tmp_path) == [text_file]  # made once
     with pytest.raises(UserError, match="pass --tokenizer_dir"):
         StreamMix(train_streams=["s3://bucket/a"]).corpus_files(tmp_path)
+
+
+def test_preparation_prints_the_toolkit_lines_only(tmp_path, tok, corpora, capfd, caplog):
+    """litdata's banners, worker messages and progress bars stay out of the output (any process)."""
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
+    TextFiles(train_path=corpora["txt"], num_workers=2).prepare(tok, BLOCK, tmp_path)
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    assert not [line for line in captured.err.splitlines() if line.strip()], captured.err
+    assert "tokenized data ready at" in caplog.text  # the toolkit's own lines, through its logger
+
+
+def test_long_preparations_report_progress_and_time_left(tok, caplog):
+    from toolkit.data.streams import _ProgressReport, _TokenizeItems
+
+    fn = _TokenizeItems([], tok, "text")
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
+    with _ProgressReport(fn, total_bytes=4_000_000, what="train", interval=0.05):
+        fn.progress.value = 1_000_000  # as a worker adds the bytes it has finished
+        for _ in range(1000):  # the report thread writes a line every 0.05 s
+            if "%" in caplog.text:
+                break
+            time.sleep(0.01)
+    assert fn.progress is None  # the counter is not left behind for the next preparation
+    line = caplog.records[0].getMessage()
+    assert re.fullmatch(r"tokenizing train: 25% of 4.0 MB after \d+ s, about \d+ s left", line), line
 
 
 def test_second_prepare_reuses_cache(tmp_path, tok, corpora, caplog):

@@ -146,7 +146,11 @@ def _condense(message: str) -> str:
 
 
 def _show_toolkit_logs() -> None:
-    """The toolkit's own INFO messages (data preparation, cache reuse) go to stderr as plain lines."""
+    """The toolkit's own INFO messages (data preparation, cache reuse) go to stderr as plain lines.
+
+    Two of Lightning's INFO lines are dropped: "Seed set to N" (at every seeding) and "Using
+    bfloat16 Automatic Mixed Precision", which the toolkit's start-up table already says.
+    """
     import logging
 
     logger = logging.getLogger("toolkit")
@@ -155,6 +159,17 @@ def _show_toolkit_logs() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
+    # Lightning's rank-zero messages go to whichever of these loggers was set up last on import.
+    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        rank_zero = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrecisionNotice) for f in rank_zero.filters):
+            rank_zero.addFilter(_DropPrecisionNotice())
+
+
+class _DropPrecisionNotice:
+    def filter(self, record) -> bool:
+        return "Automatic Mixed Precision" not in record.getMessage()
 
 
 def run(argv: Optional[list[str]] = None) -> int:

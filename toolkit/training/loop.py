@@ -138,13 +138,14 @@ def fit(
         window_steps += 1
         window_tokens += step_tokens
 
+        state.train_seconds = time.perf_counter() - run_start
         if state.step % log.interval == 0:
             elapsed = time.perf_counter() - window_start
-            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit or total_steps)
+            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks,
+                      step_limit or total_steps, max_seconds)
             running_loss.zero_()
             running_targets.zero_()
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-        state.train_seconds = time.perf_counter() - run_start
 
         if val_loader is not None and eval.interval and state.step % eval.interval == 0:
             _run_validation(fabric, model, val_loader, eval, state)
@@ -244,7 +245,8 @@ def _real_tokens(labels: torch.Tensor) -> torch.Tensor:
     return torch.where(counted.any(dim=1), length, 0).sum()
 
 
-def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit):
+def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit,
+              max_seconds=None):
     loss_sum, targets = running_loss.clone(), running_targets.clone()
     if fabric.world_size > 1:
         loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")
@@ -265,8 +267,27 @@ def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_
         mfu = hooks.flops_per_token * tokens_per_sec / (hooks.device_peak_flops * fabric.world_size)
         metrics["train/mfu"] = mfu
         line += f" | MFU {100 * mfu:.1f}%"
+    line += f" | {_duration(state.train_seconds)} elapsed" + _time_left(state, step_limit, max_seconds)
     fabric.log_dict(metrics, step=state.step)
     fabric.print(line)
+
+
+def _time_left(state: TrainState, step_limit: Optional[int], max_seconds: Optional[float]) -> str:
+    """", 12:05 left" when the run's length is known: from the mean time per step so far (validation
+    and checkpoints included), or the time limit, whichever ends first; "" otherwise."""
+    estimates = []
+    if step_limit and state.step:
+        estimates.append(state.train_seconds / state.step * max(0, step_limit - state.step))
+    if max_seconds is not None:
+        estimates.append(max(0.0, max_seconds - state.train_seconds))
+    return f", {_duration(min(estimates))} left" if estimates else ""
+
+
+def _duration(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 @torch.no_grad()
