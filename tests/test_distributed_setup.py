@@ -112,6 +112,21 @@ def test_resolve_precision():
         resolve_precision("bf16-mixd", "cpu")
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["T4-or-V100", "Ampere-or-later"])
+def test_the_default_on_a_gpu_is_bf16_only_where_the_gpu_computes_in_it(monkeypatch, native):
+    """Pre-Ampere GPUs (V100, T4) emulate bfloat16: slow. They train in float16 by default.
+
+    This machine has no GPU, so torch's two device queries answer as the named GPU's would
+    (`is_bf16_supported()` counts emulation unless including_emulation=False).
+    """
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
+    assert resolve_precision(None, "cuda") == ("bf16-mixed" if native else "16-mixed")
+    assert resolve_precision("16-mixed", "cuda") == "16-mixed"
+
+
 def test_invalid_names_and_counts_are_user_errors():
     with pytest.raises(UserError, match="FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD.*Did you mean: FULL_SHARD"):
         plan_strategy(2, 1, None, DistributedArgs(sharding="FULL_SHARDING"), "cpu")  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from toolkit.checkpoint import stored_dtype
+from toolkit.model_dir import stored_dtype
 from toolkit.cli import run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,7 +12,7 @@ from typing import Callable, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
 from toolkit.training.distributed import DistributedArgs
 
 # Defaults that suit fine-tuning rather than pretraining: one epoch, short warmup.
@@ -44,12 +44,13 @@ def run_finetune(
     export_dtype: Optional[str] = None,
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model)."""
-    from toolkit.checkpoint import export_dtype as resolve_export_dtype
-    from toolkit.checkpoint import require_checkpoint_dir
+    from toolkit.model_dir import export_dtype as resolve_export_dtype
+    from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
     from toolkit.tokenizer import Tokenizer
     from toolkit.training.session import Session
 
+    check_seed(seed)
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
     config = Config.from_file(checkpoint_dir)
     dtype = resolve_export_dtype(export_dtype, checkpoint_dir)

@@ -15,6 +15,7 @@ A finished run writes `<out_dir>/final/`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Literal, Optional, Union
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
+from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.training.distributed import DistributedArgs
 
@@ -57,6 +59,8 @@ class LoRAArgs:
     def __post_init__(self) -> None:
         if self.r < 1:
             raise UserError(f"--lora.r must be at least 1, got {self.r}")
+        if not self.alpha > 0:
+            raise UserError(f"--lora.alpha must be positive, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--lora.dropout must be in [0, 1), got {self.dropout}")
         for target in self.targets:
@@ -81,9 +85,7 @@ def is_adapter_weight(name: str) -> bool:
 
 def adapter_key(name: str) -> str:
     """Toolkit name of an adapter weight: no wrapper prefixes, no adapter name."""
-    from toolkit.training.distributed import toolkit_name
-
-    return toolkit_name(name).replace(".default.", ".")
+    return unwrapped_name(name).replace(".default.", ".")
 
 
 def init_adapters(model, seed: int) -> None:
@@ -217,7 +219,7 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     """Write the adapter in toolkit and peft formats to `<out_dir>/final` (collective call)."""
     from safetensors.torch import save_file
 
-    from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+    from toolkit.model_dir import atomic_directory, save_checkpoint_files
     from toolkit.training.distributed import full_state_dict
 
     fabric = session.fabric
@@ -282,7 +284,7 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
     from peft import get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from toolkit.checkpoint import atomic_directory, load_model, save_checkpoint_files
+    from toolkit.model_dir import atomic_directory, load_model, save_checkpoint_files
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / LORA_META).is_file() and (adapter_dir / "final" / LORA_META).is_file():
@@ -294,6 +296,13 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
     out_dir = Path(out_dir) if out_dir is not None else adapter_dir.parent / "merged"
     model = load_model(base)
     lora = LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    if model.config.tie_embeddings and "lm_head" in lora.module_names():
+        # The head shares its matrix with the input embeddings; merging its update in place would
+        # change the embeddings too. Give the head its own copy: the merged model is untied.
+        model.lm_head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+        model.config = dataclasses.replace(model.config, tie_embeddings=False)
+        print("Note: the adapter updates the output head, which shares its weights with the embeddings; "
+              "the merged model has a separate head (tie_embeddings false).")
     peft_model = get_peft_model(model, lora.peft_config())
     adapters = load_file(str(adapter_dir / ADAPTER_FILE))
     set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})

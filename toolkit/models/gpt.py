@@ -17,9 +17,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.models import IGNORE_INDEX
 from toolkit.models.config import Config
 
-IGNORE_INDEX = -100  # label value excluded from the loss (prompt tokens, padding)
 
 
 class GPT(nn.Module):

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, get_args
 
 from toolkit.errors import UserError, did_you_mean
+from toolkit.models.param_names import unwrapped_name
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -154,7 +155,8 @@ def resolve_precision(precision: str | None, accelerator: str) -> str:
         if accelerator == "cuda":
             import torch
 
-            return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+            # Native bfloat16 only (Ampere and later): V100 and T4 emulate it, much slower than float16.
+            return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
         return "32-true"
     name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
     if name not in PRECISIONS:
@@ -640,7 +642,7 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
         materialize(model, read_rows)
         module = fabric.setup_module(model)
         return module
-    preset = {toolkit_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    preset = {unwrapped_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     module = fabric.setup_module(model)
     inner = module.module if hasattr(module, "module") else module
     from torch.distributed.tensor import DTensor
@@ -649,7 +651,7 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
     inner.to_empty(device=fabric.device)
     with torch.no_grad():
         for name, param in inner.named_parameters():
-            name = toolkit_name(name)
+            name = unwrapped_name(name)
             if isinstance(param, DTensor):
                 local = param.to_local()
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
@@ -669,7 +671,7 @@ def materialize(model: nn.Module, read_rows: ReadRows) -> None:
     """Give every parameter still on the meta device its full value from `read_rows` (one device)."""
     names = {}
     for name, param in model.named_parameters(remove_duplicate=True):
-        names[id(param)] = toolkit_name(name)
+        names[id(param)] = unwrapped_name(name)
 
     def fill(param):
         if not param.is_meta:
@@ -708,18 +710,6 @@ def _status_bytes(field: str) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the lifetime peak
 
 
-# Added to parameter names by Fabric, FSDP1, activation checkpointing, torch.compile and peft.
-_WRAPPER_PARTS = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.", "base_model.model.")
-
-
-def toolkit_name(name: str) -> str:
-    """A parameter's toolkit name: without the prefixes wrappers add, and without peft's
-    `.base_layer` (the frozen weight a LoRA layer wraps has the name of the original weight)."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name.replace(".base_layer.", ".").removeprefix("module.")
-
-
 # --------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------
@@ -749,7 +739,7 @@ def full_state_dict(fabric: Fabric, model: nn.Module, rank0_only: bool = True) -
         state = module.state_dict()
     if rank0_only and fabric.global_rank != 0:
         return {}
-    return {toolkit_name(k): v.detach().cpu() for k, v in state.items()}
+    return {unwrapped_name(k): v.detach().cpu() for k, v in state.items()}
 
 
 # --------------------------------------------------------------------------------------------

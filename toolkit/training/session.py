@@ -19,8 +19,9 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.models.config import Config
+from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.training.distributed import DistributedArgs, toolkit_name, build_fabric, plan_batches, plan_strategy
+from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches, plan_strategy
 from toolkit.training.loop import LoopHooks, TrainState, fit
 
 RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
@@ -164,7 +165,7 @@ class Session:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable; {policy}")
         # Weight decay is decided by the parameters' shapes (matrices decay, vectors do not).
-        self._decay_names = {toolkit_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+        self._decay_names = {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
         if self.train.compile:
             model = torch.compile(model)
         model = setup_model(self.fabric, model, read_rows)
@@ -173,7 +174,7 @@ class Session:
 
     def _weight_reader(self, model, weights: Union[str, Path]):
         if str(weights) != "random":
-            from toolkit.checkpoint import checkpoint_row_reader
+            from toolkit.model_dir import checkpoint_row_reader
 
             return checkpoint_row_reader(Path(weights))
         from toolkit.models.gpt import init_specs, initial_value
@@ -197,7 +198,7 @@ class Session:
 
     def build_optimizer(self, model):
         """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-        named = [(toolkit_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if n in self._decay_names]
         no_decay = [p for n, p in named if n not in self._decay_names]
         groups = [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -272,7 +273,7 @@ class Session:
     # ------------------------------------------------------------------ export
     def export_final(self, model, name: str = "final") -> Path:
         """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
-        from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+        from toolkit.model_dir import atomic_directory, save_checkpoint_files
         from toolkit.training.distributed import full_state_dict
 
         start = time.perf_counter()

@@ -1,4 +1,6 @@
-"""The toolkit's inference checkpoint: a directory that `generate`, fine-tuning and export read.
+"""A model directory: the toolkit's inference checkpoint, which `generate`, fine-tuning and export read.
+
+(Resumable training state is a different thing and lives in `toolkit.training.checkpoint`.)
 
     <dir>/model.safetensors     weights, toolkit names (a tied output head is stored once)
     <dir>/model_config.json     `Config` fields
@@ -94,7 +96,7 @@ def save_checkpoint_files(
         save_file(weights_for_saving(state_dict, config), str(directory / WEIGHTS_FILENAME), metadata={"format": "pt"})
     config.save(directory)
     if tokenizer_dir is not None:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
+        for name in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name
             if src.is_file() and not (directory / name).exists():
                 shutil.copy2(src, directory / name)
