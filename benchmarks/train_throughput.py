@@ -367,7 +367,7 @@ def litgpt_lora_tokens(out_dir: Path, accumulation: int, warmup: int, steps: int
 COUNT_TOOLKIT = r"""
 import inspect, json, sys
 from pathlib import Path
-from toolkit.checkpoint import require_checkpoint_dir
+from toolkit.model_dir import require_checkpoint_dir
 from toolkit.data.instruct import Alpaca
 from toolkit.models.config import Config
 from toolkit.tokenizer import Tokenizer

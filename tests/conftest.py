@@ -1,4 +1,4 @@
-"""Shared test helpers: where the real, read-only data files live (never copied into the repo)."""
+"""Shared test helpers: the real data files the tests read (tests/assets, see the README there)."""
 
 import shutil
 import sys
@@ -12,15 +12,15 @@ _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
     sys.path.insert(0, str(_REPO))
 
-# /work/shared/data here; in CI the clone has shared/ beside it, so resolve from this file.
-SHARED_DATA = _REPO.parent / "shared" / "data"
+# Everything a test reads lives in the repository: a clone passes its tests with nothing beside it.
+ASSETS = Path(__file__).resolve().parent / "assets"
 
 
 @pytest.fixture(scope="session")
-def shared_data() -> Path:
-    # A missing data folder is a broken checkout, not a reason to skip: fail loudly.
-    assert SHARED_DATA.is_dir(), f"shared data not found at {SHARED_DATA}"
-    return SHARED_DATA
+def assets() -> Path:
+    # A missing assets folder is a broken checkout, not a reason to skip: fail loudly.
+    assert ASSETS.is_dir(), f"test assets not found at {ASSETS}"
+    return ASSETS
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +39,7 @@ def base(tmp_path_factory) -> dict:
     hf_dir = root / "hf"
     LlamaForCausalLM(hf_config).save_pretrained(hf_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(SHARED_DATA / "tokenizers" / "llama2" / name, hf_dir / name)
+        shutil.copy(ASSETS / "tokenizers" / "llama2" / name, hf_dir / name)
     checkpoint = root / "base"
     convert_from_hf(hf_dir, checkpoint)
     return {"root": root, "hf_dir": hf_dir, "checkpoint": checkpoint}

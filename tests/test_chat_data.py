@@ -11,13 +11,13 @@ from typing import Optional
 import pytest
 import torch
 
+from conftest import ASSETS
 from toolkit.data.chat import Chat, Conversation, assistant_spans
 from toolkit.data.chat_template import CHAT_TEMPLATES, ChatTemplate, resolve_chat_template
 from toolkit.data.instruct import IGNORE_INDEX, InstructData
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 TEMPLATES = ASSETS / "chat_templates"
 LLAMA2 = ASSETS / "tokenizers" / "llama2"
 FASTCHAT = ASSETS / "instruct" / "fastchat_dummy_conversation.json"

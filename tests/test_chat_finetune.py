@@ -17,12 +17,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from conftest import ASSETS
 from toolkit.cli import run
 from toolkit.data.chat import Chat, assistant_spans, parse_conversation
 from toolkit.data.chat_template import CHAT_TEMPLATES, checkpoint_template, resolve_chat_template
 from toolkit.tokenizer import Tokenizer
 
-ASSETS = Path(__file__).resolve().parent / "assets"
 FASTCHAT = ASSETS / "instruct" / "fastchat_dummy_conversation.json"
 
 

@@ -3,7 +3,7 @@
 Every family: a random transformers model (float32) is saved with `save_pretrained`, converted,
 and must give the same logits in the toolkit model (<= 1e-4); converted back, every tensor must be
 bit-identical to the original, and transformers must load the export and give the same logits.
-Nothing is downloaded: the models are built from configs, the tokenizers come from shared/data.
+Nothing is downloaded: the models are built from configs, the tokenizers come from tests/assets.
 """
 
 from __future__ import annotations
@@ -19,17 +19,16 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from conftest import ASSETS
 
-from toolkit.checkpoint import load_model, load_state_dict
 from toolkit.convert import config_from_hf, config_to_hf, convert_from_hf, convert_pretrained_checkpoint, convert_to_hf
+from toolkit.model_dir import load_model, load_state_dict
 from toolkit.models.config import Config
 from toolkit.models.presets import PRESETS
 
-transformers = pytest.importorskip("transformers")
-
 REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-TOKENIZERS = SHARED_DATA / "tokenizers"
+TOKENIZERS = ASSETS / "tokenizers"
 
 SMALL = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=96,
              max_position_embeddings=128, initializer_range=0.05)
@@ -283,8 +282,6 @@ def test_tokenizer_round_trip(tokenizer, tmp_path):
     from toolkit.tokenizer import Tokenizer
 
     src = TOKENIZERS / tokenizer
-    if not (src / "tokenizer.json").is_file():
-        pytest.skip(f"{src} is missing")
     rust = RustTokenizer.from_file(str(src / "tokenizer.json"))
     kind = "llama" if tokenizer == "llama2" else "gpt_neox"
     model = hf_model(kind, vocab_size=rust.get_vocab_size())

@@ -12,15 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
+from conftest import ASSETS
 
 from toolkit.convert import config_from_hf, config_to_hf, convert_from_hf, convert_pretrained_checkpoint, convert_to_hf
 from toolkit.download import download, select_files
 from toolkit.errors import UserError
 from toolkit.models.config import Config
 
-transformers = pytest.importorskip("transformers")
-
-TOKENIZERS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tokenizers"
+TOKENIZERS = ASSETS / "tokenizers"
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +33,7 @@ def hf_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("hf") / "tiny-llama"
     transformers.LlamaForCausalLM(config).save_pretrained(path)
-    if (TOKENIZERS / "gpt-neox-20b" / "tokenizer.json").is_file():
-        shutil.copyfile(TOKENIZERS / "gpt-neox-20b" / "tokenizer.json", path / "tokenizer.json")
+    shutil.copyfile(TOKENIZERS / "gpt-neox-20b" / "tokenizer.json", path / "tokenizer.json")
     return path
 
 
@@ -218,7 +217,7 @@ def test_select_files_prefers_safetensors():
                "training_args.bin", "tf_model.h5", "flax_model.msgpack", "tokenizer.model", "model.fp16.safetensors"]
     assert select_files(listing) == [
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json",
-        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+        "config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
         "tokenizer.model",
     ]
     bin_only = ["config.json", "pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin",

@@ -112,6 +112,21 @@ def test_resolve_precision():
         resolve_precision("bf16-mixd", "cpu")
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["T4-or-V100", "Ampere-or-later"])
+def test_the_default_on_a_gpu_is_bf16_only_where_the_gpu_computes_in_it(monkeypatch, native):
+    """Pre-Ampere GPUs (V100, T4) emulate bfloat16: slow. They train in float16 by default.
+
+    This machine has no GPU, so torch's two device queries answer as the named GPU's would
+    (`is_bf16_supported()` counts emulation unless including_emulation=False).
+    """
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: native or including_emulation)
+    assert resolve_precision(None, "cuda") == ("bf16-mixed" if native else "16-mixed")
+    assert resolve_precision("16-mixed", "cuda") == "16-mixed"
+
+
 def test_invalid_names_and_counts_are_user_errors():
     with pytest.raises(UserError, match="FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD.*Did you mean: FULL_SHARD"):
         plan_strategy(2, 1, None, DistributedArgs(sharding="FULL_SHARDING"), "cpu")  # type: ignore[arg-type]
@@ -153,29 +168,29 @@ def test_plan_strategy_choices():
 
 
 def test_build_fabric_configures_fsdp_strategy():
-    from torch.distributed.fsdp import ShardingStrategy
-    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    from lightning.fabric.plugins import MixedPrecision
+    from lightning.fabric.strategies import ModelParallelStrategy
 
-    from toolkit.training.compat import CPUCapableFSDPPrecision, CPUCapableFSDPStrategy
-    from toolkit.training.distributed import build_fabric
+    from toolkit.training.distributed import build_fabric, is_fsdp, mesh_layout
 
     block = _script().TinyBlock
-    dist = DistributedArgs(sharding="SHARD_GRAD_OP", activation_checkpointing=True, state_dict_type="full")
+    dist = DistributedArgs(sharding="SHARD_GRAD_OP", activation_checkpointing=True, state_dict_type="full", timeout=42)
     fabric = build_fabric(2, 1, None, dist, block_cls=block, accelerator="cpu")  # not launched
     strategy = fabric.strategy
-    assert type(strategy) is CPUCapableFSDPStrategy
-    assert strategy.sharding_strategy == ShardingStrategy.SHARD_GRAD_OP
-    assert isinstance(strategy._fsdp_kwargs["auto_wrap_policy"], ModuleWrapPolicy)
-    assert strategy._fsdp_kwargs["use_orig_params"] is True
-    assert strategy._activation_checkpointing_kwargs  # checkpoint each block
-    assert strategy._state_dict_type == "full"
+    assert is_fsdp(fabric) and isinstance(strategy, ModelParallelStrategy)  # FSDP2 through Fabric
+    assert strategy.sharding == "SHARD_GRAD_OP" and strategy.plan.activation_checkpointing
+    assert strategy.state_dict_type == "full"
     assert strategy._process_group_backend == "gloo"
-    assert isinstance(strategy.precision, CPUCapableFSDPPrecision) and strategy.precision.precision == "bf16-mixed"
+    assert strategy._timeout.total_seconds() == 42
+    assert isinstance(strategy.precision, MixedPrecision) and strategy.precision.precision == "bf16-mixed"
+    assert strategy.precision.device == "cpu"  # CPU autocast, not CUDA's
     assert fabric.world_size == 2
 
     hybrid = build_fabric(2, 2, "32-true", DistributedArgs(sharding="HYBRID_SHARD"), block, accelerator="cpu")
-    assert hybrid.strategy._fsdp_kwargs["device_mesh"] == (2, 2)  # built into a mesh at launch
-    assert hybrid.strategy.sharding_strategy == ShardingStrategy.HYBRID_SHARD
+    assert hybrid.strategy.sharding == "HYBRID_SHARD"
+    assert mesh_layout("HYBRID_SHARD", 2, 2) == ((2, 2), ("replicate", "shard"))
+    assert mesh_layout("FULL_SHARD", 2, 2) == ((4,), ("shard",))
+    assert mesh_layout("NO_SHARD", 1, 4) == ((4, 1), ("replicate", "shard"))
 
     from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 
@@ -204,11 +219,20 @@ def test_fsdp_full_shard_matches_single_process_and_saves(tmp_path):
           "--check-saves"])  # fmt: skip
     results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
     for result in results:
-        assert (result["sharding"], result["mesh"]) == ("FULL_SHARD", None)
+        assert (result["sharding"], result["mesh"], result["fsdp_units"]) == ("FULL_SHARD", [2], 4)  # 3 blocks + root
+        # Accumulation keeps only each rank's shard of the gradients (no full gradient per rank).
+        assert result["sharded_grads_while_accumulating"] is True
         saves = result["saves"]
         assert saves["is_file_full"] and saves["is_dir_sharded"]
         for kind in ("full", "sharded"):
             assert saves[kind] == {"same_weights": True, "step": 3, "same_next_step": True}, kind
+
+
+@pytest.mark.parametrize("sharding, mesh", [("SHARD_GRAD_OP", [2]), ("NO_SHARD", [2, 1])])
+def test_other_shardings_match_single_process(tmp_path, sharding, mesh):
+    _run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--sharding", sharding])
+    for result in _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8):
+        assert (result["sharding"], result["mesh"]) == (sharding, mesh)
 
 
 def test_fsdp_hybrid_on_one_node_with_activation_checkpointing(tmp_path):
@@ -228,7 +252,7 @@ def test_hybrid_with_one_device_per_node_falls_back_to_full_shard(tmp_path):
     logs = _run_by_hand(tmp_path, num_nodes=2, devices=1, args=["--sharding", "HYBRID_SHARD"])
     results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
     for result in results:
-        assert (result["sharding"], result["mesh"]) == ("FULL_SHARD", None)
+        assert (result["sharding"], result["mesh"]) == ("FULL_SHARD", [2])
     warnings = [line for line in logs[0].splitlines() if "using FULL_SHARD across all nodes" in line]
     assert len(warnings) == 1  # one line, from rank 0 only
     assert "using FULL_SHARD" not in logs[1]
@@ -240,6 +264,7 @@ def test_hybrid_on_two_nodes_shards_within_and_replicates_across(tmp_path):
     results = _check_against_reference(tmp_path, world_size=4, micro=1, global_batch=8)
     for result in results:
         assert (result["sharding"], result["mesh"]) == ("HYBRID_SHARD", [2, 2])
+        assert result["sharded_grads_while_accumulating"] is True  # all-reduce across nodes deferred, shards kept
 
 
 def test_ddp_matches_single_process(tmp_path):

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED_DATA
+from conftest import ASSETS
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -39,8 +39,8 @@ def _env() -> dict:
 def _pretrain_args(out_dir: Path, cache: Path, *extra: str) -> list[str]:
     return [
         "pretrain", "debug-neox", "--out_dir", str(out_dir),
-        "--data", "TextFiles", "--data.train_path", str(SHARED_DATA / "tinyshakespeare.txt"), "--data.cache_dir", str(cache),
-        "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "gpt-neox-20b"),
+        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"), "--data.cache_dir", str(cache),
+        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
         "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.warmup_steps", "1",
         "--train.learning_rate", "0.002", "--train.save_interval", str(STEPS),
@@ -133,7 +133,7 @@ def test_activation_checkpointing_gives_the_same_result(workdir, reference):
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
 def test_checkpoints_of_a_two_process_run_load_into_one_process(workdir, state_dict_type, tmp_path):
-    from toolkit.checkpoint import load_model
+    from toolkit.model_dir import load_model
     from toolkit.convert import convert_pretrained_checkpoint
 
     out = workdir / f"ckpt-{state_dict_type}"

@@ -10,11 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED_DATA
-from toolkit.checkpoint import load_model
+from conftest import ASSETS
+from toolkit.model_dir import load_model
 from toolkit.cli import run
 
-ALPACA = SHARED_DATA / "instruct" / "alpaca_tiny.json"
+ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
 
 
 def _args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:
@@ -211,3 +211,80 @@ def test_adapters_on_fused_projections_have_no_peft_copy_but_are_saved(tmp_path)
     assert not any(tmp_path.iterdir())  # nothing half-written
     assert write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-llama2")) is None
     assert (tmp_path / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("targets", [("query", "head"), ("query",)])
+def test_merging_a_head_adapter_into_tied_embeddings_leaves_the_embeddings_alone(tmp_path, targets):
+    """With tied embeddings (Llama 3.2, Qwen2.5, Gemma) the head's update must not reach the input embeddings."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, LoRAArgs, merge_lora
+    from toolkit.model_dir import save_checkpoint_files
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, init_weights
+
+    config = Config.from_name("debug", n_layer=1, vocab_size=128, tie_embeddings=True)
+    torch.manual_seed(0)
+    model = GPT(config)
+    init_weights(model, config.n_layer)
+    base_dir = tmp_path / "base"
+    base_dir.mkdir()
+    save_checkpoint_files(base_dir, model.state_dict(), config)
+    # An adapter as finetune_lora writes it, with non-zero B so that every update is real.
+    lora = LoRAArgs(r=2, alpha=4, dropout=0.0, targets=targets)
+    peft_model = get_peft_model(load_model(base_dir), lora.peft_config())
+    adapters = {k.replace("base_model.model.", "").replace(".default.", "."): torch.randn_like(v) * 0.1
+                for k, v in peft_model.state_dict().items() if "lora_" in k}
+    set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
+    adapter_dir = tmp_path / "run" / "final"
+    adapter_dir.mkdir(parents=True)
+    save_file(adapters, str(adapter_dir / ADAPTER_FILE))
+    (adapter_dir / LORA_META).write_text(json.dumps({"base_checkpoint": str(base_dir), "lora": {**vars(lora), "targets": list(targets)}}))
+
+    tokens = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = peft_model.eval()(tokens)
+    merged_dir = merge_lora(tmp_path / "run")
+    merged = load_model(merged_dir)
+    torch.testing.assert_close(merged.embed.weight, model.embed.weight, atol=0, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(tokens), expected, atol=1e-5, rtol=0)
+    # The head stays tied when no adapter touched it.
+    assert merged.config.tie_embeddings == ("head" not in targets)
+
+
+def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
+    """tokens_seen, tokens/s and MFU of fine-tuning count the samples' tokens, not the padding of their batches."""
+    from lightning.fabric import Fabric
+
+    from toolkit.data.instruct import Alpaca
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, init_weights
+    from toolkit.tokenizer import Tokenizer
+    from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+    from toolkit.training.distributed import plan_batches
+    from toolkit.training.loop import LoopHooks, TrainState, fit
+
+    data = Alpaca(json_path=ALPACA, val_split_fraction=0, group_by_length=False)  # unsorted: much padding
+    data.setup(Tokenizer(ASSETS / "tokenizers" / "llama2"), 128, "debug")
+    loader = data.train_dataloader(4, seed=0)
+    steps, accumulation = 3, 2
+    batches = loader.batch_indices(0)[: steps * accumulation]
+    real = sum(int(data._train.lengths[b].sum()) for b in batches)
+    padded = sum(int(data._train.lengths[b].max()) * len(b) for b in batches)
+    assert padded > real
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("debug", n_layer=1, vocab_size=32000))
+    init_weights(model, 1)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-3))
+    train = TrainArgs(micro_batch_size=4, global_batch_size=8, max_steps=steps, warmup_steps=0)
+    plan = plan_batches(1, 1, 4, 8, 128)
+    assert plan.gradient_accumulation_iters == accumulation
+    state = fit(fabric, model, optimizer, loader, None, plan, TrainState(), train, EvalArgs(final_validation=False),
+                LogArgs(interval=1, loggers=()), LoopHooks(), total_steps=steps, tokens_per_step=None)
+    assert state.step == steps
+    assert state.tokens_seen == real

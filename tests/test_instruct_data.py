@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHARED_DATA
+from conftest import ASSETS
 
 from toolkit.data.instruct import (
     IGNORE_INDEX,
@@ -25,7 +25,7 @@ from toolkit.models.config import Config
 from toolkit.models.presets import PRESETS
 from toolkit.tokenizer import Tokenizer
 
-INSTRUCT = SHARED_DATA / "instruct"
+INSTRUCT = ASSETS / "instruct"
 TINY = INSTRUCT / "alpaca_tiny.json"
 DEMO = INSTRUCT / "alpaca_en_demo.json"
 SEED_TASKS = INSTRUCT / "alpaca_seed_tasks.jsonl"
@@ -33,12 +33,12 @@ SEED_TASKS = INSTRUCT / "alpaca_seed_tasks.jsonl"
 
 @pytest.fixture(scope="module")
 def llama2() -> Tokenizer:
-    return Tokenizer(SHARED_DATA / "tokenizers" / "llama2")
+    return Tokenizer(ASSETS / "tokenizers" / "llama2")
 
 
 @pytest.fixture(scope="module")
 def neox() -> Tokenizer:
-    return Tokenizer(SHARED_DATA / "tokenizers" / "gpt-neox-20b")
+    return Tokenizer(ASSETS / "tokenizers" / "gpt-neox-20b")
 
 
 @pytest.fixture(scope="module")
@@ -462,6 +462,27 @@ def test_length_grouping_cuts_padding(llama2, caplog):
     # The longest batch comes first, so an out-of-memory shows at the first step.
     widths = [b["input_ids"].shape[1] for b in loader]
     assert widths[0] == max(widths) == data.stats["max_length"]
+
+
+def test_a_partial_validation_measures_every_length_the_same_way_each_time(llama2):
+    """Validation reads its first max_iters batches: those must span short and long samples, not the longest only."""
+    data = Alpaca(json_path=DEMO, prompt_style="alpaca", val_split_fraction=0)
+    data.setup(llama2, 1024, "debug")
+    samples = data._train
+    lengths = samples.lengths.float()
+    for world_size in (1, 2):
+        loaders = [InstructLoader(samples, 4, shuffle=False, rank=r, world_size=world_size) for r in range(world_size)]
+        first = [i for loader in loaders for b in loader.batch_indices()[: len(loader) // 4] for i in b.tolist()]
+        # A quarter of the batches: their samples are spread over the whole range of lengths.
+        assert abs(lengths[first].mean() - lengths.mean()) < 0.15 * lengths.mean()
+        assert lengths[first].min() <= lengths.quantile(0.1) and lengths[first].max() == lengths.max()
+        for loader in loaders:  # deterministic, batches of similar lengths (little padding)
+            batches = [b["input_ids"] for b in loader]
+            assert all(torch.equal(a, b["input_ids"]) for a, b in zip(batches, loader))
+            assert loader.padding_fraction() < 0.1
+        every = [i for loader in loaders for b in loader.batch_indices() for i in b.tolist()]
+        expected = len(samples) if world_size == 1 else len(samples) // (4 * world_size) * 4 * world_size
+        assert len(set(every)) == len(every) == expected  # each sample once; several processes drop a remainder
 
 
 def test_loader_misuse(tiny, llama2):

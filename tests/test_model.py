@@ -106,3 +106,28 @@ def test_chunked_prefill_with_a_cache_matches_one_pass():
         parts = [model(ids[:, :8], input_pos=0), model(ids[:, 8:15], input_pos=8), model(ids[:, 15:], input_pos=15)]
         model.clear_kv_cache()
     torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+# torch features the toolkit calls, each with the first release that has it (from torch's release notes).
+TORCH_FEATURES = {
+    "enable_gqa=": (2, 5),  # scaled_dot_product_attention(..., enable_gqa=...)
+    "from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard": (2, 6),  # FSDP2's public API
+}
+
+
+def test_the_declared_torch_floor_has_every_feature_the_code_calls():
+    """pip installs anything above pyproject's floor: a user on the floor must get a working model."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    floor = re.search(r'"torch>=(\d+)\.(\d+)', (repo / "pyproject.toml").read_text())
+    assert floor, "pyproject.toml declares no torch floor"
+    floor = (int(floor.group(1)), int(floor.group(2)))
+    sources = "\n".join(p.read_text() for p in (repo / "toolkit").rglob("*.py"))
+    used = {feature: version for feature, version in TORCH_FEATURES.items() if feature in sources}
+    assert used, "the feature table is out of date: none of its features is called any more"
+    for feature, version in used.items():
+        assert floor >= version, f"{feature} needs torch>={version[0]}.{version[1]}, pyproject allows {floor}"
+    installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
+    assert installed >= floor

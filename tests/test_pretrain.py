@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -11,10 +12,10 @@ import pytest
 
 from toolkit.cli import run
 
-from conftest import SHARED_DATA
+from conftest import ASSETS
 
-NEOX_TOKENIZER = SHARED_DATA / "tokenizers" / "gpt-neox-20b"
-SHAKESPEARE = SHARED_DATA / "tinyshakespeare.txt"
+NEOX_TOKENIZER = ASSETS / "tokenizers" / "gpt-neox-20b"
+SHAKESPEARE = ASSETS / "tinyshakespeare.txt"
 
 
 def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
@@ -65,7 +66,11 @@ def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp
     assert abs(first_val - val[-1]) < 1e-3, (first_val, val[-1])
 
 
-def test_max_tokens_stops_before_exceeding_the_budget(tmp_path):
+def _step_lines(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+def test_max_tokens_stops_before_exceeding_the_budget(tmp_path, capsys):
     out = tmp_path / "run"
     tokens_per_step = 8 * 64
     budget = 3 * tokens_per_step + 100  # not a whole number of steps: 3 steps fit, a 4th would exceed
@@ -73,14 +78,20 @@ def test_max_tokens_stops_before_exceeding_the_budget(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["step"] == 3
     assert summary["tokens_seen"] == 3 * tokens_per_step <= budget
+    # The run knows its length: every step line says how long it has run and about how long is left.
+    lines = _step_lines(capsys)
+    assert [line.split(" |")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"]
+    assert all(re.search(r"\| \d+:\d\d elapsed, \d+:\d\d left$", line) for line in lines), lines
+    assert lines[-1].endswith(", 0:00 left")
 
 
-def test_max_time_stops_at_a_step_boundary(tmp_path):
+def test_max_time_stops_at_a_step_boundary(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(_pretrain_args(out, "--train.max_time", "1s", "--train.max_steps", "10000", "--eval.final_validation", "false")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert 1 <= summary["step"] < 10000
     assert summary["train_seconds"] >= 1.0
+    assert all(re.search(r"\| \d+:\d\d elapsed, 0:0[01] left$", line) for line in _step_lines(capsys))
 
 
 def _toolkit(*args: str, cwd=None) -> subprocess.CompletedProcess:
@@ -150,17 +161,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
     """The real recipe (StreamMix of litdata streams) with local streams and a shrunken model."""
-    from toolkit.data.pretrain import optimize_text_to_stream
+    from toolkit.data.streams import optimize_text_to_stream
     from toolkit.tokenizer import Tokenizer
 
-    tokenizer = Tokenizer(SHARED_DATA / "tokenizers" / "llama2")  # TinyLlama uses the Llama-2 tokenizer
-    prose = optimize_text_to_stream(SHARED_DATA / "tinyshakespeare.txt", tokenizer, tmp_path / "streams" / "prose")
-    web = optimize_text_to_stream(SHARED_DATA / "pretrain" / "c4_demo.jsonl", tokenizer, tmp_path / "streams" / "web")
-    val = optimize_text_to_stream(SHARED_DATA / "pretrain" / "tinystories_train_head_197k.txt", tokenizer, tmp_path / "streams" / "val")
+    tokenizer = Tokenizer(ASSETS / "tokenizers" / "llama2")  # TinyLlama uses the Llama-2 tokenizer
+    prose = optimize_text_to_stream(ASSETS / "tinyshakespeare.txt", tokenizer, tmp_path / "streams" / "prose")
+    web = optimize_text_to_stream(ASSETS / "pretrain" / "c4_demo.jsonl", tokenizer, tmp_path / "streams" / "web")
+    val = optimize_text_to_stream(ASSETS / "pretrain" / "tinystories_train_head_197k.txt", tokenizer, tmp_path / "streams" / "val")
     out = tmp_path / "run"
     args = [
         "pretrain", "--config", str(REPO / "config_hub" / "pretrain" / "tinyllama.yaml"),
-        "--out_dir", str(out), "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "llama2"),
+        "--out_dir", str(out), "--tokenizer_dir", str(ASSETS / "tokenizers" / "llama2"),
         "--data.train_streams", f"[{prose}, {web}]", "--data.val_stream", str(val),
         "--devices", "1", "--precision", "32-true",
         "--model_overrides", "{n_layer: 2, n_embd: 64, n_head: 4, n_query_groups: 2, intermediate_size: 128}",
@@ -176,7 +187,7 @@ def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
 
 def test_the_tinyllama_recipe_without_streams_says_what_to_pass(tmp_path):
     result = _toolkit("pretrain", "--config", str(REPO / "config_hub" / "pretrain" / "tinyllama.yaml"),
-                      "--out_dir", str(tmp_path / "out"), "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "llama2"),
+                      "--out_dir", str(tmp_path / "out"), "--tokenizer_dir", str(ASSETS / "tokenizers" / "llama2"),
                       "--devices", "1", cwd=tmp_path)
     _assert_one_line_error(result, "data/slimpajama/train", "optimize_text_to_stream")
     assert not (tmp_path / "out").exists()

@@ -4,17 +4,19 @@ import json
 import logging
 import multiprocessing
 import os
+import re
 import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from toolkit.data import StreamMix, TextFiles
-from toolkit.data.pretrain import _publish, _stream_stats, collate_blocks, optimize_text_to_stream
+from toolkit.data.streams import _publish, _stream_stats, collate_blocks, optimize_text_to_stream
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer
 
@@ -23,18 +25,18 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def tok(shared_data) -> Tokenizer:
-    return Tokenizer(shared_data / "tokenizers" / "gpt-neox-20b")
+def tok(assets) -> Tokenizer:
+    return Tokenizer(assets / "tokenizers" / "gpt-neox-20b")
 
 
 @pytest.fixture(scope="module")
-def corpora(tmp_path_factory, shared_data) -> dict:
+def corpora(tmp_path_factory, assets) -> dict:
     """Small real corpora: a ~50 KB Shakespeare slice (.txt) and 60 C4 documents (.jsonl)."""
     root = tmp_path_factory.mktemp("corpora")
     txt = root / "shakespeare.txt"
-    txt.write_text((shared_data / "tinyshakespeare.txt").read_text()[:50_000])
+    txt.write_text((assets / "tinyshakespeare.txt").read_text()[:50_000])
     jsonl = root / "c4.jsonl"
-    lines = (shared_data / "pretrain" / "c4_demo.jsonl").read_text().splitlines()[:60]
+    lines = (assets / "pretrain" / "c4_demo.jsonl").read_text().splitlines()[:60]
     jsonl.write_text("\n".join(lines) + "\n")
     return {"txt": txt, "jsonl": jsonl}
 
@@ -82,8 +84,8 @@ def test_text_file_batches(tmp_path, tok, corpora):
 
 
 @pytest.mark.parametrize("name", ["gpt-neox-20b", "llama2"])
-def test_jsonl_keeps_every_document(tmp_path, corpora, shared_data, name):
-    tok = Tokenizer(shared_data / "tokenizers" / name)
+def test_jsonl_keeps_every_document(tmp_path, corpora, assets, name):
+    tok = Tokenizer(assets / "tokenizers" / name)
     data = TextFiles(train_path=corpora["jsonl"], cache_dir=tmp_path / "cache", val_fraction=0.1)
     start_method = multiprocessing.get_start_method(allow_none=True)
     data.prepare(tok, BLOCK, tmp_path)
@@ -99,14 +101,14 @@ def test_jsonl_keeps_every_document(tmp_path, corpora, shared_data, name):
     assert 0 < meta["val_tokens"] < meta["train_tokens"]
 
 
-def test_folder_and_val_path(tmp_path, tok, corpora, shared_data):
+def test_folder_and_val_path(tmp_path, tok, corpora, assets):
     folder = tmp_path / "corpus"
     (folder / "sub").mkdir(parents=True)
     (folder / "a.txt").write_text(corpora["txt"].read_text()[:20_000])
     (folder / "sub" / "b.jsonl").write_text(corpora["jsonl"].read_text())
     (folder / "notes.md").write_text("ignored: not .txt or .jsonl")
     val = tmp_path / "val.txt"
-    stories = (shared_data / "pretrain" / "tinystories_train_head_197k.txt").read_text()
+    stories = (assets / "pretrain" / "tinystories_train_head_197k.txt").read_text()
     val.write_text(stories[:3_000])  # under 4 KB: a single piece, so its tokens equal one encode()
     data = TextFiles(train_path=folder, val_path=val, cache_dir=tmp_path / "cache")
     data.prepare(tok, BLOCK, tmp_path)
@@ -128,13 +130,39 @@ def test_corpus_files_for_tokenizer_training(tmp_path, corpora):
         StreamMix(train_streams=["s3://bucket/a"]).corpus_files(tmp_path)
 
 
+def test_preparation_prints_the_toolkit_lines_only(tmp_path, tok, corpora, capfd, caplog):
+    """litdata's banners, worker messages and progress bars stay out of the output (any process)."""
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
+    TextFiles(train_path=corpora["txt"], num_workers=2).prepare(tok, BLOCK, tmp_path)
+    captured = capfd.readouterr()
+    assert captured.out == ""
+    assert not [line for line in captured.err.splitlines() if line.strip()], captured.err
+    assert "tokenized data ready at" in caplog.text  # the toolkit's own lines, through its logger
+
+
+def test_long_preparations_report_progress_and_time_left(tok, caplog):
+    from toolkit.data.streams import _ProgressReport, _TokenizeItems
+
+    fn = _TokenizeItems([], tok, "text")
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
+    with _ProgressReport(fn, total_bytes=4_000_000, what="train", interval=0.05):
+        fn.progress.value = 1_000_000  # as a worker adds the bytes it has finished
+        for _ in range(1000):  # the report thread writes a line every 0.05 s
+            if "%" in caplog.text:
+                break
+            time.sleep(0.01)
+    assert fn.progress is None  # the counter is not left behind for the next preparation
+    line = caplog.records[0].getMessage()
+    assert re.fullmatch(r"tokenizing train: 25% of 4.0 MB after \d+ s, about \d+ s left", line), line
+
+
 def test_second_prepare_reuses_cache(tmp_path, tok, corpora, caplog):
     data = TextFiles(train_path=corpora["txt"])  # default cache: <work_dir>/data_cache
     data.prepare(tok, BLOCK, tmp_path)
     assert data.data_dir.parent == tmp_path / "data_cache"
     chunk = next((data.data_dir / "train").glob("*.bin"))
     before = (chunk.stat().st_ino, chunk.stat().st_mtime_ns)
-    caplog.set_level(logging.INFO, logger="toolkit.data.pretrain")
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
     again = TextFiles(train_path=corpora["txt"])
     again.prepare(tok, BLOCK, tmp_path)
     assert "reusing tokenized data at" in caplog.text
@@ -169,10 +197,10 @@ _PREPARE_SCRIPT = textwrap.dedent(
 )
 
 
-def test_concurrent_preparations(tmp_path, tok, corpora, shared_data):
+def test_concurrent_preparations(tmp_path, tok, corpora, assets):
     cache = tmp_path / "cache"
     env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    tokenizer_dir = str(shared_data / "tokenizers" / "gpt-neox-20b")
+    tokenizer_dir = str(assets / "tokenizers" / "gpt-neox-20b")
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _PREPARE_SCRIPT, str(corpora[kind]), str(cache), tokenizer_dir],
@@ -211,7 +239,7 @@ def test_interrupted_preparation_is_redone(tmp_path, tok, corpora, caplog):
     (stale / "train").mkdir(parents=True)
     (stale / "train" / "index.json").write_text("{broken")
     (stale / "meta.json").write_text("{}")
-    caplog.set_level(logging.INFO, logger="toolkit.data.pretrain")
+    caplog.set_level(logging.INFO, logger="toolkit.data.streams")
     data.prepare(tok, BLOCK, tmp_path)
     assert "reusing" not in caplog.text and "tokenizing" in caplog.text
     assert not stale.exists()

@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED_DATA
+from conftest import ASSETS
 
 STEPS = 8
 
@@ -24,9 +24,9 @@ STEPS = 8
 def _pretrain_cmd(out_dir: Path, steps: int = STEPS, *extra: str) -> list[str]:
     return [
         sys.executable, "-m", "toolkit", "pretrain", "debug-neox", "--out_dir", str(out_dir),
-        "--data", "TextFiles", "--data.train_path", str(SHARED_DATA / "tinyshakespeare.txt"),
+        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
         "--data.cache_dir", str(out_dir.parent / "data_cache"),
-        "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "gpt-neox-20b"),
+        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
         "--train.max_seq_length", "32", "--train.max_steps", str(steps), "--train.save_interval", "2",
         "--train.warmup_steps", "2", "--train.learning_rate", "0.01", "--train.keep_last", "3",

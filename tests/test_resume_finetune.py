@@ -15,10 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import SHARED_DATA
+from conftest import ASSETS
 from test_resume import _losses, _run, _run_until_step_then_kill
 
-ALPACA = SHARED_DATA / "instruct" / "alpaca_tiny.json"
+ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
 
 
 def _finetune_cmd(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:
@@ -79,9 +79,9 @@ def test_resuming_in_the_second_epoch_continues_that_epoch(base, tmp_path):
 def _pretrain_2proc_cmd(out_dir: Path, steps: int) -> list[str]:
     return [
         sys.executable, "-m", "toolkit", "pretrain", "debug-neox", "--out_dir", str(out_dir),
-        "--data", "TextFiles", "--data.train_path", str(SHARED_DATA / "tinyshakespeare.txt"),
+        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
         "--data.cache_dir", str(out_dir.parent / "cache"),
-        "--tokenizer_dir", str(SHARED_DATA / "tokenizers" / "gpt-neox-20b"),
+        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
         "--devices", "2", "--distributed.state_dict_type", "sharded",
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
         "--train.max_seq_length", "32", "--train.max_steps", str(steps), "--train.save_interval", "2",

@@ -11,17 +11,17 @@ from toolkit.tokenizer import TOKENIZER_FILES, Tokenizer, train_bpe_tokenizer
 
 
 @pytest.fixture(scope="module")
-def llama2(shared_data) -> Tokenizer:
-    return Tokenizer(shared_data / "tokenizers" / "llama2")
+def llama2(assets) -> Tokenizer:
+    return Tokenizer(assets / "tokenizers" / "llama2")
 
 
 @pytest.fixture(scope="module")
-def neox(shared_data) -> Tokenizer:
-    return Tokenizer(shared_data / "tokenizers" / "gpt-neox-20b")
+def neox(assets) -> Tokenizer:
+    return Tokenizer(assets / "tokenizers" / "gpt-neox-20b")
 
 
-def _shakespeare_lines(shared_data: Path, n: int) -> list[str]:
-    return (shared_data / "tinyshakespeare.txt").read_text().splitlines()[:n]
+def _shakespeare_lines(assets: Path, n: int) -> list[str]:
+    return (assets / "tinyshakespeare.txt").read_text().splitlines()[:n]
 
 
 def test_llama2_special_tokens(llama2):
@@ -42,11 +42,11 @@ def test_llama2_encode_adds_bos_once(llama2):
     assert llama2.decode(ids, skip_special_tokens=False).startswith("<s>")
 
 
-def test_llama2_matches_transformers(llama2, shared_data):
+def test_llama2_matches_transformers(llama2, assets):
     transformers = pytest.importorskip("transformers")
-    tokenizer_file = shared_data / "tokenizers" / "llama2" / "tokenizer.json"
+    tokenizer_file = assets / "tokenizers" / "llama2" / "tokenizer.json"
     hf = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
-    texts = _shakespeare_lines(shared_data, 200) + ["héllo 世界 🙂", "  two spaces", "tab\there", ""]
+    texts = _shakespeare_lines(assets, 200) + ["héllo 世界 🙂", "  two spaces", "tab\there", ""]
     for text in texts:
         assert llama2.encode(text).tolist() == hf.encode(text), text
 
@@ -60,8 +60,8 @@ def test_neox_falls_back_to_endoftext(neox):
     assert neox.decode(ids) == "Hello world"
 
 
-def test_encode_batch_matches_encode(llama2, neox, shared_data):
-    texts = _shakespeare_lines(shared_data, 50)
+def test_encode_batch_matches_encode(llama2, neox, assets):
+    texts = _shakespeare_lines(assets, 50)
     for tok in (llama2, neox):
         batch = tok.encode_batch(texts, eos=True)
         assert batch == [tok.encode(t, eos=True).tolist() for t in texts]
@@ -87,14 +87,14 @@ def _bare(tmp_path: Path, source: Path, **configs) -> Path:
     return folder
 
 
-def test_bare_llama2_uses_post_processor_bos(tmp_path, shared_data):
-    tok = Tokenizer(_bare(tmp_path, shared_data / "tokenizers" / "llama2"))
+def test_bare_llama2_uses_post_processor_bos(tmp_path, assets):
+    tok = Tokenizer(_bare(tmp_path, assets / "tokenizers" / "llama2"))
     assert (tok.bos_id, tok.eos_id, tok.add_bos) == (1, 2, True)
     assert tok.encode("Hi").tolist()[:2] == [1, 6324]
 
 
-def test_resolution_order(tmp_path, shared_data):
-    neox_dir = shared_data / "tokenizers" / "gpt-neox-20b"
+def test_resolution_order(tmp_path, assets):
+    neox_dir = assets / "tokenizers" / "gpt-neox-20b"
     # tokenizer_config (dict form) beats generation_config, which beats config.json; EOS lists give the first.
     folder = _bare(
         tmp_path,
@@ -125,17 +125,17 @@ def test_corrupt_tokenizer_json(tmp_path):
     assert "\n" not in str(info.value)
 
 
-def test_corrupt_tokenizer_config(tmp_path, shared_data):
-    folder = _bare(tmp_path, shared_data / "tokenizers" / "gpt-neox-20b")
+def test_corrupt_tokenizer_config(tmp_path, assets):
+    folder = _bare(tmp_path, assets / "tokenizers" / "gpt-neox-20b")
     (folder / "tokenizer_config.json").write_text("{not json")
     with pytest.raises(UserError, match="tokenizer_config.json"):
         Tokenizer(folder)
 
 
 @pytest.fixture(scope="module")
-def shakespeare_slice(tmp_path_factory, shared_data) -> Path:
+def shakespeare_slice(tmp_path_factory, assets) -> Path:
     path = tmp_path_factory.mktemp("text") / "slice.txt"
-    path.write_text((shared_data / "tinyshakespeare.txt").read_text()[:100_000])
+    path.write_text((assets / "tinyshakespeare.txt").read_text()[:100_000])
     return path
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from typing import Callable, Optional
 
@@ -80,19 +81,58 @@ def build_parser(name: str, function: Callable):
 
 
 def _explain_parse_error(parser, argv: list[str], error: Exception) -> str:
-    """One line: what was wrong, with the closest valid option names for a misspelled one."""
-    message = _condense(str(error)) or type(error).__name__
-    known = _option_names(parser)
-    for arg in argv:
-        if arg.startswith("--"):
-            option = arg.split("=", 1)[0]
-            parent = option.rsplit(".", 1)[0] if "." in option else None
-            # Options under a subclass-typed argument (--data.*) depend on the chosen class and are
-            # checked by jsonargparse; options under a dataclass (--train.*) are all known here.
-            dynamic = parent in known and not any(k.startswith(parent + ".") for k in known)
-            if option not in known and not dynamic:
-                return f"Unknown option {option}.{did_you_mean(option, known)} See `{parser.prog} --help`."
-    return f"{message} See `{parser.prog} --help`."
+    """One line: what was wrong; for a misspelled option, that option and the closest valid names."""
+    message = str(error)
+    see = f"See `{parser.prog} --help`."
+    # A misspelled option of a dataclass group or of the command: "unrecognized arguments: --a 1 --b".
+    unrecognized = re.match(r"unrecognized arguments: (.*)", message.strip(), re.DOTALL)
+    if unrecognized:
+        unknown = [word.split("=", 1)[0] for word in unrecognized.group(1).split() if word.startswith("--")]
+        if unknown:
+            option = unknown[0]
+            return f"Unknown option {option}.{did_you_mean(option, _option_names(parser))} {see}"
+    # A misspelled option of a class chosen on the command line (--data TextFiles --data.x).
+    rejected = re.search(
+        r'Parser key "([\w.]+)".*?class_path \'([\w.]+)\':\s*Option \'(\w+)\' is not accepted', message, re.DOTALL
+    )
+    if rejected:
+        key, class_path, field = rejected.groups()
+        option = f"--{key}.{field}"
+        cls = _import_class(class_path)
+        if cls is not None and cls.__subclasses__():  # the option came before `--key <class>`
+            choices = ", ".join(sub.__name__ for sub in cls.__subclasses__())
+            return f"{option} needs its class first: pass --{key} <{choices}> before it. {see}"
+        fields = [f"--{key}.{name}" for name in _init_parameters(cls)]
+        owner = f" for {class_path.rsplit('.', 1)[-1]}"
+        return f"Unknown option {option}{owner}.{did_you_mean(option, fields)} {see}"
+    return f"{_condense(message) or type(error).__name__} {see}"
+
+
+def _user_error_in(error: BaseException) -> Optional[UserError]:
+    """The UserError that `error` is, or that caused it (jsonargparse wraps what a dataclass raises)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, UserError):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _import_class(path: str):
+    module_name, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+
+
+def _init_parameters(cls) -> list[str]:
+    import inspect
+
+    if cls is None:
+        return []
+    return [name for name in inspect.signature(cls).parameters if not name.startswith("_")]
 
 
 _NOISE = ("Subtypes:", "Given value", "Errors:", "Does not validate against any", "- Expected a <class 'NoneType'>")
@@ -106,7 +146,11 @@ def _condense(message: str) -> str:
 
 
 def _show_toolkit_logs() -> None:
-    """The toolkit's own INFO messages (data preparation, cache reuse) go to stderr as plain lines."""
+    """The toolkit's own INFO messages (data preparation, cache reuse) go to stderr as plain lines.
+
+    Two of Lightning's INFO lines are dropped: "Seed set to N" (at every seeding) and "Using
+    bfloat16 Automatic Mixed Precision", which the toolkit's start-up table already says.
+    """
     import logging
 
     logger = logging.getLogger("toolkit")
@@ -115,6 +159,17 @@ def _show_toolkit_logs() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
+    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
+    # Lightning's rank-zero messages go to whichever of these loggers was set up last on import.
+    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
+        rank_zero = logging.getLogger(name)
+        if not any(isinstance(f, _DropPrecisionNotice) for f in rank_zero.filters):
+            rank_zero.addFilter(_DropPrecisionNotice())
+
+
+class _DropPrecisionNotice:
+    def filter(self, record) -> bool:
+        return "Automatic Mixed Precision" not in record.getMessage()
 
 
 def run(argv: Optional[list[str]] = None) -> int:
@@ -141,16 +196,19 @@ def run(argv: Optional[list[str]] = None) -> int:
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse's ArgumentError and friends
-        if isinstance(error.__cause__, UserError) or isinstance(error, UserError):
-            cause = error if isinstance(error, UserError) else error.__cause__
-            print(f"toolkit {name}: error: {cause}", file=sys.stderr)
-            return 2
-        print(f"toolkit {name}: error: {_explain_parse_error(parser, rest, error)}", file=sys.stderr)
+        cause = _user_error_in(error)
+        print(f"toolkit {name}: error: {cause or _explain_parse_error(parser, rest, error)}", file=sys.stderr)
         return 2
     try:
         init = parser.instantiate(cfg)
-        kwargs = {k: v for k, v in init.items() if k != "config"}
-        function(**kwargs)
+    except Exception as error:  # an argument class refused its values (jsonargparse wraps the UserError)
+        cause = _user_error_in(error)
+        if cause is None:
+            raise
+        print(f"toolkit {name}: error: {cause}", file=sys.stderr)
+        return 2
+    try:
+        function(**{k: v for k, v in init.items() if k != "config"})
     except UserError as error:
         print(f"toolkit {name}: error: {error}", file=sys.stderr)
         return 1

@@ -18,9 +18,8 @@ from pathlib import Path
 from typing import Literal, Optional
 
 from toolkit.errors import UserError
+from toolkit.tokenizer import TOKENIZER_FILES
 
-CONFIG_FILES = ("config.json", "generation_config.json")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "chat_template.jinja")
 # transformers' weight files: single or sharded; variants (model.fp16.safetensors...) are not fetched
 _SAFETENSORS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")
 _BIN = re.compile(r"pytorch_model(-\d+-of-\d+)?\.bin")
@@ -44,7 +43,7 @@ def select_files(filenames: list[str]) -> list[str]:
         )
     if "config.json" not in top:
         raise UserError("The repository has no config.json; the toolkit converts transformers-format repositories only")
-    extras = [n for n in (*CONFIG_FILES, *TOKENIZER_FILES) if n in top]
+    extras = [n for n in ("config.json", *TOKENIZER_FILES) if n in top]
     return sorted(weights) + extras
 
 

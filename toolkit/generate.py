@@ -67,6 +67,21 @@ def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p
     return torch.multinomial(probs, 1, generator=generator)[0]
 
 
+def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], num_samples: int, seed: int) -> None:
+    """One line for a sampling setting out of range, instead of a traceback from torch (or a silent misreading)."""
+    from toolkit.training.args import check_seed
+
+    if temperature < 0:
+        raise UserError(f"--temperature must be 0 (greedy) or more, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top_k must be at least 1 (or null for no limit), got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1] (or null for no limit), got {top_p}")
+    if num_samples < 1:
+        raise UserError(f"--num_samples must be at least 1, got {num_samples}")
+    check_seed(seed)
+
+
 def generate(
     checkpoint_dir: Path,
     prompt: str = "",
@@ -106,16 +121,18 @@ def generate(
         chat_template: For --messages and --chat: a built-in template (chatml, llama-3, llama-2, gemma,
             zephyr) or a .jinja file; default: the checkpoint's own (see `toolkit.data.chat_template`).
     """
-    from toolkit.checkpoint import load_model, require_checkpoint_dir
+    from toolkit.model_dir import load_model, require_checkpoint_dir
     from toolkit.tokenizer import Tokenizer
 
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
     if max_new_tokens < 1:
         raise UserError("--max_new_tokens must be at least 1.")
+    check_sampling(temperature, top_k, top_p, num_samples, seed)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if precision is None:
-        precision = "bf16-true" if device == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
+        native_bf16 = device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # not V100/T4
+        precision = "bf16-true" if native_bf16 else "32-true"
     dtypes = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
     if precision not in dtypes:
         raise UserError(f"--precision must be one of {', '.join(dtypes)} for generation, got {precision!r}.")

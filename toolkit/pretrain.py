@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
-from toolkit.data.pretrain import PretrainData
+from toolkit.data.streams import PretrainData
 from toolkit.errors import UserError
 from toolkit.models.config import Config
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.tokenizer import MIN_BPE_VOCAB
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
 from toolkit.training.distributed import DistributedArgs
 
 NO_DATA_HELP = (
@@ -35,6 +36,7 @@ def pretrain(
     seed: int = 42,
     resume: Union[bool, str, Path] = False,
     initial_checkpoint_dir: Optional[Path] = None,
+    export_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None,
 ) -> None:
     """Pretrain a model from randomly initialised weights.
 
@@ -60,11 +62,15 @@ def pretrain(
         initial_checkpoint_dir: Start from the weights of this toolkit checkpoint instead of random
             ones (continued pretraining; also how a run moves to another number of devices: export
             with `convert_pretrained_checkpoint`, then start here). Its model config is used.
+        export_dtype: dtype of the weights in `<out_dir>/final`; default: the dtype of
+            --initial_checkpoint_dir's weights, or the dtype trained in (float32 master weights
+            under mixed precision).
     """
     from toolkit.training.session import Session
 
+    check_seed(seed)
     if initial_checkpoint_dir is not None:
-        from toolkit.checkpoint import require_checkpoint_dir
+        from toolkit.model_dir import require_checkpoint_dir
 
         config = Config.from_file(require_checkpoint_dir(initial_checkpoint_dir))
     else:
@@ -73,6 +79,8 @@ def pretrain(
         raise UserError(NO_DATA_HELP)
     if tokenizer_dir is None and train_tokenizer_vocab is None:
         raise UserError("Pass --tokenizer_dir <folder with tokenizer.json>, or --train_tokenizer_vocab N to train one on the data.")
+    if tokenizer_dir is None and train_tokenizer_vocab < MIN_BPE_VOCAB:
+        raise UserError(f"--train_tokenizer_vocab must be at least {MIN_BPE_VOCAB} (every byte and one special token), got {train_tokenizer_vocab}")
     max_seq_length = train.sequence_length(config)
 
     if tokenizer_dir is not None:
@@ -103,12 +111,10 @@ def pretrain(
         train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed, rank=rank, world_size=world_size)
         val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
 
-    if initial_checkpoint_dir is not None:
-        from toolkit.checkpoint import load_state_dict
+    from toolkit.model_dir import export_dtype as resolve_export_dtype
 
-        model = session.build_model(init=load_state_dict(initial_checkpoint_dir))
-    else:
-        model = session.build_model(init="random")
+    session.export_dtype = resolve_export_dtype(export_dtype, initial_checkpoint_dir)
+    model = session.build_model(weights=initial_checkpoint_dir if initial_checkpoint_dir is not None else "random")
     optimizer = session.build_optimizer(model)
     tokens_per_step = session.plan.tokens_per_step
     total_steps = None

@@ -19,17 +19,23 @@ from toolkit.errors import UserError
 if TYPE_CHECKING:
     import torch
 
-# Files that belong to a tokenizer; `Tokenizer.save` copies whichever of them exist.
+# The files that travel with a tokenizer (the one list: checkpoints, conversion and download all use
+# it). `Tokenizer` reads tokenizer.json and takes BOS/EOS/PAD from the config files and
+# generation_config.json; tokenizer.model (SentencePiece) is not read here but is kept so that an
+# export to Hugging Face hands it on.
 TOKENIZER_FILES: tuple[str, ...] = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "generation_config.json",
+    "tokenizer.model",
     "chat_template.jinja",  # transformers 5 keeps the chat template here (toolkit.data.chat_template)
 )
 
 # Special token of the tokenizers made by `train_bpe_tokenizer` (and GPT-2/GPT-NeoX): BOS and EOS at once.
 ENDOFTEXT = "<|endoftext|>"
+# The smallest vocabulary `train_bpe_tokenizer` makes: every byte plus ENDOFTEXT.
+MIN_BPE_VOCAB = 256 + 1
 # Last-resort names when no config file names BOS/EOS (a folder with only tokenizer.json).
 _BOS_NAMES = ("<s>", "<|begin_of_text|>", "<bos>", ENDOFTEXT)
 _EOS_NAMES = ("</s>", "<|end_of_text|>", "<eos>", ENDOFTEXT)
@@ -259,9 +265,8 @@ def train_bpe_tokenizer(text_files: list[Path], vocab_size: int, out_dir: Path) 
     out_dir = Path(out_dir)
     if not text_files:
         raise UserError("no text files given to train the tokenizer on; pass at least one UTF-8 text file")
-    min_vocab = 256 + 1  # every byte plus the special token
-    if vocab_size < min_vocab:
-        raise UserError(f"vocab_size {vocab_size} is too small for byte-level BPE; use at least {min_vocab}")
+    if vocab_size < MIN_BPE_VOCAB:
+        raise UserError(f"vocab_size {vocab_size} is too small for byte-level BPE; use at least {MIN_BPE_VOCAB}")
     if not any([_check_text_file(path) for path in text_files]):
         raise UserError(f"no text to train on in {', '.join(map(str, text_files))}; pass files with text")
     if out_dir.exists():

@@ -101,9 +101,34 @@ def train_step(fabric, plan: BatchPlan, model, optimizer, step: int) -> dict[str
             loss = nn.functional.mse_loss(model(x[j * m : (j + 1) * m]), y[j * m : (j + 1) * m])
             fabric.backward(loss / accum)
         losses[f"{step}/{j}"] = loss.item()
+        if is_accumulating and is_fsdp(fabric):
+            ACCUMULATION["sharded_grads"] = _grads_are_sharded(model)
     optimizer.step()
     optimizer.zero_grad()
     return losses
+
+
+ACCUMULATION: dict = {}  # what the gradients looked like between micro-batches of one step
+
+
+def _grads_are_sharded(model) -> bool:
+    """After a micro-batch that is not the last of its step, no rank holds a full gradient: each
+    gradient is this rank's shard (FSDP2 reduce-scattered it). Under HYBRID_SHARD the shards wait,
+    summed, in FSDP2's partial-reduce buffer for the deferred all-reduce across nodes."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    if not all(isinstance(g, DTensor) and g.to_local().numel() < g.numel() for g in grads):
+        return False
+    waiting = [
+        m._get_fsdp_state()._fsdp_param_group._partial_reduce_output
+        for m in model.modules()
+        if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group is not None
+    ]
+    waiting_numel = sum(t.numel() for t in waiting if t is not None)
+    total = sum(p.numel() for p in model.parameters())
+    return bool(grads) or 0 < waiting_numel < total
 
 
 def describe(fabric, model) -> dict:
@@ -116,9 +141,12 @@ def describe(fabric, model) -> dict:
         "checkpointed_blocks": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
     }
     if is_fsdp(fabric):
-        mesh = fabric.strategy._fsdp_kwargs.get("device_mesh")
-        info["sharding"] = fabric.strategy.sharding_strategy.name
-        info["mesh"] = list(mesh.shape) if mesh is not None else None
+        from torch.distributed.fsdp import FSDPModule
+
+        info["sharding"] = fabric.strategy.sharding
+        info["mesh"] = list(fabric.strategy.device_mesh.shape)
+        info["fsdp_units"] = sum(isinstance(m, FSDPModule) for m in model.modules())
+        info["sharded_grads_while_accumulating"] = ACCUMULATION.get("sharded_grads")
     return info
 
 
@@ -127,7 +155,7 @@ def check_saves(fabric, plan: BatchPlan, model, optimizer, out: Path, steps: int
     results = {}
     saved = full_state_dict(fabric, model, rank0_only=False)
     for kind in ("full", "sharded"):
-        fabric.strategy._state_dict_type = kind  # test only: exercise both formats in one run
+        fabric.strategy._save_distributed_checkpoint = kind == "sharded"  # test only: both formats in one run
         path = out / f"ckpt_{kind}"
         fabric.save(path, {"model": model, "optimizer": optimizer, "step": steps})
         torch.manual_seed(123)  # different initial weights, so loading must overwrite them

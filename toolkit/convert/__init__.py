@@ -31,26 +31,12 @@ _LAZY = {
     "config_to_hf": "toolkit.convert.hf_config",
 }
 
-# Prefixes that wrappers add to parameter names (Fabric, torch.compile, DDP).
-_WRAPPER_PREFIXES = ("_forward_module.", "_orig_mod.", "module.")
-
-
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'toolkit.convert' has no attribute {name!r}")
-
-
-def _strip_wrappers(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in _WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name, changed = name[len(prefix) :], True
-    return name
 
 
 def _load_training_model_state(training_checkpoint: Path) -> tuple[dict, Path]:
@@ -63,6 +49,8 @@ def _load_training_model_state(training_checkpoint: Path) -> tuple[dict, Path]:
       <file>.pt           like state.pt, with model_config.json beside it
     """
     import torch
+
+    from toolkit.models.param_names import unwrapped_name
 
     path = Path(training_checkpoint)
     if not path.exists():
@@ -98,7 +86,7 @@ def _load_training_model_state(training_checkpoint: Path) -> tuple[dict, Path]:
             raise UserError(f"Cannot read the sharded checkpoint {folder}: {str(err).splitlines()[0]}") from None
     if not isinstance(checkpoint, dict) or not isinstance(checkpoint.get("model"), dict):
         raise UserError(f"{path} holds no 'model' state dict; is it a training checkpoint?")
-    state = {_strip_wrappers(k): v for k, v in checkpoint["model"].items() if isinstance(v, torch.Tensor)}
+    state = {unwrapped_name(k): v for k, v in checkpoint["model"].items() if isinstance(v, torch.Tensor)}
     return state, config_dir
 
 
@@ -115,8 +103,8 @@ def convert_pretrained_checkpoint(training_checkpoint: Path, out_dir: Path, over
     Returns:
         out_dir.
     """
-    from toolkit.checkpoint import atomic_directory, save_checkpoint_files
     from toolkit.convert.hf_to_toolkit import expected_shapes, refuse_existing, shape_mismatch
+    from toolkit.model_dir import atomic_directory, save_checkpoint_files
     from toolkit.models.config import Config
 
     out_dir = Path(out_dir)

@@ -6,7 +6,7 @@ Reads `model.safetensors`, a sharded `model.safetensors.index.json`, or (when th
 safetensors file) `pytorch_model.bin` / `pytorch_model.bin.index.json`. Everything is checked
 before a byte is written: every weight name must be known, every shape must match config.json,
 nothing may be missing. The output is written into a temporary directory that is renamed into
-place at the end (`toolkit.checkpoint.atomic_directory`).
+place at the end (`toolkit.model_dir.atomic_directory`).
 
 Memory: the output safetensors file is written by this module, header first and then one tensor
 after the other, so that nothing has to be held in memory at once. A tensor whose bytes are only
@@ -35,16 +35,6 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from toolkit.models.config import Config
-
-# Files copied next to the weights, so that the checkpoint carries its tokenizer.
-TOKENIZER_FILES: tuple[str, ...] = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "generation_config.json",
-    "chat_template.jinja",
-)
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 SAFETENSORS_SINGLE = "model.safetensors"
@@ -584,6 +574,9 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
 
 
 def copy_tokenizer_files(src_dir: Path, dst_dir: Path) -> list[str]:
+    """Copy the tokenizer files that `src_dir` has, so that the checkpoint carries its tokenizer."""
+    from toolkit.tokenizer import TOKENIZER_FILES
+
     copied = []
     for name in TOKENIZER_FILES:
         if (Path(src_dir) / name).is_file():
@@ -650,7 +643,7 @@ def convert_hf_dir(
         raise UserError(f"Unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     refuse_existing(out_dir, overwrite)
 
-    from toolkit.checkpoint import WEIGHTS_FILENAME, atomic_directory
+    from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory
     from toolkit.convert.hf_config import config_from_hf
 
     config = config_from_hf(read_hf_config(hf_dir), model_name, default_name=default_name or hf_dir.resolve().name)

@@ -187,7 +187,7 @@ def convert_to_hf(
     Returns:
         out_dir.
     """
-    from toolkit.checkpoint import WEIGHTS_FILENAME, atomic_directory, require_checkpoint_dir
+    from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory, require_checkpoint_dir
     from toolkit.convert.hf_config import config_to_hf
     from toolkit.models.config import Config
 

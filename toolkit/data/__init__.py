@@ -3,6 +3,6 @@
 from toolkit.data.chat import Chat
 from toolkit.data.instruct import JSON, Alpaca, InstructData
 from toolkit.data.local_corpus import PythonStdlib
-from toolkit.data.pretrain import PretrainData, StreamMix, TextFiles
+from toolkit.data.streams import PretrainData, StreamMix, TextFiles
 
 __all__ = ["Alpaca", "Chat", "InstructData", "JSON", "PretrainData", "PythonStdlib", "StreamMix", "TextFiles"]

@@ -26,7 +26,7 @@ that range (a control token of the tokenizer, or EOS: <|im_end|>, <|eot_id|>, <e
 so separators that the template writes between turns are not trained. A template that closes turns
 with no special token gets the whole range trained (and a warning: nothing teaches the model to
 stop). Everything else (system, user turns, the assistant header of the generation prompt) has its
-labels set to ignore_index. With mask_prompt=False every token is trained.
+labels set to IGNORE_INDEX. With mask_prompt=False every token is trained.
 
 Comparing token ids, not characters, keeps this exact whatever the tokenizer merges: when the last
 token of a prompt merges with the first of the answer, start_i falls on the merged token, which is
@@ -60,7 +60,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from toolkit.data.chat_template import ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files
-from toolkit.data.instruct import InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, read_json_records
+from toolkit.data.instruct import (
+    IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, read_json_records,
+)
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
@@ -202,19 +204,19 @@ class ChatSamples(TokenizedSamples):
     def subset(self, indices: list[int]) -> "ChatSamples":
         return ChatSamples([self.tokens_of(i).tolist() for i in indices], [self.trained_of(i).tolist() for i in indices])
 
-    def collate(self, indices, pad_id: int, ignore_index: int) -> dict:
-        """Samples `indices` -> {"input_ids", "labels"} (B, T); labels of untrained tokens are ignore_index."""
+    def collate(self, indices, pad_id: int) -> dict:
+        """Samples `indices` -> {"input_ids", "labels"} (B, T); labels of untrained tokens are IGNORE_INDEX."""
         import torch
 
         indices = [int(i) for i in indices]
         width = max(int(self.lengths[i]) for i in indices)
         input_ids = torch.full((len(indices), width), pad_id, dtype=torch.int64)
-        labels = torch.full((len(indices), width), ignore_index, dtype=torch.int64)
+        labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.int64)
         for row, i in enumerate(indices):
             seq = self.tokens_of(i).to(torch.int64)
             n = len(seq) - 1
             input_ids[row, :n] = seq[:-1]
-            labels[row, :n] = torch.where(self.trained_of(i)[1:], seq[1:], ignore_index)
+            labels[row, :n] = torch.where(self.trained_of(i)[1:], seq[1:], IGNORE_INDEX)
         return {"input_ids": input_ids, "labels": labels}
 
 
@@ -381,7 +383,7 @@ class Chat(InstructData, _InstructOptions):
             Llama 3's system header (otherwise the date of the run).
 
     Shared options (see `InstructData`): mask_prompt (true: loss on assistant turns only; false: on
-    every token), val_split_fraction, val_path, seed, ignore_index, group_by_length. prompt_style does
+    every token), val_split_fraction, val_path, seed, group_by_length. prompt_style does
     not apply: the chat template lays the conversation out.
     """
 

@@ -4,7 +4,7 @@ Datasets are small (thousands to a few hundred thousand records), so `setup` rea
 tokenizes everything once, in memory, on every rank; nothing is written to disk.
 
 Each sample is `BOS? + prompt + response + EOS`, cut to max_seq_length + 1 tokens, then shifted:
-input_ids = tokens[:-1], labels = tokens[1:]. Labels of prompt positions are `ignore_index` (unless
+input_ids = tokens[:-1], labels = tokens[1:]. Labels of prompt positions are IGNORE_INDEX (unless
 mask_prompt is false), so the loss covers the response and EOS only. A sample with no target left
 after the cut is dropped (and counted).
 
@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from toolkit.data.prompts import PromptStyle, resolve_style
 from toolkit.errors import UserError
+from toolkit.models import IGNORE_INDEX
 
 if TYPE_CHECKING:
     import torch
@@ -41,7 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100  # the same value as toolkit.models.gpt.IGNORE_INDEX (not imported: that pulls in torch)
 # Length grouping sorts shuffled buckets of this many global batches (micro_batch_size x world_size
 # samples each) by length, then shuffles the batches: similar lengths per batch, random order overall.
 BUCKET_BATCHES = 64
@@ -178,8 +178,8 @@ class TokenizedSamples:
     def subset(self, indices: list[int]) -> "TokenizedSamples":
         return TokenizedSamples([self.tokens_of(i).tolist() for i in indices], [int(self.masked[i]) for i in indices])
 
-    def collate(self, indices: "torch.Tensor | list[int]", pad_id: int, ignore_index: int) -> dict:
-        return collate(self, indices, pad_id, ignore_index)
+    def collate(self, indices: "torch.Tensor | list[int]", pad_id: int) -> dict:
+        return collate(self, indices, pad_id)
 
     @property
     def checksum(self) -> int:
@@ -200,20 +200,20 @@ class TokenizedSamples:
         return int((self.lengths - self.masked).sum())
 
 
-def collate(samples: TokenizedSamples, indices: "torch.Tensor | list[int]", pad_id: int, ignore_index: int) -> dict:
+def collate(samples: TokenizedSamples, indices: "torch.Tensor | list[int]", pad_id: int) -> dict:
     """Samples `indices` -> {"input_ids", "labels"} of shape (B, T), T = their longest input length."""
     import torch
 
     indices = [int(i) for i in indices]
     width = max(int(samples.lengths[i]) for i in indices)
     input_ids = torch.full((len(indices), width), pad_id, dtype=torch.int64)
-    labels = torch.full((len(indices), width), ignore_index, dtype=torch.int64)
+    labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.int64)
     for row, i in enumerate(indices):
         seq = samples.tokens_of(i).to(torch.int64)
         n = len(seq) - 1
         input_ids[row, :n] = seq[:-1]
         labels[row, :n] = seq[1:]
-        labels[row, : int(samples.masked[i])] = ignore_index
+        labels[row, : int(samples.masked[i])] = IGNORE_INDEX
     return {"input_ids": input_ids, "labels": labels}
 
 
@@ -231,9 +231,11 @@ class InstructLoader:
     iteration yield exactly the batches an uninterrupted run would have yielded next (the epoch's
     order is recomputed from the seed, no batch is replayed).
 
-    Validation (shuffle=False): every pass yields the same batches from the start, sorted by length
-    (group_by_length) or in file order; one process keeps a short last batch, several drop the
-    samples that do not fill a global batch.
+    Validation (shuffle=False): every pass yields the same batches from the start. With
+    group_by_length, each batch holds samples of similar length and the batches come longest first,
+    then in an order that spreads any first k batches over all lengths (`spread_order`): a
+    validation that reads k batches measures short and long samples alike. Without it, file order.
+    One process keeps a short last batch, several drop the samples that do not fill a global batch.
     """
 
     def __init__(
@@ -247,7 +249,6 @@ class InstructLoader:
         world_size: int = 1,
         group_by_length: bool = True,
         pad_id: int = 0,
-        ignore_index: int = IGNORE_INDEX,
         bucket_batches: int = BUCKET_BATCHES,
         step_batch_size: Optional[int] = None,
     ) -> None:
@@ -263,7 +264,6 @@ class InstructLoader:
         self.world_size = world_size
         self.group_by_length = group_by_length
         self.pad_id = pad_id
-        self.ignore_index = ignore_index
         self.bucket_batches = max(1, bucket_batches)
         # Samples per optimizer step over all ranks (the global batch). Training plans whole steps,
         # so the samples of step k are the same whatever the world size and accumulation.
@@ -298,12 +298,17 @@ class InstructLoader:
         lengths = self.samples.lengths
         if not self.shuffle:
             order = torch.arange(n)
-            if self.group_by_length:  # longest first: an out-of-memory shows at the first batch
-                order = torch.sort(lengths, descending=True, stable=True).indices
+            if not self.group_by_length:
+                units = list(order.split(unit))
+            else:
+                # Batches of similar lengths (little padding), taken in an order whose every prefix
+                # spreads over all lengths: validation reads only its first max_iters batches.
+                # The longest batch stays first, so an out-of-memory shows at once.
+                units = list(torch.sort(lengths, descending=True, stable=True).indices.split(unit))
+                units = [units[i] for i in spread_order(len(units))]
             if self.world_size == 1:
-                return list(order.split(mb))
-            units = order[: (n // unit) * unit].view(-1, unit)
-            return [u[self.rank * mb : (self.rank + 1) * mb] for u in units]
+                return units
+            return [u[self.rank * mb : (self.rank + 1) * mb] for u in units if len(u) == unit]
 
         # Training: whole optimizer steps of `step_batch_size` samples ("units").
         unit = self.step_batch_size
@@ -345,7 +350,7 @@ class InstructLoader:
     def __iter__(self) -> Iterator[dict]:
         if not self.shuffle:
             for indices in self.batch_indices(0):
-                yield self.samples.collate(indices, self.pad_id, self.ignore_index)
+                yield self.samples.collate(indices, self.pad_id)
             return
         if len(self) == 0:
             return
@@ -355,7 +360,7 @@ class InstructLoader:
         while self._epoch == epoch and self._consumed < len(self):
             indices = self.batch_indices(epoch)[self._consumed]
             self._consumed += 1  # before yielding: a checkpoint taken while this batch trains skips it
-            yield self.samples.collate(indices, self.pad_id, self.ignore_index)
+            yield self.samples.collate(indices, self.pad_id)
         if self._epoch == epoch and self._consumed >= len(self):
             self._epoch, self._consumed = epoch + 1, 0
 
@@ -418,6 +423,16 @@ class InstructLoader:
         )
 
 
+def spread_order(n: int) -> list[int]:
+    """0..n-1 in bit-reversed (van der Corput) order: every prefix is spread evenly over the range.
+
+    For n = 8: 0 4 2 6 1 5 3 7. Any first k positions are about n / k apart, whatever k is.
+    """
+    bits = max(1, (n - 1).bit_length())
+    reversed_positions = (int(format(i, f"0{bits}b")[::-1], 2) for i in range(1 << bits))
+    return [i for i in reversed_positions if i < n]
+
+
 def _batches_per_epoch(num_samples: int, micro_batch_size: int, world_size: int, shuffle: bool = True) -> int:
     if not shuffle and world_size == 1:
         return math.ceil(num_samples / micro_batch_size)
@@ -437,7 +452,6 @@ class _InstructOptions:
     val_split_fraction: float = 0.05
     val_path: Optional[Path] = None
     seed: int = 42
-    ignore_index: int = IGNORE_INDEX
     group_by_length: bool = True
 
 
@@ -447,12 +461,11 @@ class InstructData:
     Common options (all subclasses):
         prompt_style: a style from `toolkit.data.prompts` (alpaca, chatml, llama-3, llama-2, phi,
             gemma, plain); None picks the model's default.
-        mask_prompt: leave the prompt out of the loss (its labels are ignore_index).
+        mask_prompt: leave the prompt out of the loss.
         val_split_fraction: share of the records held out for validation (0: none). Ignored when
             val_path is set.
         val_path: a separate validation file, in the same format as the training file.
         seed: seed of the train/validation split (the batch order uses the training seed).
-        ignore_index: label value the loss skips; the model ignores -100.
         group_by_length: batch samples of similar length together (less padding).
 
     Protocol, on every rank: `setup`, then `train_dataloader` and `val_dataloader`.
@@ -464,7 +477,6 @@ class InstructData:
     val_split_fraction: float
     val_path: Optional[Path]
     seed: int
-    ignore_index: int
     group_by_length: bool
     json_path: Path
 
@@ -481,8 +493,6 @@ class InstructData:
             raise UserError(f"max_seq_length must be at least 1, got {max_seq_length}")
         if not 0.0 <= self.val_split_fraction < 1.0:
             raise UserError(f"val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
-        if self.ignore_index >= 0:
-            raise UserError(f"ignore_index must be negative (it must not be a token id), got {self.ignore_index}")
 
     def setup(self, tokenizer: "Tokenizer", max_seq_length: int, model_name: Any = "") -> None:
         """Read, check, split and tokenize the data (every rank; no files written).
@@ -598,7 +608,6 @@ class InstructData:
             world_size=world_size,
             group_by_length=self.group_by_length,
             pad_id=self.pad_id,
-            ignore_index=self.ignore_index,
             step_batch_size=global_batch_size,
         )
         if len(loader) == 0:
@@ -628,7 +637,6 @@ class InstructData:
             world_size=world_size,
             group_by_length=self.group_by_length,
             pad_id=self.pad_id,
-            ignore_index=self.ignore_index,
         )
         if len(loader) == 0:
             log.warning(
@@ -642,7 +650,7 @@ class InstructData:
 
 
 def pad_id_for(tokenizer: "Tokenizer") -> int:
-    """The id padding positions hold (never trained: their labels are ignore_index): PAD, else EOS, else 0."""
+    """The id padding positions hold (never trained: their labels are IGNORE_INDEX): PAD, else EOS, else 0."""
     return next((t for t in (tokenizer.pad_id, tokenizer.eos_id) if t is not None), 0)
 
 

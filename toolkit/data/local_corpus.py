@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from toolkit.data.pretrain import PretrainData, TextFiles
+from toolkit.data.streams import PretrainData, TextFiles
 from toolkit.errors import UserError
 
 # Skipped: tests (huge, repetitive), vendored packages and generated tables.
@@ -36,6 +36,8 @@ class PythonStdlib(PretrainData):
     def __post_init__(self) -> None:
         if self.max_megabytes <= 0:
             raise UserError("--data.max_megabytes must be positive")
+        if not 0.0 < self.val_fraction < 1.0:
+            raise UserError(f"--data.val_fraction must be between 0 and 1, got {self.val_fraction}")
         self._text: Optional[TextFiles] = None
 
     def source_files(self) -> list[Path]:

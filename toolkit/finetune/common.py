@@ -12,7 +12,7 @@ from typing import Callable, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
 from toolkit.training.distributed import DistributedArgs
 
 # Defaults that suit fine-tuning rather than pretraining: one epoch, short warmup.
@@ -41,15 +41,19 @@ def run_finetune(
     checkpoint_filter: Optional[Callable[[str], bool]] = None,
     export: Optional[Callable] = None,
     check_args: Optional[Callable] = None,
+    export_dtype: Optional[str] = None,
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model)."""
-    from toolkit.checkpoint import load_state_dict, require_checkpoint_dir
+    from toolkit.model_dir import export_dtype as resolve_export_dtype
+    from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
     from toolkit.tokenizer import Tokenizer
     from toolkit.training.session import Session
 
+    check_seed(seed)
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
     config = Config.from_file(checkpoint_dir)
+    dtype = resolve_export_dtype(export_dtype, checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
     max_seq_length = train.sequence_length(config)
     if check_args is not None:
@@ -64,6 +68,7 @@ def run_finetune(
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
         max_seq_length=max_seq_length,
     )
+    session.export_dtype = dtype
     session.checkpoint_filter = checkpoint_filter
     fabric = session.fabric
     with session.remove_output_on_error():
@@ -84,7 +89,7 @@ def run_finetune(
         f"Data: {stats.get('train_samples', '?')} training samples, {steps_per_epoch} optimizer steps per epoch, "
         f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
     )
-    model = session.build_model(init=load_state_dict(checkpoint_dir), prepare=prepare_model)
+    model = session.build_model(weights=checkpoint_dir, prepare=prepare_model)
     optimizer = session.build_optimizer(model)
     limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
     total_steps = min(limits) if limits else None

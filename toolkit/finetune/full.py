@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional, Union
+from typing import Literal, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.finetune.common import FINETUNE_EVAL, FINETUNE_TRAIN, run_finetune
@@ -25,6 +25,7 @@ def finetune_full(
     seed: int = 1337,
     resume: Union[bool, str, Path] = False,
     quantize: Optional[str] = None,
+    export_dtype: Optional[Literal["bfloat16", "float16", "float32"]] = None,
 ):
     """Fine-tune all weights of a model.
 
@@ -43,6 +44,9 @@ def finetune_full(
         seed: Random seed for data order.
         resume: false; "auto", true, or a training checkpoint path (see `toolkit pretrain --help`).
         quantize: Not supported here: quantized weights cannot be trained. Use `finetune_lora --quantize`.
+        export_dtype: dtype of the weights in `<out_dir>/final`; default: the dtype the checkpoint is
+            stored in (a bfloat16 model comes out bfloat16). Training keeps float32 master weights
+            under mixed precision either way.
     """
     from toolkit.errors import UserError
 
@@ -55,6 +59,6 @@ def finetune_full(
         raise UserError("No training data given: pass --data Alpaca --data.json_path <file.json> (or --data JSON ...).")
     _, model = run_finetune(
         "finetune_full", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
-        precision, seed, resume,
+        precision, seed, resume, export_dtype=export_dtype,
     )
     return model

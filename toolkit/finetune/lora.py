@@ -15,6 +15,7 @@ A finished run writes `<out_dir>/final/`:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,6 +24,7 @@ from typing import Literal, Optional, Union
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
+from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.training.distributed import DistributedArgs
 
@@ -57,6 +59,8 @@ class LoRAArgs:
     def __post_init__(self) -> None:
         if self.r < 1:
             raise UserError(f"--lora.r must be at least 1, got {self.r}")
+        if not self.alpha > 0:
+            raise UserError(f"--lora.alpha must be positive, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
             raise UserError(f"--lora.dropout must be in [0, 1), got {self.dropout}")
         for target in self.targets:
@@ -80,10 +84,28 @@ def is_adapter_weight(name: str) -> bool:
 
 
 def adapter_key(name: str) -> str:
-    """Toolkit name of an adapter weight: no peft wrapper prefix, no adapter name."""
-    for prefix in ("_forward_module.", "_orig_mod.", "base_model.model."):
-        name = name.replace(prefix, "")
-    return name.replace(".default.", ".")
+    """Toolkit name of an adapter weight: no wrapper prefixes, no adapter name."""
+    return unwrapped_name(name).replace(".default.", ".")
+
+
+def init_adapters(model, seed: int) -> None:
+    """(Re)initialise every LoRA adapter with peft's own rule, from `seed`, on the CPU.
+
+    peft creates adapters on the device of the layer they wrap, which is the meta device when the
+    model is built for sharding. Initialising them here, in module order from one seed, gives the
+    same adapters on one device and on any number of devices.
+    """
+    import torch
+    from peft.tuners.lora import LoraLayer
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for module in model.modules():
+            if isinstance(module, LoraLayer):
+                for adapter in module.lora_A:
+                    module.lora_A[adapter].to_empty(device="cpu")
+                    module.lora_B[adapter].to_empty(device="cpu")
+                    module.reset_lora_parameters(adapter, True)
 
 
 def quantize_linears(model, mode: str, compute_dtype):
@@ -179,7 +201,9 @@ def finetune_lora(
         if quantize is not None:
             model = quantize_linears(model, quantize, compute_dtype=torch.bfloat16)
         # peft freezes every weight that is not an adapter.
-        return get_peft_model(model, lora.peft_config())
+        model = get_peft_model(model, lora.peft_config())
+        init_adapters(model, seed)
+        return model
 
     def export(session, model) -> None:
         save_adapter(session, model, lora, Path(checkpoint_dir), quantize)
@@ -196,7 +220,7 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     """Write the adapter in toolkit and peft formats to `<out_dir>/final` (collective call)."""
     from safetensors.torch import save_file
 
-    from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+    from toolkit.model_dir import atomic_directory, save_checkpoint_files
     from toolkit.training.distributed import full_state_dict
 
     fabric = session.fabric
@@ -261,7 +285,7 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
     from peft import get_peft_model, set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from toolkit.checkpoint import atomic_directory, load_model, save_checkpoint_files
+    from toolkit.model_dir import atomic_directory, load_model, save_checkpoint_files
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / LORA_META).is_file() and (adapter_dir / "final" / LORA_META).is_file():
@@ -273,6 +297,13 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
     out_dir = Path(out_dir) if out_dir is not None else adapter_dir.parent / "merged"
     model = load_model(base)
     lora = LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    if model.config.tie_embeddings and "lm_head" in lora.module_names():
+        # The head shares its matrix with the input embeddings; merging its update in place would
+        # change the embeddings too. Give the head its own copy: the merged model is untied.
+        model.lm_head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+        model.config = dataclasses.replace(model.config, tie_embeddings=False)
+        print("Note: the adapter updates the output head, which shares its weights with the embeddings; "
+              "the merged model has a separate head (tie_embeddings false).")
     peft_model = get_peft_model(model, lora.peft_config())
     adapters = load_file(str(adapter_dir / ADAPTER_FILE))
     set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})

@@ -5,4 +5,8 @@ Importing this package does not import torch; import `toolkit.models.gpt` for th
 
 from toolkit.models.config import Config
 
-__all__ = ["Config"]
+# Label value the loss skips (masked prompt tokens, padding). Defined here, free of torch, so that
+# the data modules that write it and the model that skips it share one value.
+IGNORE_INDEX = -100
+
+__all__ = ["Config", "IGNORE_INDEX"]

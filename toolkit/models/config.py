@@ -71,9 +71,11 @@ class Config:
 
     def __post_init__(self) -> None:
         problems = []
-        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head"):
-            if getattr(self, name) <= 0:
-                problems.append(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "head_size", "intermediate_size",
+                     "norm_eps", "rope_base"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:  # None: derived below
+                problems.append(f"{name} must be positive, got {value}")
         if problems:
             raise UserError(f"Invalid model config {self.name!r}: " + "; ".join(problems))
         if self.n_query_groups is None:

@@ -10,15 +10,16 @@ Shapes: B batch, T tokens in this call, L cached tokens, E n_embd, H query heads
 from __future__ import annotations
 
 import math
+import zlib
 from typing import Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from toolkit.models import IGNORE_INDEX
 from toolkit.models.config import Config
 
-IGNORE_INDEX = -100  # label value excluded from the loss (prompt tokens, padding)
 
 
 class GPT(nn.Module):
@@ -488,19 +489,50 @@ def _outside_compile(fn):
 
 
 @torch.no_grad()
-def init_weights(model: nn.Module, n_layer: int, std: float = 0.02) -> None:
-    """Initialisation for pretraining from scratch.
+def init_weights(model: nn.Module, n_layer: int, std: float = 0.02, seed: Optional[int] = None) -> None:
+    """Initialise a (full, single-device) model for pretraining from scratch; see `init_specs`.
+
+    Each parameter draws from its own generator, seeded by `seed` and its name, so the values do
+    not depend on the order of initialisation nor on how a distributed run shards the model (a
+    sharded run draws the same full tensor and keeps its rows). Without `seed`, one is drawn from
+    torch's global generator.
+    """
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    specs = init_specs(model, n_layer, std)
+    for name, param in model.named_parameters():
+        param.copy_(initial_value(specs[name], tuple(param.shape), seed, name))
+
+
+def init_specs(model: nn.Module, n_layer: int, std: float = 0.02) -> dict[str, tuple[str, float]]:
+    """How each parameter starts, by name: ("normal", std), ("zeros", 0) or ("ones", 0).
 
     Linear and embedding weights ~ N(0, std); the projections that write into the residual stream
     (attention output, MLP output) use std / sqrt(2 * n_layer) so the residual's variance does not
     grow with depth. Biases start at zero, norms at identity.
     """
     residual_std = std / math.sqrt(2 * n_layer)
-    for name, module in model.named_modules():
+    specs: dict[str, tuple[str, float]] = {}
+    for module_name, module in model.named_modules():
+        prefix = module_name + "." if module_name else ""
         if isinstance(module, (nn.Linear, nn.Embedding)):
-            leaf = name.rsplit(".", 1)[-1]
-            nn.init.normal_(module.weight, mean=0.0, std=residual_std if leaf in ("o_proj", "fc_out", "down_proj") else std)
+            leaf = module_name.rsplit(".", 1)[-1]
+            specs.setdefault(prefix + "weight", ("normal", residual_std if leaf in ("o_proj", "fc_out", "down_proj") else std))
             if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, (nn.LayerNorm, RMSNorm)):
-            module.reset_parameters()
+                specs[prefix + "bias"] = ("zeros", 0.0)
+        elif isinstance(module, nn.LayerNorm):
+            specs[prefix + "weight"], specs[prefix + "bias"] = ("ones", 0.0), ("zeros", 0.0)
+        elif isinstance(module, RMSNorm):
+            specs[prefix + "weight"] = ("zeros", 0.0) if module.unit_offset else ("ones", 0.0)
+    return specs
+
+
+def initial_value(spec: tuple[str, float], shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:
+    """The full float32 initial tensor of parameter `name` (see `init_specs`), on the CPU."""
+    kind, std = spec
+    if kind == "zeros":
+        return torch.zeros(shape)
+    if kind == "ones":
+        return torch.ones(shape)
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return torch.empty(shape).normal_(0.0, std, generator=generator)

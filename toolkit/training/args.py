@@ -44,8 +44,24 @@ class TrainArgs:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"--train.{name} must be at least 1, got {value}")
-        if self.max_time is not None:
-            parse_duration(self.max_time)
+        # Checked here, before any process starts, rather than by torch in the middle of set-up.
+        if not self.learning_rate > 0:
+            raise UserError(f"--train.learning_rate must be positive, got {self.learning_rate}")
+        if not 0 <= self.min_lr <= self.learning_rate:
+            raise UserError(
+                f"--train.min_lr must be between 0 and --train.learning_rate ({self.learning_rate}), got {self.min_lr}"
+            )
+        if self.warmup_steps < 0:
+            raise UserError(f"--train.warmup_steps must be 0 or more, got {self.warmup_steps}")
+        if self.weight_decay < 0:
+            raise UserError(f"--train.weight_decay must be 0 or more, got {self.weight_decay}")
+        for name in ("beta1", "beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise UserError(f"--train.{name} must be in [0, 1), got {getattr(self, name)}")
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise UserError(f"--train.max_norm must be positive (or null to disable clipping), got {self.max_norm}")
+        if self.max_time is not None and not parse_duration(self.max_time) > 0:
+            raise UserError(f"--train.max_time must be a positive duration, got {self.max_time!r}")
 
     def sequence_length(self, config) -> int:
         """max_seq_length, defaulting to the model's context capped at 2048; longer than the context is an error."""
@@ -71,6 +87,11 @@ class EvalArgs:
     initial_validation: bool = False  # validate before the first step
     final_validation: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("interval", "max_iters"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--eval.{name} must be at least 1, got {getattr(self, name)}")
+
 
 @dataclass
 class LogArgs:
@@ -79,6 +100,21 @@ class LogArgs:
     interval: int = 1  # optimizer steps between log lines (the only points where the loop syncs with the device)
     loggers: tuple[Literal["csv", "tensorboard"], ...] = ("csv", "tensorboard")
     device_peak_flops: Optional[float] = None  # for MFU on devices without a known peak (CPU), FLOP/s
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise UserError(f"--log.interval must be at least 1, got {self.interval}")
+        if self.device_peak_flops is not None and not self.device_peak_flops > 0:
+            raise UserError(f"--log.device_peak_flops must be positive, got {self.device_peak_flops}")
+
+
+# torch and numpy take seeds in this range; Lightning raises a ValueError outside it.
+MAX_SEED = 2**32 - 1
+
+
+def check_seed(seed: int) -> None:
+    if not 0 <= seed <= MAX_SEED:
+        raise UserError(f"--seed must be between 0 and {MAX_SEED}, got {seed}")
 
 
 _DURATION_UNITS = {"d": 86400, "h": 3600, "m": 60, "s": 1}

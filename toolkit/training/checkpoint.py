@@ -187,7 +187,7 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _is_sharded(fabric) -> bool:
-    return getattr(fabric.strategy, "_state_dict_type", "full") == "sharded" and fabric.world_size > 1
+    return getattr(fabric.strategy, "state_dict_type", "full") == "sharded" and fabric.world_size > 1
 
 
 def find_resume_checkpoint(fabric, out_dir: Path, resume: Union[bool, str, Path]) -> Optional[Path]:

@@ -7,9 +7,10 @@ The model code and the training loop stay free of distributed details. A caller 
     fabric.launch()          # see "Launching" below
     fabric.print(plan.table())
 
-    fabric.seed_everything(seed)                # same seed on every rank: identical full weights
-    model = GPT(config)
-    model = fabric.setup_module(model)          # FSDP/DDP wrapping (sharding) and activation checkpointing
+    with torch.device("meta"):
+        model = GPT(config)                     # no memory yet
+    apply_precision_policy(model, precision)    # the dtype of every parameter (see precision_dtypes)
+    model = setup_model(fabric, model, read_rows)   # shard (FSDP2), then each rank reads its own rows
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), ...))  # created AFTER setup
 
     for step in range(max_steps):
@@ -25,9 +26,13 @@ The model code and the training loop stay free of distributed details. A caller 
     fabric.load(path, {"model": model, "optimizer": optimizer, "step": 0})     # resume (set up first)
     weights = full_state_dict(fabric, model)    # final export: full tensors on rank 0, {} elsewhere
 
-Under FSDP `fabric.save` writes `DistributedArgs.state_dict_type`: "sharded" (a directory, one file
-per rank; resume with the same number of devices) or "full" (one file). Without FSDP it always
-writes one full file.
+With more than one device the engine is FSDP2 (`torch.distributed.fsdp.fully_shard`), one unit per
+transformer Block and one at the root, on the mesh of `mesh_layout`; see `ShardedStrategy` (built
+by `sharded_strategy_class`) for what it changes in Fabric's `ModelParallelStrategy` and why. Under
+FSDP `fabric.save` writes `DistributedArgs.state_dict_type`: "sharded" (a directory written by
+torch's distributed checkpoint, one file per rank, loadable on another number of devices) or
+"full" (one file). Without FSDP it always writes one full file. `--distributed.strategy ddp` keeps
+Fabric's DDP for models that fit on one device.
 
 Launching: there is no `launch()` wrapper here; the caller calls `fabric.launch()` right after
 `build_fabric`, before doing any real work. When no launcher started the processes (a plain
@@ -43,9 +48,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, get_args
 
 from toolkit.errors import UserError, did_you_mean
+from toolkit.models.param_names import unwrapped_name
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -74,14 +80,19 @@ class DistributedArgs:
             all devices; SHARD_GRAD_OP keeps full parameters between forward and backward;
             HYBRID_SHARD shards within each machine and replicates across machines (on one
             machine it is FULL_SHARD; with one device per machine it falls back to FULL_SHARD);
-            NO_SHARD replicates everything, like DDP. Ignored unless FSDP is used.
+            NO_SHARD replicates everything, like DDP. FSDP2 (`fully_shard`) in every case.
+            Ignored unless FSDP is used.
         activation_checkpointing: recompute each transformer block's activations in the backward
             pass instead of storing them: less memory, about a third more compute.
         cpu_offload: keep FSDP parameters and gradients in CPU memory between uses (CUDA only; on
             CPU they are there already and this is ignored).
         state_dict_type: format of mid-run FSDP checkpoints: "sharded" writes one file per rank
-            (fast, needs the same world size to resume), "full" gathers everything into a single
-            file on rank 0. The final exported model is always full.
+            (torch's distributed checkpoint: fast, and it reshards when loaded on another number
+            of devices), "full" gathers everything into a single file on rank 0. The final
+            exported model is always full.
+        timeout: seconds a collective (a barrier, a gradient reduction) waits for the other
+            processes before the run fails. Rank 0 prepares data alone while the others wait, so
+            this must outlast the first tokenization of a large corpus.
     """
 
     strategy: StrategyName = "auto"
@@ -89,6 +100,7 @@ class DistributedArgs:
     activation_checkpointing: bool = False
     cpu_offload: bool = False
     state_dict_type: StateDictTypeName = "sharded"
+    timeout: int = 3600
 
 
 # --------------------------------------------------------------------------------------------
@@ -143,7 +155,8 @@ def resolve_precision(precision: str | None, accelerator: str) -> str:
         if accelerator == "cuda":
             import torch
 
-            return "bf16-mixed" if torch.cuda.is_bf16_supported() else "16-mixed"
+            # Native bfloat16 only (Ampere and later): V100 and T4 emulate it, much slower than float16.
+            return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
         return "32-true"
     name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
     if name not in PRECISIONS:
@@ -180,6 +193,7 @@ class StrategyPlan:
     cpu_offload: bool
     state_dict_type: StateDictTypeName
     process_group_backend: str | None  # "gloo" on CPU, "nccl" on CUDA; None for one device
+    timeout: int  # seconds a collective waits
     notes: tuple[tuple[int, str], ...] = ()  # (logging level, one-line message) to log on rank 0
 
     @property
@@ -193,7 +207,7 @@ class StrategyPlan:
         elif self.kind == "ddp":
             where = f"DDP over {self.world_size} processes"
         else:
-            where = f"FSDP {self.sharding} over {self.world_size} processes, each transformer Block wrapped"
+            where = f"FSDP2 {self.sharding} over {self.world_size} processes, each transformer Block sharded"
             if self.device_mesh is not None:
                 where += f", mesh ({self.device_mesh[0]} nodes replicate x {self.device_mesh[1]} devices shard)"
         extras = [f"precision {self.precision}", self.accelerator]
@@ -242,6 +256,7 @@ def plan_strategy(
             precision=precision,
             activation_checkpointing=dist.activation_checkpointing,
             state_dict_type=dist.state_dict_type,
+            timeout=dist.timeout,
             notes=tuple(notes),
             **fields,
         )
@@ -267,8 +282,7 @@ def plan_strategy(
             sharding = "FULL_SHARD"
             notes.append((logging.INFO, "HYBRID_SHARD on one node is FULL_SHARD; using FULL_SHARD."))
         elif devices == 1:
-            # Measured (torch 2.13): with one process per node the shard group has size 1 and FSDP
-            # then skips gradient synchronization across nodes entirely. Shard over everyone.
+            # Nothing to shard within a node: shard over all nodes rather than replicate on each.
             sharding = "FULL_SHARD"
             notes.append(
                 (logging.WARNING, "HYBRID_SHARD needs more than one device per node; using FULL_SHARD across all nodes.")
@@ -327,31 +341,23 @@ def _make_strategy(plan: StrategyPlan, block_cls: type[nn.Module]) -> tuple[Any,
     import torch
 
     if plan.kind == "fsdp":
-        from toolkit.training.compat import CPUCapableFSDPPrecision, CPUCapableFSDPStrategy
+        strategy = sharded_strategy_class()(plan, block_cls)
+        if plan.precision == "16-mixed":
+            # Fabric's ModelParallelStrategy accepts no "16-mixed" flag; float16 autocast needs a
+            # gradient scaler that understands sharded gradients.
+            from lightning.fabric.plugins import MixedPrecision
+            from torch.amp import GradScaler
 
-        strategy = CPUCapableFSDPStrategy(
-            auto_wrap_policy={block_cls},  # one FSDP unit per transformer block
-            activation_checkpointing_policy={block_cls} if plan.activation_checkpointing else None,
-            sharding_strategy=plan.sharding,
-            device_mesh=plan.device_mesh,
-            cpu_offload=plan.cpu_offload,
-            state_dict_type=plan.state_dict_type,
-            process_group_backend=plan.process_group_backend,
-            # Keep the original (unflattened) parameters visible: the optimizer can be created
-            # after setup, and peft's LoRA (a mix of frozen and trainable parameters in one
-            # block) trains under FSDP.
-            use_orig_params=True,
-        )
-        if plan.accelerator == "cpu":
-            # The precision goes in as a plugin so that CPU autocast is used (see compat.py).
-            return strategy, [CPUCapableFSDPPrecision(plan.precision, "cpu")], None
+            return strategy, [MixedPrecision("16-mixed", plan.accelerator, scaler=GradScaler(plan.accelerator))], None
         return strategy, [], plan.precision
 
     if plan.kind == "ddp":
         from lightning.fabric.strategies import DDPStrategy
 
         cls = _with_block_checkpointing(DDPStrategy, block_cls) if plan.activation_checkpointing else DDPStrategy
-        return cls(process_group_backend=plan.process_group_backend), [], plan.precision
+        from datetime import timedelta
+
+        return cls(process_group_backend=plan.process_group_backend, timeout=timedelta(seconds=plan.timeout)), [], plan.precision
 
     if not plan.activation_checkpointing:
         return "auto", [], plan.precision  # Fabric picks the one device
@@ -364,9 +370,8 @@ def _make_strategy(plan: StrategyPlan, block_cls: type[nn.Module]) -> tuple[Any,
 def _with_block_checkpointing(base: type, block_cls: type[nn.Module]) -> type:
     """A subclass of the strategy `base` whose `setup_module` checkpoints each block first.
 
-    Under FSDP, Fabric does this itself (`activation_checkpointing_policy`); the single-device and
-    DDP strategies have no such option, so the same torch wrapper is applied here, before DDP
-    wraps the model. The wrapper leaves state-dict keys unchanged.
+    The single-device and DDP strategies have no activation-checkpointing option, so the torch
+    wrapper is applied here, before DDP wraps the model. The wrapper leaves state-dict keys unchanged.
     """
 
     class BlockCheckpointing(base):  # type: ignore[misc, valid-type]
@@ -393,14 +398,321 @@ def _checkpoint_blocks(module: nn.Module, block_cls: type[nn.Module]) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Saving
+# The sharding engine: FSDP2 (`fully_shard`) through Fabric's ModelParallelStrategy
 # --------------------------------------------------------------------------------------------
 
 
-def is_fsdp(fabric: Fabric) -> bool:
-    from lightning.fabric.strategies import FSDPStrategy
+def _model_parallel_strategy() -> type:
+    from lightning.fabric.strategies import ModelParallelStrategy
 
-    return isinstance(fabric.strategy, FSDPStrategy)
+    return ModelParallelStrategy
+
+
+def mesh_layout(sharding: str, num_nodes: int, devices: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(mesh shape, dimension names) for a sharding name.
+
+        FULL_SHARD, SHARD_GRAD_OP   (world,)             ("shard",)
+        HYBRID_SHARD                (nodes, devices)     ("replicate", "shard")   shard within a node
+        NO_SHARD                    (world, 1)           ("replicate", "shard")   replicate everything
+    """
+    world = num_nodes * devices
+    if sharding == "HYBRID_SHARD":
+        return (num_nodes, devices), ("replicate", "shard")
+    if sharding == "NO_SHARD":
+        return (world, 1), ("replicate", "shard")
+    return (world,), ("shard",)
+
+
+_SHARDED_STRATEGY: list = []
+
+
+def sharded_strategy_class() -> type:
+    """`ShardedStrategy`, built on first use so that importing this module stays cheap (the CLI
+    imports it to read the option types, and the class subclasses a Lightning class)."""
+    if not _SHARDED_STRATEGY:
+        _SHARDED_STRATEGY.append(_build_sharded_strategy_class())
+    return _SHARDED_STRATEGY[0]
+
+
+def _build_sharded_strategy_class() -> type:
+    from contextlib import contextmanager
+
+    import torch
+    from lightning.fabric.strategies.parallel import ParallelStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
+
+    base = _model_parallel_strategy()
+
+    class ShardedStrategy(base):  # type: ignore[misc, valid-type]
+        """FSDP2 per transformer Block and at the root, on our own mesh, through Fabric.
+
+        Fabric's `ModelParallelStrategy` (Lightning 2.6) brings what we want from Fabric: process
+        launch, `fabric.save`/`fabric.load` through torch's distributed checkpoint (a sharded
+        checkpoint reshards on load), precision plugins and collectives. Three things are changed:
+
+        - The mesh. Fabric builds ("data_parallel", "tensor_parallel") for tensor parallelism; we
+          build the 1-D or 2-D data-parallel mesh of `mesh_layout`, so HYBRID_SHARD really shards
+          within a node and replicates across nodes.
+        - Materialization. Fabric re-initialises meta-device parameters with `reset_parameters`
+          after sharding; here `setup_module` only shards, and `setup_model` below fills each
+          rank's shards from the checkpoint (or the initialiser) so that no rank holds a full copy.
+        - Gradient accumulation. Fabric's `no_backward_sync` turns off FSDP2's reduce-scatter, which
+          keeps a full unsharded gradient per rank until the last micro-batch. We keep the
+          reduce-scatter on every micro-batch (gradients accumulate in the shards) and defer only
+          the cross-replica all-reduce of HYBRID_SHARD/NO_SHARD to the last micro-batch.
+
+        Parameters are used in the dtype they are stored in (see `apply_precision_policy`);
+        autocast chooses the compute dtype, and gradients are reduced in float32 except under
+        "*-true" precision, where everything is in that dtype.
+        """
+
+        def __init__(self, plan: StrategyPlan, block_cls: type[nn.Module]) -> None:
+            from datetime import timedelta
+
+            super().__init__(
+                parallelize_fn=self._shard,
+                save_distributed_checkpoint=plan.state_dict_type == "sharded",
+                process_group_backend=plan.process_group_backend,
+                timeout=timedelta(seconds=plan.timeout),
+            )
+            self.plan = plan
+            self.block_cls = block_cls
+            self._backward_sync_control = _DeferCrossReplicaReduce()
+
+        @property
+        def sharding(self) -> str:
+            return self.plan.sharding or "FULL_SHARD"
+
+        @property
+        def state_dict_type(self) -> str:
+            return "sharded" if self._save_distributed_checkpoint else "full"
+
+        def setup_environment(self) -> None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            ParallelStrategy.setup_environment(self)  # the accelerator; not the parent's own mesh
+            self._setup_distributed()
+            shape, names = mesh_layout(self.sharding, self.num_nodes, self.world_size // self.num_nodes)
+            self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            # Every rank reads its own part of the data, whatever the mesh.
+            return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+        def setup_module(self, module: nn.Module) -> nn.Module:
+            return self._shard(module, self.device_mesh)
+
+        def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
+            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+            if self.plan.activation_checkpointing:
+                _checkpoint_blocks(module, self.block_cls)
+            true_precision = self.plan.precision.endswith("-true") and self.plan.precision != "32-true"
+            options = dict(
+                mesh=mesh,
+                # Parameters stay in their stored dtype (no cast on all-gather): autocast computes.
+                mp_policy=MixedPrecisionPolicy(reduce_dtype=None if true_precision else torch.float32),
+                offload_policy=CPUOffloadPolicy() if self.plan.cpu_offload else OffloadPolicy(),
+                reshard_after_forward=self.sharding != "SHARD_GRAD_OP",
+            )
+            for unit in _block_units(module, self.block_cls):
+                fully_shard(unit, **options)
+            fully_shard(module, **options)  # the rest: embeddings, final norm, head
+            return module
+
+    class _DeferCrossReplicaReduce(_BackwardSyncControl):
+        def no_backward_sync(self, module: nn.Module, enabled: bool):
+            return _requires_all_reduce(module, not enabled)
+
+    @contextmanager
+    def _requires_all_reduce(module: nn.Module, required: bool):
+        from torch.distributed.fsdp import FSDPModule
+
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+        for unit in units:
+            unit.set_requires_all_reduce(required, recurse=False)
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.set_requires_all_reduce(True, recurse=False)
+
+    return ShardedStrategy
+
+
+def _block_units(module: nn.Module, block_cls: type[nn.Module]) -> list[nn.Module]:
+    """Each transformer block, or its activation-checkpointing wrapper when it has one."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    units, wrapped = [], set()
+    for m in module.modules():
+        if isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, block_cls):
+            units.append(m)
+            wrapped.add(id(m._checkpoint_wrapped_module))
+    units += [m for m in module.modules() if isinstance(m, block_cls) and id(m) not in wrapped]
+    return units
+
+
+def is_fsdp(fabric: Fabric) -> bool:
+    return bool(_SHARDED_STRATEGY) and isinstance(fabric.strategy, _SHARDED_STRATEGY[0])
+
+
+# --------------------------------------------------------------------------------------------
+# Precision policy and model set-up
+# --------------------------------------------------------------------------------------------
+
+
+def precision_dtypes(precision: str) -> tuple[Any, Any]:
+    """(dtype of trainable parameters, dtype of frozen parameters) under `precision`.
+
+        precision      trainable (and optimizer state)   frozen (LoRA/QLoRA base)   compute
+        32-true        float32                           float32                    float32
+        bf16-mixed     float32                           bfloat16                   bfloat16 (autocast)
+        16-mixed       float32                           float16                    float16 (autocast)
+        bf16-true      bfloat16                          bfloat16                   bfloat16
+        16-true        float16                           float16                    float16
+
+    Mixed precision keeps float32 master weights so that updates smaller than bfloat16's
+    resolution (about 0.4% of a weight) are not lost; frozen weights never change, so they are
+    stored in the compute dtype, which halves their memory.
+    """
+    import torch
+
+    compute = {"bf16": torch.bfloat16, "16": torch.float16, "32": torch.float32}[precision.split("-")[0]]
+    trainable = compute if precision.endswith("-true") else torch.float32
+    return trainable, compute
+
+
+def apply_precision_policy(model: nn.Module, precision: str) -> str:
+    """Cast every floating-point parameter to the dtype `precision_dtypes` gives it (cheap on meta).
+
+    Returns one line for the start-up log. Quantized (integer) weights are left alone.
+    """
+    trainable_dtype, frozen_dtype = precision_dtypes(precision)
+
+    def cast(param):
+        if not param.is_floating_point():
+            return None
+        dtype = trainable_dtype if param.requires_grad else frozen_dtype
+        return None if param.dtype == dtype else param.detach().to(dtype)
+
+    _replace_parameters(model, cast)
+    counts: dict[tuple[bool, Any], int] = {}
+    for p in model.parameters():
+        counts[(p.requires_grad, p.dtype)] = counts.get((p.requires_grad, p.dtype), 0) + p.numel()
+    parts = [f"{n:,} {'trainable' if t else 'frozen'} in {str(d).removeprefix('torch.')}" for (t, d), n in sorted(counts.items(), key=str)]
+    return f"precision policy ({precision}): " + ", ".join(parts)
+
+
+def _replace_parameters(model: nn.Module, make: Any) -> None:
+    """Replace parameters by `make(old)` (None keeps the old one); shared (tied) parameters stay shared."""
+    from torch import nn as _nn
+
+    replaced: dict[int, Any] = {}
+    for module in model.modules():
+        for leaf, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                new = make(param)
+                replaced[id(param)] = param if new is None else _nn.Parameter(new, requires_grad=param.requires_grad)
+            module._parameters[leaf] = replaced[id(param)]
+
+
+# Where the initial values of a model's parameters come from: `read_rows(name, start, stop)` returns
+# rows [start, stop) (dim 0) of the full parameter `name` (toolkit name, no wrapper prefixes), in
+# any dtype; `stop=None` means to the last row. FSDP2 shards every parameter along dim 0.
+ReadRows = Callable[[str, int, Optional[int]], "Tensor"]
+
+
+def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
+    """Set up a model built on the meta device and fill its parameters from `read_rows`.
+
+    Parameters that are already real (not meta) keep their values: LoRA adapters are initialised
+    before this call. Without FSDP the full tensors are filled in and then Fabric moves the model.
+    Under FSDP the model is sharded first, still on the meta device; then each rank allocates and
+    reads only its own rows of each parameter, so no rank ever holds the whole model.
+
+    Returns Fabric's wrapped model.
+    """
+    import torch
+
+    if not is_fsdp(fabric):
+        materialize(model, read_rows)
+        module = fabric.setup_module(model)
+        return module
+    preset = {unwrapped_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    module = fabric.setup_module(model)
+    inner = module.module if hasattr(module, "module") else module
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    inner.to_empty(device=fabric.device)
+    with torch.no_grad():
+        for name, param in inner.named_parameters():
+            name = unwrapped_name(name)
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                assert all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(param.shape[1:]), name
+                start, stop = offset[0], offset[0] + shape[0]
+            else:
+                local, start, stop = param, 0, None
+            if local.numel() == 0:
+                continue
+            full = preset.get(name)
+            values = full[start:stop] if full is not None else read_rows(name, start, stop)
+            local.copy_(values.reshape(local.shape))
+    return module
+
+
+def materialize(model: nn.Module, read_rows: ReadRows) -> None:
+    """Give every parameter still on the meta device its full value from `read_rows` (one device)."""
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        names[id(param)] = unwrapped_name(name)
+
+    def fill(param):
+        if not param.is_meta:
+            return None
+        # Kept in the dtype it is stored in: the precision policy, applied next, casts only what it must.
+        return read_rows(names[id(param)], 0, None)
+
+    _replace_parameters(model, fill)
+
+
+def start_host_memory_window() -> int:
+    """Reset this process's peak-RSS mark (Linux) and return its current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak resident set size (VmHWM) to the current RSS
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
+
+
+def host_memory_growth(start: int) -> int:
+    """Peak RSS since `start_host_memory_window` above the RSS it started from, in bytes."""
+    return max(_status_bytes("VmHWM") - start, 0)
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the lifetime peak
+
+
+# --------------------------------------------------------------------------------------------
+# Saving
+# --------------------------------------------------------------------------------------------
 
 
 def full_state_dict(fabric: Fabric, model: nn.Module, rank0_only: bool = True) -> dict[str, Tensor]:
@@ -414,14 +726,11 @@ def full_state_dict(fabric: Fabric, model: nn.Module, rank0_only: bool = True) -
     from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
 
     if is_fsdp(fabric):
-        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        root = _unwrap_objects(model)  # the root FSDP module inside Fabric's wrapper
-        # offload_to_cpu=True crashes when the parameters already live on CPU (see compat.py).
-        config = FullStateDictConfig(offload_to_cpu=fabric.device.type != "cpu", rank0_only=rank0_only)
-        with FSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, config):
-            state = root.state_dict()  # FSDP returns fresh (cloned) tensors
+        root = _unwrap_objects(model)
+        # cpu_offload with full_state_dict gathers one tensor at a time onto rank 0's CPU only.
+        state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=rank0_only))
     else:
         # The user's module, without DDP or torch.compile wrappers (no "module."/"_orig_mod." in keys).
         module = _unwrap_compiled(model)[0]
@@ -430,7 +739,7 @@ def full_state_dict(fabric: Fabric, model: nn.Module, rank0_only: bool = True) -
         state = module.state_dict()
     if rank0_only and fabric.global_rank != 0:
         return {}
-    return {k: v.detach().cpu() for k, v in state.items()}
+    return {unwrapped_name(k): v.detach().cpu() for k, v in state.items()}
 
 
 # --------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps taken
     micro_step: int = 0  # micro-batches consumed per rank
-    tokens_seen: int = 0  # input tokens over all ranks
+    tokens_seen: int = 0  # input tokens over all ranks (padding excluded)
     epoch: int = 0  # completed passes over the training data
     epoch_batches: int = 0  # micro-batches consumed per rank in the current pass
     best_val_loss: float = float("inf")
@@ -83,7 +83,7 @@ def fit(
 
     `total_steps` is the step count the schedule decays over (None if only a time limit is known).
     `tokens_per_step` is the input tokens per optimizer step over all ranks when every batch has
-    the same shape (pretraining); None makes the loop count tokens from the batches.
+    the same shape (pretraining); None makes the loop count the batches' real (non-padding) tokens.
     """
     accumulation = plan.gradient_accumulation_iters
     world_size = fabric.world_size
@@ -138,13 +138,14 @@ def fit(
         window_steps += 1
         window_tokens += step_tokens
 
+        state.train_seconds = time.perf_counter() - run_start
         if state.step % log.interval == 0:
             elapsed = time.perf_counter() - window_start
-            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit or total_steps)
+            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks,
+                      step_limit or total_steps, max_seconds)
             running_loss.zero_()
             running_targets.zero_()
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
-        state.train_seconds = time.perf_counter() - run_start
 
         if val_loader is not None and eval.interval and state.step % eval.interval == 0:
             _run_validation(fabric, model, val_loader, eval, state)
@@ -228,11 +229,24 @@ def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
 
 
 def _global_tokens(fabric, group: list[dict]) -> int:
-    local = torch.tensor(sum(b["input_ids"].numel() for b in group), device=fabric.device)
+    """Input tokens of a step over all ranks, padding excluded (throughput and MFU count real work).
+
+    A sample's last label is a target (its EOS, or the last response token when cut), and padding
+    only follows it: a row's real tokens end at its last label that is not IGNORE_INDEX.
+    """
+    local = torch.tensor(sum(_real_tokens(b["labels"]) for b in group), device=fabric.device)
     return int(fabric.all_reduce(local, reduce_op="sum").item()) if fabric.world_size > 1 else int(local.item())
 
 
-def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit):
+def _real_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) labels -> tokens before the padding, summed over the rows (a 0-dim tensor)."""
+    counted = labels != IGNORE_INDEX
+    length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)  # 1 + index of the last counted label
+    return torch.where(counted.any(dim=1), length, 0).sum()
+
+
+def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit,
+              max_seconds=None):
     loss_sum, targets = running_loss.clone(), running_targets.clone()
     if fabric.world_size > 1:
         loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")
@@ -253,8 +267,27 @@ def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_
         mfu = hooks.flops_per_token * tokens_per_sec / (hooks.device_peak_flops * fabric.world_size)
         metrics["train/mfu"] = mfu
         line += f" | MFU {100 * mfu:.1f}%"
+    line += f" | {_duration(state.train_seconds)} elapsed" + _time_left(state, step_limit, max_seconds)
     fabric.log_dict(metrics, step=state.step)
     fabric.print(line)
+
+
+def _time_left(state: TrainState, step_limit: Optional[int], max_seconds: Optional[float]) -> str:
+    """", 12:05 left" when the run's length is known: from the mean time per step so far (validation
+    and checkpoints included), or the time limit, whichever ends first; "" otherwise."""
+    estimates = []
+    if step_limit and state.step:
+        estimates.append(state.train_seconds / state.step * max(0, step_limit - state.step))
+    if max_seconds is not None:
+        estimates.append(max(0.0, max_seconds - state.train_seconds))
+    return f", {_duration(min(estimates))} left" if estimates else ""
+
+
+def _duration(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
 @torch.no_grad()

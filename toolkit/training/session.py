@@ -19,6 +19,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.models.config import Config
+from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches, plan_strategy
 from toolkit.training.loop import LoopHooks, TrainState, fit
@@ -56,6 +57,9 @@ class Session:
     created_out_dir: bool = False
     # Which model weights training checkpoints keep (None: all). LoRA keeps only its adapters.
     checkpoint_filter: Optional[Callable[[str], bool]] = None
+    precision: str = "32-true"  # the resolved Fabric precision
+    # dtype of the exported model's floating-point weights; None keeps the trained dtype.
+    export_dtype: Optional[torch.dtype] = None
 
     @property
     def work_dir(self) -> Path:
@@ -94,7 +98,7 @@ class Session:
         fabric.barrier()
         fabric.seed_everything(seed)
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
-                   plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir)
+                   plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision)
 
     @contextmanager
     def remove_output_on_error(self):
@@ -127,42 +131,74 @@ class Session:
         return Tokenizer(target)
 
     # ------------------------------------------------------------------ model and optimizer
-    def build_model(self, init: Union[str, dict] = "random", prepare: Optional[Callable] = None):
+    def build_model(self, weights: Union[str, Path] = "random", prepare: Optional[Callable] = None):
         """The model set up by Fabric (sharded when distributed).
 
-        `init` is "random" (pretraining) or a state dict of full weights. Every rank builds the same
-        full model from the same seed before sharding, so a distributed run starts from exactly the
-        weights a single process would. `prepare(model)` runs before sharding (LoRA injection,
-        freezing, quantization).
+        `weights` is "random" (pretraining) or a toolkit checkpoint directory. The model is built
+        on the meta device. On one device its full weights are filled in before `prepare(model)`
+        (LoRA injection, freezing, quantization); under FSDP `prepare` runs on the meta model, the
+        model is sharded, and each rank then reads only its own rows of each weight (memory-mapped
+        from the checkpoint, or drawn from per-parameter generators, which give the same model
+        whatever the world size). The precision policy (`precision_dtypes`) is applied before
+        anything is allocated.
         """
-        from toolkit.models.gpt import GPT, init_weights
+        from toolkit.models.gpt import GPT
+        from toolkit.training.distributed import (
+            apply_precision_policy,
+            host_memory_growth,
+            is_fsdp,
+            materialize,
+            setup_model,
+            start_host_memory_window,
+        )
 
-        self.fabric.seed_everything(self.seed)
-        if init == "random":
+        memory_start = start_host_memory_window()
+        with torch.device("meta"):
             model = GPT(self.config)
-            init_weights(model, self.config.n_layer)
-        else:
-            # Build on the meta device and take the loaded tensors as they are: no throw-away
-            # random initialisation, no second copy of the weights.
-            with torch.device("meta"):
-                model = GPT(self.config)
-            model.load_state_dict(init, strict=True, assign=True)
-            if self.config.tie_embeddings:
-                model.lm_head.weight = model.embed.weight
+        read_rows = self._weight_reader(model, weights)
+        if not is_fsdp(self.fabric):
+            materialize(model, read_rows)  # quantization (QLoRA) needs real weights before `prepare`
         if prepare is not None:
             model = prepare(model) or model
+        policy = apply_precision_policy(model, self.precision)
         total = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable")
-        # Decide weight decay by the original shapes now: under FSDP the parameters become flat shards.
-        self._decay_names = {_clean_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+        self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable; {policy}")
+        # Weight decay is decided by the parameters' shapes (matrices decay, vectors do not).
+        self._decay_names = {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
         if self.train.compile:
             model = torch.compile(model)
-        return self.fabric.setup_module(model)
+        model = setup_model(self.fabric, model, read_rows)
+        self._report_setup_memory(host_memory_growth(memory_start))
+        return model
+
+    def _weight_reader(self, model, weights: Union[str, Path]):
+        if str(weights) != "random":
+            from toolkit.model_dir import checkpoint_row_reader
+
+            return checkpoint_row_reader(Path(weights))
+        from toolkit.models.gpt import init_specs, initial_value
+
+        specs = init_specs(model, self.config.n_layer)
+        shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+        seed = self.seed
+
+        def read_rows(name: str, start: int = 0, stop: Optional[int] = None):
+            # The full tensor is drawn (so the values are the same for any sharding) and sliced.
+            return initial_value(specs[name], shapes[name], seed, name)[start:stop]
+
+        return read_rows
+
+    def _report_setup_memory(self, setup_bytes: int) -> None:
+        """Host memory each rank's model set-up took (growth of its peak RSS), on rank 0's log."""
+        mine = torch.tensor([setup_bytes], dtype=torch.float64)
+        per_rank = self.fabric.all_gather(mine).flatten().tolist() if self.fabric.world_size > 1 else [setup_bytes]
+        gib = ", ".join(f"{b / 2**30:.2f}" for b in per_rank)
+        self.fabric.print(f"Model set-up took {gib} GiB of host memory per rank (peak RSS growth)")
 
     def build_optimizer(self, model):
         """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-        named = [(_clean_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+        named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
         decay = [p for n, p in named if n in self._decay_names]
         no_decay = [p for n, p in named if n not in self._decay_names]
         groups = [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
@@ -237,11 +273,13 @@ class Session:
     # ------------------------------------------------------------------ export
     def export_final(self, model, name: str = "final") -> Path:
         """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
-        from toolkit.checkpoint import atomic_directory, save_checkpoint_files
+        from toolkit.model_dir import atomic_directory, save_checkpoint_files
         from toolkit.training.distributed import full_state_dict
 
         start = time.perf_counter()
         state_dict = full_state_dict(self.fabric, model)
+        if self.export_dtype is not None:
+            state_dict = {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         target = self.out_dir / name
         if self.fabric.global_rank == 0:
             with atomic_directory(target, overwrite=True) as tmp:
@@ -249,16 +287,6 @@ class Session:
             self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
         self.fabric.barrier()
         return target
-
-
-_WRAPPER_PARTS = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def _clean_name(name: str) -> str:
-    """A parameter's name without the prefixes that Fabric, FSDP, DDP, checkpointing or compile add."""
-    for part in _WRAPPER_PARTS:
-        name = name.replace(part, "")
-    return name.removeprefix("module.")
 
 
 def _describe_position(position: dict) -> str:

@@ -24,6 +24,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +47,9 @@ _CACHE_VERSION = 1
 _PIECE_BYTES = 4096
 # Bytes of text per litdata work item (one item -> one token tensor).
 _ITEM_BYTES = 1 << 20
+# How litdata starts its workers. fork: they inherit the imported modules (spawn re-imports torch
+# per worker, seconds each); fork is safe on Linux only.
+_START_METHOD = "fork" if sys.platform == "linux" else "spawn"
 # Size of the .bin chunks litdata writes. TokensLoader never reads a block across two chunks, so each
 # chunk loses fewer than block_size tokens at its end: keep chunks large.
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -373,9 +377,11 @@ class _TokenizeItems:
         self.bos_id = tokenizer.bos_id if tokenizer.add_bos else None
         self.eos_id = tokenizer.eos_id
         self._tokenizer: Optional["Tokenizer"] = None
+        # Bytes of text done, shared with forked workers (see `_ProgressReport`); None when not reported.
+        self.progress = None
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokenizer": None}
+        return {**self.__dict__, "_tokenizer": None, "progress": None}
 
     def __call__(self, units: list[tuple[int, int, int, bool, bool]]) -> Iterator[torch.Tensor]:
         import torch
@@ -401,8 +407,49 @@ class _TokenizeItems:
             ids.extend(encoded)
             if eos and self.eos_id is not None:
                 ids.append(self.eos_id)
+        if self.progress is not None:
+            with self.progress.get_lock():
+                self.progress.value += sum(end - start for _, start, end, _, _ in units)
         if ids:
             yield torch.tensor(ids, dtype=getattr(torch, _TOKEN_DTYPE))
+
+
+class _ProgressReport:
+    """One line every `interval` seconds while a long tokenization runs: share done, time left.
+
+    litdata's own output (account banners, per-worker messages, its progress bar) is switched off;
+    this is the one progress indication left. Workers add the bytes they finish to a shared
+    counter; a thread in the parent reads it. Preparations shorter than `interval` print nothing.
+    """
+
+    def __init__(self, fn: _TokenizeItems, total_bytes: int, what: str, interval: float = 10.0):
+        self.fn, self.total, self.what, self.interval = fn, max(1, total_bytes), what, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "_ProgressReport":
+        # Only forked workers inherit the counter; with spawn (not Linux) no progress is shown.
+        if _START_METHOD == "fork":
+            self.fn.progress = multiprocessing.get_context("fork").Value("q", 0)
+            self._start = time.perf_counter()
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.fn.progress = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            done = self.fn.progress.value
+            elapsed = time.perf_counter() - self._start
+            left = f", about {elapsed * (self.total - done) / done:.0f} s left" if done else ""
+            log.info(
+                "tokenizing %s: %d%% of %.1f MB after %.0f s%s",
+                self.what, 100 * done // self.total, self.total / 1e6, elapsed, left,
+            )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -423,23 +470,24 @@ def _optimize_units(
 
     groups = _group(units, num_workers)
     inputs = [[(u.file, u.start, u.end, u.bos, u.eos) for u in group] for group in groups]
+    total_bytes = sum(u.end - u.start for u in units)
     saved_env = {k: v for k, v in os.environ.items() if k.startswith("DATA_OPTIMIZER_")}
     saved_start_method = multiprocessing.get_start_method(allow_none=True)
     os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(scratch / "chunks")
     os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(scratch / "data")
     try:
-        optimize(
-            fn=fn,
-            inputs=inputs,
-            output_dir=str(out_dir),
-            num_workers=max(1, min(num_workers, len(inputs))),
-            chunk_bytes=_CHUNK_BYTES,
-            item_loader=TokensLoader(),
-            keep_data_ordered=True,  # a static slice per worker: the stream does not depend on timing
-            # fork: workers inherit the imported modules. spawn re-imports torch per worker (seconds each).
-            start_method="fork" if sys.platform == "linux" else "spawn",
-            verbose=True,
-        )
+        with _ProgressReport(fn, total_bytes, out_dir.name):
+            optimize(
+                fn=fn,
+                inputs=inputs,
+                output_dir=str(out_dir),
+                num_workers=max(1, min(num_workers, len(inputs))),
+                chunk_bytes=_CHUNK_BYTES,
+                item_loader=TokensLoader(),
+                keep_data_ordered=True,  # a static slice per worker: the stream does not depend on timing
+                start_method=_START_METHOD,
+                verbose=False,
+            )
     finally:
         for key in [k for k in os.environ if k.startswith("DATA_OPTIMIZER_")]:
             if key not in saved_env:
@@ -448,7 +496,7 @@ def _optimize_units(
         multiprocessing.set_start_method(saved_start_method, force=True)
         shutil.rmtree(scratch, ignore_errors=True)
     if not (out_dir / "index.json").is_file():
-        raise RuntimeError(f"litdata.optimize wrote no index.json into {out_dir}; see its output above")
+        raise RuntimeError(f"litdata.optimize wrote no index.json into {out_dir}")
 
 
 def _stream_stats(stream_dir: Path, block_size: Optional[int] = None) -> tuple[int, int]:
@@ -622,6 +670,7 @@ class TextFiles(PretrainData):
         self._entry: Optional[Path] = None
         self._train_files: list[Path] = []
         self._val_files: list[Path] = []
+        self._check_args()  # here, so that a bad value is refused before any process starts
 
     # -- locating ---------------------------------------------------------------------------------
 
@@ -791,7 +840,7 @@ def _check_stream(url: str, what: str) -> None:
         return  # litdata streams it; checking would need credentials and a round trip
     path = Path(_local(url))
     how = (
-        "make one with toolkit.data.pretrain.optimize_text_to_stream (as TextFiles does) "
+        "make one with toolkit.data.streams.optimize_text_to_stream (as TextFiles does) "
         "or litdata.optimize(..., item_loader=TokensLoader())"
     )
     if not path.is_dir():

@@ -1,4 +1,6 @@
-"""The toolkit's inference checkpoint: a directory that `generate`, fine-tuning and export read.
+"""A model directory: the toolkit's inference checkpoint, which `generate`, fine-tuning and export read.
+
+(Resumable training state is a different thing and lives in `toolkit.training.checkpoint`.)
 
     <dir>/model.safetensors     weights, toolkit names (a tied output head is stored once)
     <dir>/model_config.json     `Config` fields
@@ -94,7 +96,7 @@ def save_checkpoint_files(
         save_file(weights_for_saving(state_dict, config), str(directory / WEIGHTS_FILENAME), metadata={"format": "pt"})
     config.save(directory)
     if tokenizer_dir is not None:
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
+        for name in TOKENIZER_FILES:
             src = Path(tokenizer_dir) / name
             if src.is_file() and not (directory / name).exists():
                 shutil.copy2(src, directory / name)
@@ -114,6 +116,59 @@ def load_state_dict(checkpoint_dir: Path | str, device: str = "cpu") -> dict:
     if config.tie_embeddings and "lm_head.weight" not in state_dict and "embed.weight" in state_dict:
         state_dict["lm_head.weight"] = state_dict["embed.weight"]
     return state_dict
+
+
+def checkpoint_row_reader(checkpoint_dir: Path | str):
+    """`read_rows(name, start, stop)`: rows [start, stop) of weight `name`, read memory-mapped.
+
+    Only the requested rows are read from disk, so each rank of a sharded run touches only its own
+    part of the file. A tied output head reads the embedding.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
+    path = checkpoint_dir / WEIGHTS_FILENAME
+    try:
+        handle = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
+    keys = set(handle.keys())
+    tied = Config.from_file(checkpoint_dir).tie_embeddings
+
+    def read_rows(name: str, start: int = 0, stop: Optional[int] = None):
+        key = "embed.weight" if tied and name == "lm_head.weight" and name not in keys else name
+        if key not in keys:
+            raise UserError(f"{path} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
+        return handle.get_slice(key)[start:stop]
+
+    return read_rows
+
+
+_SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64"}
+EXPORT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def stored_dtype(checkpoint_dir: Path | str) -> str:
+    """The floating-point dtype a checkpoint's weights are stored in (e.g. "bfloat16"), from the header."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(checkpoint_dir) / WEIGHTS_FILENAME), framework="pt") as handle:
+        for key in handle.keys():
+            dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
+            if dtype is not None:
+                return dtype
+    return "float32"
+
+
+def export_dtype(choice: Optional[str], checkpoint_dir: Optional[Path]):
+    """The torch dtype a run exports in: `choice`, else the dtype of the checkpoint it started from,
+    else None (the dtype it trained in)."""
+    import torch
+
+    if choice is not None and choice not in EXPORT_DTYPES:
+        raise UserError(f"--export_dtype must be one of {', '.join(EXPORT_DTYPES)}, got {choice!r}.")
+    name = choice or (stored_dtype(checkpoint_dir) if checkpoint_dir is not None else None)
+    return getattr(torch, name) if name else None
 
 
 def load_model(checkpoint_dir: Path | str, device: str = "cpu", dtype=None):

@@ -1,0 +1,131 @@
+"""The command line: a misspelled option is named, and a value out of range is refused in one line
+before anything starts or is written."""
+
+from pathlib import Path
+
+import pytest
+from conftest import ASSETS
+
+from toolkit.cli import run
+
+NEOX = ASSETS / "tokenizers" / "gpt-neox-20b"
+ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
+
+
+def _one_error_line(capsys, argv: list[str]) -> str:
+    assert run(argv) != 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+@pytest.fixture
+def text(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text("hello world\n" * 50)
+    return path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> Path:
+    """A tiny random model directory with the NeoX tokenizer."""
+    import torch
+
+    from toolkit.model_dir import save_checkpoint_files
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT
+
+    config = Config.from_name("debug-neox", n_layer=1)
+    path = tmp_path_factory.mktemp("checkpoint")
+    torch.manual_seed(0)
+    save_checkpoint_files(path, GPT(config).state_dict(), config, tokenizer_dir=NEOX)
+    return path
+
+
+def test_a_misspelled_option_is_named_and_not_a_valid_one(capsys, text):
+    pretrain = ["pretrain", "pythia-14m", "--data", "TextFiles", "--data.train_path", str(text)]
+    line = _one_error_line(capsys, [*pretrain, "--train.micro_batchsize", "2"])
+    assert "Unknown option --train.micro_batchsize." in line and "Did you mean: --train.micro_batch_size" in line
+    assert "--data.train_path" not in line
+    # An option of the class chosen with --data: suggestions come from that class.
+    line = _one_error_line(capsys, [*pretrain, "--data.val_fractio", "0.1"])
+    assert "Unknown option --data.val_fractio for TextFiles" in line and "--data.val_fraction" in line
+    # A valid option given before its class.
+    line = _one_error_line(capsys, ["pretrain", "pythia-14m", "--data.train_path", str(text), "--data", "TextFiles"])
+    assert "--data.train_path needs its class first" in line and "TextFiles" in line
+    line = _one_error_line(capsys, ["finetune_lora", "x", "--lora.rr", "4"])
+    assert "Unknown option --lora.rr." in line and "--lora.r" in line
+
+
+def test_there_is_no_ignore_index_option(capsys, checkpoint):
+    """The model and the loop skip the labels -100 only, so the data cannot be told to write another value."""
+    args = ["finetune_full", str(checkpoint), "--data", "Alpaca", "--data.json_path", str(ALPACA), "--data.ignore_index", "-1"]
+    assert "Unknown option --data.ignore_index for Alpaca" in _one_error_line(capsys, args)
+
+
+@pytest.mark.parametrize(
+    "option, value, fragment",
+    [
+        ("--train.learning_rate", "-0.001", "--train.learning_rate must be positive"),
+        ("--train.min_lr", "-1e-5", "--train.min_lr must be between 0 and --train.learning_rate"),
+        ("--train.min_lr", "0.1", "--train.min_lr must be between 0 and --train.learning_rate"),
+        ("--train.warmup_steps", "-3", "--train.warmup_steps must be 0 or more"),
+        ("--train.weight_decay", "-0.1", "--train.weight_decay must be 0 or more"),
+        ("--train.beta1", "1.5", "--train.beta1 must be in [0, 1)"),
+        ("--train.beta2", "-0.1", "--train.beta2 must be in [0, 1)"),
+        ("--train.max_norm", "-1", "--train.max_norm must be positive"),
+        ("--train.max_time", "0s", "--train.max_time must be a positive duration"),
+        ("--eval.interval", "0", "--eval.interval must be at least 1"),
+        ("--eval.max_iters", "0", "--eval.max_iters must be at least 1"),
+        ("--log.interval", "0", "--log.interval must be at least 1"),
+        ("--log.device_peak_flops", "-5", "--log.device_peak_flops must be positive"),
+        ("--seed", "-1", "--seed must be between 0 and 4294967295"),
+        ("--data.val_fraction", "0", "val_fraction must be between 0 and 1"),
+        ("--model_overrides", "{norm_eps: -1.0}", "norm_eps must be positive"),
+        ("--model_overrides", "{rope_base: 0}", "rope_base must be positive"),
+    ],
+)
+def test_pretraining_values_out_of_range_are_refused_up_front(capsys, tmp_path, text, option, value, fragment):
+    out = tmp_path / "out"
+    args = ["pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(text), "--tokenizer_dir", str(NEOX),
+            "--out_dir", str(out), "--train.max_steps", "1", f"{option}={value}"]
+    assert fragment in _one_error_line(capsys, args)
+    assert not out.exists()
+
+
+def test_training_a_tokenizer_too_small_is_refused_up_front(capsys, tmp_path, text):
+    out = tmp_path / "out"
+    args = ["pretrain", "debug", "--data", "TextFiles", "--data.train_path", str(text), "--train_tokenizer_vocab", "100",
+            "--out_dir", str(out)]
+    assert "--train_tokenizer_vocab must be at least 257" in _one_error_line(capsys, args)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--lora.alpha", "0"], "--lora.alpha must be positive"),
+        (["--lora.dropout", "1.5"], "--lora.dropout must be in [0, 1)"),
+        (["--seed", "-7"], "--seed must be between 0"),
+        (["--train.learning_rate", "0"], "--train.learning_rate must be positive"),
+    ],
+)
+def test_finetuning_values_out_of_range_are_refused_up_front(capsys, tmp_path, checkpoint, extra, fragment):
+    out = tmp_path / "out"
+    args = ["finetune_lora", str(checkpoint), "--data", "Alpaca", "--data.json_path", str(ALPACA), "--out_dir", str(out), *extra]
+    assert fragment in _one_error_line(capsys, args)
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    "extra, fragment",
+    [
+        (["--temperature", "-1"], "--temperature must be 0 (greedy) or more"),
+        (["--top_k", "0"], "--top_k must be at least 1"),
+        (["--top_p", "1.5"], "--top_p must be in (0, 1]"),
+        (["--num_samples", "0"], "--num_samples must be at least 1"),
+        (["--seed", str(2**40)], "--seed must be between 0"),
+    ],
+)
+def test_sampling_values_out_of_range_are_refused(capsys, checkpoint, extra, fragment):
+    assert fragment in _one_error_line(capsys, ["generate", str(checkpoint), "--prompt", "a", *extra])
