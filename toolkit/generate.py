@@ -4,11 +4,23 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from toolkit.errors import UserError
+
+# Precisions for inference: weights and compute in one dtype (no mixed precision without training).
+INFERENCE_DTYPES = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
+
+
+def inference_dtype(precision: Optional[str], device: str) -> torch.dtype:
+    """The dtype for `precision`; None: bfloat16 on GPUs that support it, float32 elsewhere."""
+    if precision is None:
+        precision = "bf16-true" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "32-true"
+    if precision not in INFERENCE_DTYPES:
+        raise UserError(f"--precision must be one of {', '.join(INFERENCE_DTYPES)} for inference, got {precision!r}.")
+    return INFERENCE_DTYPES[precision]
 
 
 @torch.inference_mode()
@@ -21,11 +33,13 @@ def generate_tokens(
     top_p: Optional[float] = None,
     eos_id: Optional[int] = None,
     generator: Optional[torch.Generator] = None,
+    stop: Optional[Callable[[torch.Tensor], bool]] = None,
 ) -> torch.Tensor:
     """Prompt (T,) followed by up to `max_new_tokens` sampled tokens (greedy when temperature is 0).
 
     The prompt is processed in one forward pass that fills the KV cache; each new token then costs
-    one forward pass over a single position.
+    one forward pass over a single position. `stop`, when given, is called with the new tokens so
+    far (N,) after each one; returning True ends generation there (stop strings).
     """
     total = min(prompt.numel() + max_new_tokens, model.config.block_size)
     model.set_kv_cache(batch_size=1, max_seq_length=total, device=prompt.device)
@@ -37,6 +51,8 @@ def generate_tokens(
             next_token = sample(logits, temperature, top_k, top_p, generator)
             tokens.append(next_token[None])
             if eos_id is not None and int(next_token) == eos_id:
+                break
+            if stop is not None and stop(torch.cat(tokens[1:])):
                 break
             if position + 1 >= total:
                 break
@@ -101,13 +117,9 @@ def generate(
         raise UserError("--max_new_tokens must be at least 1.")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if precision is None:
-        precision = "bf16-true" if device == "cuda" and torch.cuda.is_bf16_supported() else "32-true"
-    dtypes = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
-    if precision not in dtypes:
-        raise UserError(f"--precision must be one of {', '.join(dtypes)} for generation, got {precision!r}.")
+    dtype = inference_dtype(precision, device)
     tokenizer = Tokenizer(checkpoint_dir)
-    model = load_model(checkpoint_dir, device=device, dtype=dtypes[precision])
+    model = load_model(checkpoint_dir, device=device, dtype=dtype)
     if prompt_style is not None:
         from toolkit.data.prompts import resolve_style
 
