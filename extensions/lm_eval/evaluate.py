@@ -90,6 +90,7 @@ def evaluate(
     checkpoint, adapter_dir = find_model_dirs(checkpoint_dir)
     files = check_data_files(names, data_files or {})
     task_manager = make_task_manager(names, files, include_path)
+    check_tasks_load(names, task_manager)
     out_file = results_path(Path(out_dir) if out_dir is not None else (adapter_dir or checkpoint) / "eval", names)
 
     # Every process holds the whole model (DDP's layout; nothing is trained, so nothing is synchronised).
@@ -165,6 +166,18 @@ def make_task_manager(names: list[str], data_files: dict[str, str], include_path
             raise UserError(f"Unknown task {name!r}.{did_you_mean(name, manager.all_tasks)} "
                             "`python -m lm_eval ls tasks` lists the harness's tasks.")
     return manager
+
+
+def check_tasks_load(names: list[str], manager) -> None:
+    """Build the tasks once, before any process starts: a hub dataset is downloaded (and cached for
+    the processes), and one that cannot be reached is a one-line error instead of a traceback."""
+    from lm_eval.tasks import get_task_dict
+
+    try:
+        get_task_dict(names, manager)
+    except OSError as err:  # ConnectionError, DatasetNotFoundError, a missing or unreadable file
+        raise UserError(f"Cannot load the data of --tasks {','.join(names)}: {err}. Without a network, use "
+                        "local files (--data_files, --include_path).") from None
 
 
 def results_path(out_dir: Path, names: list[str]) -> Path:

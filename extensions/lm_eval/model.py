@@ -248,9 +248,10 @@ class ToolkitLM(TemplateLM):
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """(sum of log p of the continuation tokens, whether greedy decoding would produce them) per request.
 
-        Requests are first reduced to distinct inputs (`_Row`). Rows that share a prefix run it once:
-        the prefix fills a KV cache whose rows are then copied to each of its continuations. Other rows
-        run in batches of similar length, right-padded (causal attention never looks at the padding).
+        Requests are first reduced to distinct inputs (`_Row`). Rows that share a long prefix run it
+        once: the prefix fills a KV cache whose rows are then copied to each of its continuations.
+        Other rows run in batches of similar length, right-padded (causal attention never looks at
+        the padding).
         """
         L = self.max_length
         rows: dict[tuple, _Row] = {}
@@ -267,9 +268,13 @@ class ToolkitLM(TemplateLM):
         by_prefix: dict[tuple, list[_Row]] = defaultdict(list)
         for row in rows.values():
             by_prefix[row.prefix].append(row)
-        alone = sorted((group[0] for group in by_prefix.values() if len(group) == 1), key=lambda r: (-len(r.prefix) - len(r.suffix), r.prefix + r.suffix))
+        # Sharing a prefix helps when it is at least as long as the suffixes: it then saves at least
+        # half the work (answer choices after a long question; not a lone BOS before a whole window).
+        shared = [g for g in by_prefix.values() if len(g) > 1 and len(g[0].prefix) >= max(len(r.suffix) for r in g)]
+        in_shared = {id(row) for group in shared for row in group}
+        alone = sorted((r for r in rows.values() if id(r) not in in_shared), key=lambda r: (-len(r.prefix) - len(r.suffix), r.prefix + r.suffix))
         units: list = [("batch", alone[i:i + self.batch_size]) for i in range(0, len(alone), self.batch_size)]
-        units += self._shared_prefix_units([group for group in by_prefix.values() if len(group) > 1])
+        units += self._shared_prefix_units(shared)
 
         def work(unit) -> dict[int, tuple[float, bool]]:
             kind, content = unit
