@@ -80,14 +80,17 @@ def evaluate(
     from lm_eval import simple_evaluate
     from lm_eval.utils import handle_non_serializable, make_table
 
-    from extensions.lm_eval.model import ToolkitLM, find_model_dirs
+    from extensions.lm_eval.model import ToolkitLM, check_settings, find_model_dirs
+    from toolkit.models.config import Config
     from toolkit.models.gpt import Block
     from toolkit.training.distributed import DistributedArgs, build_fabric, resolve_accelerator, resolve_devices
 
+    logging.getLogger("lm_eval.api.task").addFilter(_drop_metadata_hint)
     names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
     if not names:
         raise UserError("--tasks is empty: name at least one task, e.g. --tasks local_lambada.")
     checkpoint, adapter_dir = find_model_dirs(checkpoint_dir)
+    check_settings(Config.from_file(checkpoint), batch_size, max_length, stride, prompt_style)
     files = check_data_files(names, data_files or {})
     task_manager = make_task_manager(names, files, include_path)
     check_tasks_load(names, task_manager)
@@ -98,7 +101,6 @@ def evaluate(
     fabric = build_fabric(devices, num_nodes, "32-true", DistributedArgs(strategy="ddp" if several else "auto"), block_cls=Block)
     fabric.launch()
     logging.getLogger("lm_eval").setLevel(logging.WARNING if fabric.global_rank == 0 else logging.ERROR)
-    logging.getLogger("lm_eval.api.task").addFilter(_drop_metadata_hint)
     lm = ToolkitLM(
         checkpoint_dir, precision=precision, batch_size=batch_size, max_length=max_length, stride=stride,
         prompt_style=prompt_style, seed=seed, fabric=fabric,

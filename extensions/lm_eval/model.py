@@ -69,6 +69,24 @@ def load_evaluated_model(path: Path | str, device: torch.device, dtype: torch.dt
     return model.get_base_model().to(device=device, dtype=dtype).eval(), adapter_dir
 
 
+def check_settings(config, batch_size: int | str, max_length: Optional[int], stride: Optional[int], prompt_style: Optional[str]):
+    """(batch_size, max_length, stride, PromptStyle), defaults filled in; a one-line error for a bad one."""
+    from toolkit.data.prompts import resolve_style
+
+    if str(batch_size).startswith("auto"):
+        raise UserError("batch_size 'auto' is not supported by the toolkit model: give a number.")
+    if int(batch_size) < 1:
+        raise UserError(f"--batch_size must be at least 1, got {batch_size}.")
+    max_length = int(max_length) if max_length is not None else config.block_size
+    if not 1 < max_length <= config.block_size:
+        raise UserError(f"--max_length must be between 2 and the model's context ({config.block_size}), got {max_length}.")
+    stride = int(stride) if stride is not None else max_length
+    if not 1 <= stride <= max_length:
+        raise UserError(f"--stride must be between 1 and max_length ({max_length}), got {stride}.")
+    style = resolve_style(None if prompt_style in (None, "auto") else prompt_style, config)
+    return int(batch_size), max_length, stride, style
+
+
 @dataclass
 class _Row:
     """One distinct model input of `_loglikelihood_tokens`: prefix + suffix, run once for all its members.
@@ -118,7 +136,6 @@ class ToolkitLM(TemplateLM):
         **unused: Any,
     ) -> None:
         super().__init__()
-        from toolkit.data.prompts import resolve_style
         from toolkit.generate import inference_dtype
         from toolkit.tokenizer import Tokenizer
 
@@ -131,20 +148,9 @@ class ToolkitLM(TemplateLM):
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, tokenizer_dir = load_evaluated_model(checkpoint_dir, self._device, inference_dtype(precision, self._device.type))
         self.tokenizer = Tokenizer(tokenizer_dir)
-        config = self.model.config
-        self._max_length = int(max_length) if max_length is not None else config.block_size
-        if not 1 < self._max_length <= config.block_size:
-            raise UserError(f"--max_length must be between 2 and the model's context ({config.block_size}), got {self._max_length}.")
-        self.stride = int(stride) if stride is not None else self._max_length
-        if not 1 <= self.stride <= self._max_length:
-            raise UserError(f"--stride must be between 1 and max_length ({self._max_length}), got {self.stride}.")
-        if str(batch_size).startswith("auto"):
-            raise UserError("batch_size 'auto' is not supported by the toolkit model: give a number.")
-        self.batch_size = int(batch_size)
-        if self.batch_size < 1:
-            raise UserError(f"--batch_size must be at least 1, got {self.batch_size}.")
+        settings = check_settings(self.model.config, batch_size, max_length, stride, prompt_style)
+        self.batch_size, self._max_length, self.stride, self.prompt_style = settings
         self._max_gen_toks = int(max_gen_toks)
-        self.prompt_style = resolve_style(None if prompt_style in (None, "auto") else prompt_style, config)
         self.seed = int(seed)
         self._chat_template_applied = False
         self._bos_text = None if self.tokenizer.bos_id is None else self.tokenizer.decode([self.tokenizer.bos_id], skip_special_tokens=False)

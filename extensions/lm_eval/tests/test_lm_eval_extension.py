@@ -5,6 +5,8 @@ exported back (`convert_to_hf`): the toolkit model runs in process through `Tool
 through lm-evaluation-harness's own Hugging Face backend (`HFLM`), on the same requests.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
@@ -20,7 +22,7 @@ REPO = Path(__file__).resolve().parents[3]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from lm_eval import simple_evaluate  # noqa: E402
+from lm_eval.evaluator import evaluate as lm_eval_loop  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 from lm_eval.models.huggingface import HFLM  # noqa: E402
 
@@ -87,23 +89,64 @@ def lambada_file(models) -> Path:
     return path
 
 
-def _harness(lm, data_files: dict, **kwargs) -> dict:
-    manager = make_task_manager(list(data_files), {k: str(v) for k, v in data_files.items()}, None)
-    return simple_evaluate(model=lm, tasks=list(data_files), task_manager=manager, bootstrap_iters=0, log_samples=True, **kwargs)
+DOCUMENTS = 24  # per task
+TASKS = ["local_lambada", "local_perplexity", "lambada_generated"]
+
+
+def _own_tasks(root: Path) -> Path:
+    """A generative task of the user's own (--include_path): local_lambada's documents, answered by generation."""
+    folder = root / "own_tasks"
+    folder.mkdir(exist_ok=True)
+    (folder / "lambada_generated.yaml").write_text(
+        f"include: {TASKS_DIR / 'local_lambada.yaml'}\ntask: lambada_generated\noutput_type: generate_until\n"
+        "generation_kwargs: {until: ['.'], max_gen_toks: 6, do_sample: false}\n"
+        "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]\n"
+    )
+    return folder
+
+
+def _cli_args(models, lambada_file) -> list[str]:
+    return [
+        str(models["fp32"]), "--tasks", ",".join(TASKS), "--include_path", str(_own_tasks(models["root"])),
+        "--data_files", json.dumps({"local_lambada": str(lambada_file), "local_perplexity": str(LAMBADA)}),
+        "--precision", "32-true", "--batch_size", "4", "--log_samples", "true", "--bootstrap_iters", "0",
+        "--limit", str(DOCUMENTS),
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_process(models, lambada_file) -> dict:
+    """`python -m extensions.lm_eval` on the three tasks, run in this process on one thread (as each
+    process of a distributed run has): the results file it writes next to the checkpoint, and its output."""
+    from toolkit.cli import run_function
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    capture = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(capture):
+            assert run_function(PROG, evaluate, _cli_args(models, lambada_file)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((models["fp32"] / "eval" / f"{'+'.join(TASKS)}.json").read_text())
+    return {"results": results, "stdout": capture.getvalue()}
+
+
+def _harness(lm, data_files: dict, tasks: list[str], include_path=None, limit=None) -> dict:
+    """The harness's evaluation loop, as simple_evaluate runs it (zero-shot) minus the collection of
+    environment details for the report, which takes seconds."""
+    manager = make_task_manager(tasks, {k: str(v) for k, v in data_files.items()}, include_path)
+    loaded = manager.load(tasks)
+    for task in loaded["tasks"].values():
+        task.set_config(key="num_fewshot", value=0)
+    return lm_eval_loop(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=True)
 
 
 def _responses(results: dict, task: str) -> list:
     return [sample["resps"][0][0] for sample in results["samples"][task]]
 
 
-# The bfloat16 checkpoint at the default precision (float32 on CPU), on fewer documents to save time.
-@pytest.mark.parametrize("checkpoint, precision, documents", [("fp32", "32-true", 24), ("bf16", None, 10)])
-def test_offline_tasks_give_the_numbers_of_the_harness_hugging_face_backend(models, lambada_file, checkpoint, precision, documents):
-    files = {"local_lambada": lambada_file, "local_perplexity": LAMBADA}
-    ours = _harness(ToolkitLM(models[checkpoint], device="cpu", precision=precision, batch_size=4), files, limit=documents)
-    hf = HFLM(pretrained=str(models[f"export_{checkpoint}"]), device="cpu", dtype="float32", batch_size=4)
-    theirs = _harness(hf, files, limit=documents)
-
+def _compare_offline_tasks(ours: dict, theirs: dict) -> None:
     for (ll, greedy), (ll_hf, greedy_hf) in zip(_responses(ours, "local_lambada"), _responses(theirs, "local_lambada"), strict=True):
         assert abs(ll - ll_hf) < 1e-4 and greedy == greedy_hf
     lambada, lambada_hf = ours["results"]["local_lambada"], theirs["results"]["local_lambada"]
@@ -114,6 +157,23 @@ def test_offline_tasks_give_the_numbers_of_the_harness_hugging_face_backend(mode
     assert max(abs(a - b) for a, b in zip(rolling, _responses(theirs, "local_perplexity"), strict=True)) < 1e-4
     for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert ours["results"]["local_perplexity"][metric] == pytest.approx(theirs["results"]["local_perplexity"][metric], rel=1e-5)
+
+
+def test_the_command_gives_the_numbers_of_the_harness_hugging_face_backend(models, lambada_file, one_process):
+    hf = HFLM(pretrained=str(models["export_fp32"]), device="cpu", dtype="float32", batch_size=4)
+    files = {"local_lambada": lambada_file, "local_perplexity": LAMBADA}
+    theirs = _harness(hf, files, TASKS, include_path=_own_tasks(models["root"]), limit=DOCUMENTS)
+    ours = one_process["results"]
+    _compare_offline_tasks(ours, theirs)
+    assert _responses(ours, "lambada_generated") == _responses(theirs, "lambada_generated")  # greedy generation
+    assert "|local_lambada" in one_process["stdout"]  # the table
+
+
+def test_a_bfloat16_checkpoint_at_the_default_precision_gives_the_numbers_of_the_hugging_face_backend(models, lambada_file):
+    files, documents = {"local_lambada": lambada_file, "local_perplexity": LAMBADA}, 10
+    ours = _harness(ToolkitLM(models["bf16"], device="cpu", batch_size=4), files, list(files), limit=documents)
+    hf = HFLM(pretrained=str(models["export_bf16"]), device="cpu", dtype="float32", batch_size=4)
+    _compare_offline_tasks(ours, _harness(hf, files, list(files), limit=documents))
 
 
 def _requests(kind: str, arguments: list) -> list[Instance]:
@@ -243,41 +303,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_processes_give_exactly_the_results_of_one(models, lambada_file, tmp_path, capsys):
-    from toolkit.cli import run_function
-
-    # A generative task of the user's own (--include_path): local_lambada's documents, answered by generation.
-    own_tasks = tmp_path / "tasks"
-    own_tasks.mkdir()
-    (own_tasks / "lambada_generated.yaml").write_text(
-        f"include: {TASKS_DIR / 'local_lambada.yaml'}\ntask: lambada_generated\noutput_type: generate_until\n"
-        "generation_kwargs: {until: ['.'], max_gen_toks: 6, do_sample: false}\n"
-        "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]\n"
-    )
-    args = [
-        str(models["bf16"]), "--tasks", "local_lambada,local_perplexity,lambada_generated", "--include_path", str(own_tasks),
-        "--data_files", json.dumps({"local_lambada": str(lambada_file), "local_perplexity": str(LAMBADA)}),
-        "--batch_size", "3", "--log_samples", "true", "--bootstrap_iters", "0", "--limit", "12",
-    ]
+def test_two_processes_give_exactly_the_results_of_one(models, lambada_file, one_process, tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     env.pop("LOCAL_RANK", None)
-    two = subprocess.run([sys.executable, "-m", "extensions.lm_eval", *args, "--devices", "2", "--out_dir", str(tmp_path / "two")],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert two.returncode == 0, two.stderr[-3000:]
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each of the two processes
-    try:
-        assert run_function(PROG, evaluate, args) == 0
-    finally:
-        torch.set_num_threads(threads)
-    assert "|local_lambada" in capsys.readouterr().out  # the table
-
-    name = "local_lambada+local_perplexity+lambada_generated.json"
-    one = json.loads((models["bf16"] / "eval" / name).read_text())  # the default: next to the checkpoint
-    two = json.loads((tmp_path / "two" / name).read_text())
+    command = [sys.executable, "-m", "extensions.lm_eval", *_cli_args(models, lambada_file), "--devices", "2", "--out_dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / f"{'+'.join(TASKS)}.json").read_text())
+    one = one_process["results"]
     assert one["results"] == two["results"]
-    for task in ("local_lambada", "local_perplexity", "lambada_generated"):
+    for task in TASKS:
         assert [s["resps"] for s in one["samples"][task]] == [s["resps"] for s in two["samples"][task]]
     assert one["config"]["devices"] == 1 and two["config"]["devices"] == 2
 
@@ -302,6 +337,7 @@ def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, monk
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada"], "reads a local file", "--data_files")
     _one_line_error(capsys, [str(tmp_path), "--tasks", "local_lambada", *data], "is not a toolkit checkpoint")
     _one_line_error(capsys, [checkpoint, *data], "--tasks")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--stride", "0", *data], "--stride must be between 1 and")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--data_files", json.dumps({"local_lambada": str(broken)})],
