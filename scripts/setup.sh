@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the toolkit into a virtual environment with the tested versions in constraints.txt.
 #   bash scripts/setup.sh          # the toolkit         -> .venv
-#   bash scripts/setup.sh --test   # plus test tools     -> .venv
+#   bash scripts/setup.sh --test   # plus test tools and what the extensions' tests need -> .venv
 #   VENV=/some/dir bash scripts/setup.sh ...             -> another location
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,13 @@ if [ "${1:-}" = "--test" ]; then extras="[test]"; fi
 # constraints.txt pins torch==2.13.0: a looser requirement would make pip fetch a CUDA build
 # and several GB of CUDA libraries on machines that have no GPU.
 "$VENV/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt -e ".$extras"
+# The tests of extensions/ run with the others, so they need each extension's requirements.
+if [ -n "$extras" ]; then
+    for requirements in extensions/*/requirements.txt; do
+        [ -f "$requirements" ] || continue
+        "$VENV/bin/pip" install --quiet --disable-pip-version-check -c constraints.txt -r "$requirements"
+    done
+fi
 
 # litdata requires torchvision, but only for image and video data, which the toolkit never reads.
 # PyPI's torchvision is a CUDA build: next to a CPU-only torch its import fails, and

@@ -70,11 +70,11 @@ def _option_names(parser) -> list[str]:
     return names
 
 
-def build_parser(name: str, function: Callable):
+def build_parser(name: str, function: Callable, prog: Optional[str] = None):
     from jsonargparse import ActionConfigFile, ArgumentParser
 
     doc = (function.__doc__ or "").strip().split("\n\n")[0]
-    parser = ArgumentParser(prog=f"toolkit {name}", description=doc, exit_on_error=False)
+    parser = ArgumentParser(prog=prog or f"toolkit {name}", description=doc, exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="A YAML file with any of the options below.")
     parser.add_function_arguments(function, as_positional=True)
     return parser
@@ -188,16 +188,24 @@ def run(argv: Optional[list[str]] = None) -> int:
         hint = f" Did you mean: {', '.join(matches)}?" if matches else ""
         print(f"toolkit: error: unknown command {name!r}.{hint} Run `toolkit --help` for the list.", file=sys.stderr)
         return 2
+    return run_function(f"toolkit {name}", _load(COMMANDS[name][0]), rest)
+
+
+def run_function(prog: str, function: Callable, argv: list[str]) -> int:
+    """Parse `argv` against `function`'s typed signature and call it; the exit code.
+
+    Every command goes through here, and so can an extension's own command (`python -m
+    extensions.<name>`): `--config`, `--help` and one-line errors (prefixed with `prog`) work alike.
+    """
     _show_toolkit_logs()
-    function = _load(COMMANDS[name][0])
-    parser = build_parser(name, function)
+    parser = build_parser(prog, function, prog=prog)
     try:
-        cfg = parser.parse_args(rest)
+        cfg = parser.parse_args(argv)
     except SystemExit as exit_:  # --help
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse's ArgumentError and friends
         cause = _user_error_in(error)
-        print(f"toolkit {name}: error: {cause or _explain_parse_error(parser, rest, error)}", file=sys.stderr)
+        print(f"{prog}: error: {cause or _explain_parse_error(parser, argv, error)}", file=sys.stderr)
         return 2
     try:
         init = parser.instantiate(cfg)
@@ -205,15 +213,15 @@ def run(argv: Optional[list[str]] = None) -> int:
         cause = _user_error_in(error)
         if cause is None:
             raise
-        print(f"toolkit {name}: error: {cause}", file=sys.stderr)
+        print(f"{prog}: error: {cause}", file=sys.stderr)
         return 2
     try:
         function(**{k: v for k, v in init.items() if k != "config"})
     except UserError as error:
-        print(f"toolkit {name}: error: {error}", file=sys.stderr)
+        print(f"{prog}: error: {error}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"toolkit {name}: interrupted", file=sys.stderr)
+        print(f"{prog}: interrupted", file=sys.stderr)
         return 130
     return 0
 

@@ -4,11 +4,25 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Collection, Optional
+from typing import Callable, Collection, Optional
 
 import torch
 
 from toolkit.errors import UserError
+
+# Precisions for inference: weights and compute in one dtype (no mixed precision without training).
+INFERENCE_DTYPES = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
+
+
+def inference_dtype(precision: Optional[str], device: str) -> torch.dtype:
+    """The dtype for `precision`; None: bfloat16 on GPUs that support it, float32 elsewhere."""
+    if precision is None:
+        # Native bfloat16 only: V100 and T4 emulate it slowly.
+        native_bf16 = device.startswith("cuda") and torch.cuda.is_bf16_supported(including_emulation=False)
+        precision = "bf16-true" if native_bf16 else "32-true"
+    if precision not in INFERENCE_DTYPES:
+        raise UserError(f"--precision must be one of {', '.join(INFERENCE_DTYPES)} for inference, got {precision!r}.")
+    return INFERENCE_DTYPES[precision]
 
 
 @torch.inference_mode()
@@ -21,13 +35,15 @@ def generate_tokens(
     top_p: Optional[float] = None,
     eos_id: Optional[int] | Collection[int] = None,
     generator: Optional[torch.Generator] = None,
+    stop: Optional[Callable[[torch.Tensor], bool]] = None,
 ) -> torch.Tensor:
     """Prompt (T,) followed by up to `max_new_tokens` sampled tokens (greedy when temperature is 0).
 
     Generation stops after `eos_id` (one id, or several: a chat template's end-of-turn token and EOS).
 
     The prompt is processed in one forward pass that fills the KV cache; each new token then costs
-    one forward pass over a single position.
+    one forward pass over a single position. `stop`, when given, is called with the new tokens so
+    far (N,) after each one; returning True ends generation there (stop strings).
     """
     stop_ids = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     total = min(prompt.numel() + max_new_tokens, model.config.block_size)
@@ -40,6 +56,8 @@ def generate_tokens(
             next_token = sample(logits, temperature, top_k, top_p, generator)
             tokens.append(next_token[None])
             if int(next_token) in stop_ids:
+                break
+            if stop is not None and stop(torch.cat(tokens[1:])):
                 break
             if position + 1 >= total:
                 break
@@ -130,12 +148,7 @@ def generate(
     check_sampling(temperature, top_k, top_p, num_samples, seed)
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if precision is None:
-        native_bf16 = device == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)  # not V100/T4
-        precision = "bf16-true" if native_bf16 else "32-true"
-    dtypes = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
-    if precision not in dtypes:
-        raise UserError(f"--precision must be one of {', '.join(dtypes)} for generation, got {precision!r}.")
+    dtype = inference_dtype(precision, device)
     if (chat or messages is not None) and (prompt or prompt_style is not None):
         raise UserError("--prompt and --prompt_style are for plain text; --messages and --chat use the chat template.")
     if messages is not None:
@@ -143,7 +156,7 @@ def generate(
 
         conversation = read_messages(messages, system)  # a bad file fails before the model loads
     tokenizer = Tokenizer(checkpoint_dir)
-    model = load_model(checkpoint_dir, device=device, dtype=dtypes[precision])
+    model = load_model(checkpoint_dir, device=device, dtype=dtype)
     if chat or messages is not None:
         from toolkit.data.chat_template import resolve_chat_template
         from toolkit.generate_chat import ChatSession, answer_messages, interactive

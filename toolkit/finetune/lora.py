@@ -273,6 +273,34 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
     return None
 
 
+def find_adapter_dir(path: Path | str) -> Optional[Path]:
+    """`path` or its `final` folder, whichever holds a LoRA adapter (lora.json); None if neither does."""
+    path = Path(path)
+    for candidate in (path, path / "final"):
+        if (candidate / LORA_META).is_file():
+            return candidate
+    return None
+
+
+def read_adapter_meta(adapter_dir: Path) -> tuple[Path, LoRAArgs]:
+    """(the base checkpoint, the adapter's settings), as `save_adapter` recorded them."""
+    meta = json.loads((Path(adapter_dir) / LORA_META).read_text())
+    return Path(meta["base_checkpoint"]), LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+
+
+def attach_adapter(model, adapter_dir: Path, lora: LoRAArgs):
+    """`model` wrapped by peft with the saved adapter loaded into it, not merged."""
+    from peft import get_peft_model, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    peft_model = get_peft_model(model, lora.peft_config())
+    adapters = load_file(str(Path(adapter_dir) / ADAPTER_FILE))
+    result = set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
+    if result.unexpected_keys:
+        raise UserError(f"The adapter in {adapter_dir} does not fit its base model: {result.unexpected_keys[0]} has no place in it.")
+    return peft_model
+
+
 def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: bool = False) -> Path:
     """Merge a LoRA adapter into its base model and write a full toolkit checkpoint.
 
@@ -282,21 +310,16 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
         overwrite: Replace an existing checkpoint in out_dir.
     """
     import torch
-    from peft import get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     from toolkit.model_dir import atomic_directory, load_model, save_checkpoint_files
 
-    adapter_dir = Path(adapter_dir)
-    if not (adapter_dir / LORA_META).is_file() and (adapter_dir / "final" / LORA_META).is_file():
-        adapter_dir = adapter_dir / "final"
-    if not (adapter_dir / LORA_META).is_file():
+    found = find_adapter_dir(adapter_dir)
+    if found is None:
         raise UserError(f"{adapter_dir} holds no LoRA adapter ({LORA_META}); pass the out_dir of a finetune_lora run.")
-    meta = json.loads((adapter_dir / LORA_META).read_text())
-    base = Path(meta["base_checkpoint"])
+    adapter_dir = found
+    base, lora = read_adapter_meta(adapter_dir)
     out_dir = Path(out_dir) if out_dir is not None else adapter_dir.parent / "merged"
     model = load_model(base)
-    lora = LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
     if model.config.tie_embeddings and "lm_head" in lora.module_names():
         # The head shares its matrix with the input embeddings; merging its update in place would
         # change the embeddings too. Give the head its own copy: the merged model is untied.
@@ -304,9 +327,7 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
         model.config = dataclasses.replace(model.config, tie_embeddings=False)
         print("Note: the adapter updates the output head, which shares its weights with the embeddings; "
               "the merged model has a separate head (tie_embeddings false).")
-    peft_model = get_peft_model(model, lora.peft_config())
-    adapters = load_file(str(adapter_dir / ADAPTER_FILE))
-    set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
+    peft_model = attach_adapter(model, adapter_dir, lora)
     with torch.no_grad():
         merged = peft_model.merge_and_unload()
     with atomic_directory(out_dir, overwrite=overwrite) as tmp:

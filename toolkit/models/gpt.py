@@ -91,6 +91,17 @@ class GPT(nn.Module):
         for block in self.blocks:
             block.attn.kv_cache = None
 
+    def select_kv_cache_rows(self, rows: torch.Tensor) -> None:
+        """Row i of every block's cache becomes a copy of row `rows[i]` (R,).
+
+        Lets one prompt, run once, continue in several rows: fill rows 0..P-1 with P prompts, then
+        give each continuation the row of its prompt (beam search reorders rows the same way).
+        """
+        for block in self.blocks:
+            cache = block.attn.kv_cache
+            cache.k[: rows.numel()] = cache.k[rows]
+            cache.v[: rows.numel()] = cache.v[rows]
+
 
 class Block(nn.Module):
     """One transformer layer. Sequential residual (Llama):

@@ -1,0 +1,423 @@
+"""The toolkit's model inside lm-evaluation-harness, in process: `ToolkitLM`, registered as "toolkit".
+
+It reads a toolkit checkpoint folder, or a LoRA run's adapter with the base model it was trained on
+(applied through peft, not merged), and answers the harness's three request types:
+
+    loglikelihood          (context, continuation) -> (log p(continuation | context), is greedy)
+    loglikelihood_rolling  document -> log p(document), over windows of `max_length` tokens
+    generate_until         (context, generation kwargs) -> text, with the KV cache and stop strings
+
+Tokenization follows lm-evaluation-harness's Hugging Face backend token for token (BOS handling,
+left truncation, rolling windows, stop strings), so the same weights give the same numbers in both.
+
+Distributed: with a launched Fabric, every process receives every request (the harness runs as if
+alone on each), cuts the work into units that do not depend on the number of processes, computes
+its share (unit i on process i % N) and gathers the rest from the others. Every unit is computed
+with the same shapes whatever N is, so N processes give exactly the results of one.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from lm_eval.api.model import TemplateLM
+from lm_eval.api.registry import register_model
+from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+
+from toolkit.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def find_model_dirs(path: Path | str) -> tuple[Path, Optional[Path]]:
+    """(the checkpoint with the full weights, the LoRA adapter folder or None); a one-line error otherwise.
+
+    `path` is a toolkit checkpoint (pretrained, fine-tuned, merged, converted), or a LoRA run's folder
+    or its `final` folder, whose lora.json names the base checkpoint.
+    """
+    from toolkit.model_dir import require_checkpoint_dir
+    from toolkit.finetune.lora import find_adapter_dir, read_adapter_meta
+
+    adapter_dir = find_adapter_dir(path)
+    if adapter_dir is None:
+        return require_checkpoint_dir(path), None
+    base, _ = read_adapter_meta(adapter_dir)
+    if not base.exists():
+        raise UserError(f"The adapter in {adapter_dir} was trained on {base}, which does not exist any more.")
+    return require_checkpoint_dir(base), adapter_dir
+
+
+def load_evaluated_model(path: Path | str, device: torch.device, dtype: torch.dtype) -> tuple[torch.nn.Module, Path]:
+    """(the model in eval mode, the folder that holds its tokenizer) for `find_model_dirs(path)`."""
+    from toolkit.model_dir import load_model
+    from toolkit.finetune.lora import attach_adapter, read_adapter_meta
+
+    checkpoint, adapter_dir = find_model_dirs(path)
+    if adapter_dir is None:
+        return load_model(checkpoint, device=str(device), dtype=dtype), checkpoint
+    _, lora = read_adapter_meta(adapter_dir)
+    model = attach_adapter(load_model(checkpoint, device=str(device)), adapter_dir, lora)
+    # The toolkit GPT with peft's LoRA layers in place of the adapted Linears: it keeps the model's
+    # own methods (KV cache) and computes base + adapter in every adapted layer.
+    return model.get_base_model().to(device=device, dtype=dtype).eval(), adapter_dir
+
+
+def check_settings(config, batch_size: int | str, max_length: Optional[int], stride: Optional[int], prompt_style: Optional[str]):
+    """(batch_size, max_length, stride, PromptStyle), defaults filled in; a one-line error for a bad one."""
+    from toolkit.data.prompts import resolve_style
+
+    if str(batch_size).startswith("auto"):
+        raise UserError("batch_size 'auto' is not supported by the toolkit model: give a number.")
+    if int(batch_size) < 1:
+        raise UserError(f"--batch_size must be at least 1, got {batch_size}.")
+    max_length = int(max_length) if max_length is not None else config.block_size
+    if not 1 < max_length <= config.block_size:
+        raise UserError(f"--max_length must be between 2 and the model's context ({config.block_size}), got {max_length}.")
+    stride = int(stride) if stride is not None else max_length
+    if not 1 <= stride <= max_length:
+        raise UserError(f"--stride must be between 1 and max_length ({max_length}), got {stride}.")
+    style = resolve_style(None if prompt_style in (None, "auto") else prompt_style, config)
+    return int(batch_size), max_length, stride, style
+
+
+@dataclass
+class _Row:
+    """One distinct model input of `_loglikelihood_tokens`: prefix + suffix, run once for all its members.
+
+    The prefix ends with the token that predicts the continuation's first token; the suffix is the
+    continuation without its last token. Requests that differ only in the continuation's last token
+    (single-token answer choices, or duplicates) share one row.
+    """
+
+    prefix: tuple[int, ...]
+    suffix: tuple[int, ...]
+    members: list[tuple[int, list[int]]] = field(default_factory=list)  # (request index, continuation tokens)
+
+
+@register_model("toolkit")
+class ToolkitLM(TemplateLM):
+    """A toolkit checkpoint (or base + LoRA adapter) as an lm-evaluation-harness model.
+
+    Args:
+        checkpoint_dir: A toolkit checkpoint folder, or a LoRA run's folder (adapter not merged).
+        device: "cpu", "cuda", "cuda:1", ...; default the Fabric's device, else CUDA when there is one.
+        precision: "bf16-true", "32-true" or "16-true"; default bf16 on GPUs that support it, else float32.
+        batch_size: Sequences per forward pass for log-likelihoods.
+        max_length: Longest input in tokens; default the model's context (block_size).
+        stride: loglikelihood_rolling scores this many new tokens per window after the first, each
+            with max_length - stride tokens of context before it. Default max_length: windows that do
+            not overlap, as the harness's Hugging Face backend does.
+        max_gen_toks: Tokens to generate when a task does not say.
+        prompt_style: The toolkit prompt style used as the chat template (alpaca, chatml, llama-3,
+            ...); default the model's own (as `toolkit generate --prompt_style auto`).
+        seed: Seed of sampled generations (request i uses seed + i, on whichever process runs it).
+        fabric: A launched Fabric: requests are split across its processes and the results gathered.
+    """
+
+    def __init__(
+        self,
+        checkpoint_dir: str | Path,
+        device: Optional[str] = None,
+        precision: Optional[str] = None,
+        batch_size: int | str = 8,
+        max_length: Optional[int] = None,
+        stride: Optional[int] = None,
+        max_gen_toks: int = 256,
+        prompt_style: Optional[str] = None,
+        seed: int = 1234,
+        fabric: Any = None,
+        **unused: Any,
+    ) -> None:
+        super().__init__()
+        from toolkit.generate import inference_dtype
+        from toolkit.tokenizer import Tokenizer
+
+        if unused:
+            log.warning("ToolkitLM ignores these arguments: %s", ", ".join(sorted(unused)))
+        self.fabric = fabric
+        if fabric is not None:
+            self._device = torch.device(fabric.device)
+        else:
+            self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model, tokenizer_dir = load_evaluated_model(checkpoint_dir, self._device, inference_dtype(precision, self._device.type))
+        self.tokenizer = Tokenizer(tokenizer_dir)
+        settings = check_settings(self.model.config, batch_size, max_length, stride, prompt_style)
+        self.batch_size, self._max_length, self.stride, self.prompt_style = settings
+        self._max_gen_toks = int(max_gen_toks)
+        self.seed = int(seed)
+        self._chat_template_applied = False
+        self._bos_text = None if self.tokenizer.bos_id is None else self.tokenizer.decode([self.tokenizer.bos_id], skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ what the harness asks of a model
+    @property
+    def eot_token_id(self) -> int:
+        return self.tokenizer.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """The token a context-free request is conditioned on: BOS, else EOS (as the HF backend)."""
+        return self.tokenizer.bos_id if self.tokenizer.bos_id is not None else self.tokenizer.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def max_gen_toks(self) -> int:
+        return self._max_gen_toks
+
+    @property
+    def tokenizer_name(self) -> str:
+        return f"toolkit-prompt-style-{self.prompt_style.name}"
+
+    def chat_template(self, chat_template: bool | str = False) -> str:
+        return self.prompt_style.name
+
+    def get_model_info(self) -> dict:
+        model = self.model
+        return {
+            "model_num_parameters": sum(p.numel() for p in model.parameters()),
+            "model_dtype": str(next(model.parameters()).dtype),
+        }
+
+    def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, left_truncate_len: Optional[int] = None, **kwargs) -> list[int]:
+        """Token ids; BOS as the tokenizer adds it by default, unless asked not to or the text starts with it."""
+        bos: Optional[bool] = None if add_special_tokens is None or add_special_tokens else False
+        if add_special_tokens is None and self._bos_text and string.startswith(self._bos_text):
+            bos = False
+        ids = self.tokenizer.encode(string, bos=bos).tolist()
+        return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def tok_decode(self, tokens: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The conversation in the toolkit prompt style: finished turns rendered, the last one opened.
+
+        A system message goes before the first user message, separated by a blank line. With
+        add_generation_prompt false and an assistant message last, that message is left open
+        (the model continues it).
+        """
+        style = self.prompt_style
+        self._chat_template_applied = True
+        system = "\n\n".join(m["content"] for m in chat_history if m["role"] == "system")
+        text, user = "", None
+        turns = [m for m in chat_history if m["role"] != "system"]
+        for index, message in enumerate(turns):
+            content = message["content"]
+            if message["role"] == "user":
+                if user is not None:  # two user messages in a row: the first gets no answer
+                    text += style.render(user, "", "")
+                user = f"{system}\n\n{content}" if system and not text else content
+            elif message["role"] == "assistant":
+                is_open = index == len(turns) - 1 and not add_generation_prompt
+                if is_open:
+                    text += style.apply(user or "") + style.response_prefix + content
+                else:
+                    text += style.render(user or "", "", content)
+                user = None
+            else:
+                raise ValueError(f"Unknown chat role {message['role']!r}: expected system, user or assistant.")
+        if user is not None:
+            text += style.apply(user)
+        return text
+
+    # ------------------------------------------------------------------ distribution over processes
+    def _run_units(self, units: list, work: Callable[[Any], dict[int, Any]], what: str) -> dict[int, Any]:
+        """{request index: result} from `work(unit)` over all units, each unit computed on one process."""
+        rank, world = (self.fabric.global_rank, self.fabric.world_size) if self.fabric is not None else (0, 1)
+        mine: dict[int, Any] = {}
+        with torch.inference_mode():
+            for unit in tqdm(units[rank::world], desc=what, disable=rank != 0 or len(units) < 2):
+                mine.update(work(unit))
+        if world == 1:
+            return mine
+        import torch.distributed as dist
+
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, (len(units), mine))
+        if len({count for count, _ in gathered}) != 1:
+            raise RuntimeError(f"The processes built different request lists ({[c for c, _ in gathered]} units); evaluation needs the same seed everywhere.")
+        results: dict[int, Any] = {}
+        for _, part in gathered:
+            results.update(part)
+        return results
+
+    # ------------------------------------------------------------------ log-likelihoods
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """(sum of log p of the continuation tokens, whether greedy decoding would produce them) per request.
+
+        Requests are first reduced to distinct inputs (`_Row`). Rows that share a long prefix run it
+        once: the prefix fills a KV cache whose rows are then copied to each of its continuations.
+        Other rows run in batches of similar length, right-padded (causal attention never looks at
+        the padding).
+        """
+        L = self.max_length
+        rows: dict[tuple, _Row] = {}
+        for index, (_, context, continuation) in enumerate(requests):
+            if not continuation:
+                raise ValueError("An empty continuation has no log-likelihood to compute.")
+            if len(continuation) > L:
+                raise UserError(f"A continuation of {len(continuation)} tokens does not fit in max_length {L}.")
+            tokens = (context + continuation)[-(L + 1):]  # the input is tokens[:-1], left-truncated to L
+            split = len(tokens) - len(continuation)
+            key = (tuple(tokens[:split]), tuple(tokens[split:-1]))
+            rows.setdefault(key, _Row(*key)).members.append((index, continuation))
+
+        by_prefix: dict[tuple, list[_Row]] = defaultdict(list)
+        for row in rows.values():
+            by_prefix[row.prefix].append(row)
+        # Sharing a prefix helps when it is at least as long as the suffixes: it then saves at least
+        # half the work (answer choices after a long question; not a lone BOS before a whole window).
+        shared = [g for g in by_prefix.values() if len(g) > 1 and len(g[0].prefix) >= max(len(r.suffix) for r in g)]
+        in_shared = {id(row) for group in shared for row in group}
+        alone = sorted((r for r in rows.values() if id(r) not in in_shared), key=lambda r: (-len(r.prefix) - len(r.suffix), r.prefix + r.suffix))
+        units: list = [("batch", alone[i:i + self.batch_size]) for i in range(0, len(alone), self.batch_size)]
+        units += self._shared_prefix_units(shared)
+
+        def work(unit) -> dict[int, tuple[float, bool]]:
+            kind, content = unit
+            return self._score_batch(content) if kind == "batch" else self._score_shared_prefixes(content)
+
+        scores = self._run_units(units, work, "loglikelihood")
+        answers = [scores[i] for i in range(len(requests))]
+        for (request, _, _), answer in zip(requests, answers):
+            if request is not None:
+                self.cache_hook.add_partial("loglikelihood", request, answer)
+        return answers
+
+    def _shared_prefix_units(self, groups: list[list[_Row]]) -> list:
+        """Units of groups with prefixes of one length, up to batch_size rows each (a larger group alone)."""
+        units, current, rows = [], [], 0
+        for group in sorted(groups, key=lambda g: (-len(g[0].prefix), g[0].prefix)):
+            group = sorted(group, key=lambda r: r.suffix)
+            for start in range(0, len(group), self.batch_size):
+                part = group[start:start + self.batch_size]
+                if current and (len(part[0].prefix) != len(current[0][0].prefix) or rows + len(part) > self.batch_size):
+                    units.append(("shared", current))
+                    current, rows = [], 0
+                current.append(part)
+                rows += len(part)
+        if current:
+            units.append(("shared", current))
+        return units
+
+    def _score_batch(self, rows: list[_Row]) -> dict[int, tuple[float, bool]]:
+        inputs = [row.prefix + row.suffix for row in rows]
+        batch = torch.zeros(len(rows), max(map(len, inputs)), dtype=torch.long)
+        for b, ids in enumerate(inputs):
+            batch[b, : len(ids)] = torch.tensor(ids)
+        logits = self.model(batch.to(self.device))  # (B, T, V)
+        scores = {}
+        for b, row in enumerate(rows):
+            start = len(row.prefix) - 1  # the position that predicts the first continuation token
+            scores.update(self._score_row(row, logits[b, start : start + len(row.suffix) + 1]))
+        return scores
+
+    def _score_shared_prefixes(self, groups: list[list[_Row]]) -> dict[int, tuple[float, bool]]:
+        """G prefixes of one length run once (G, P); their cache rows are copied to the R suffixes (R, S)."""
+        model = self.model
+        rows = [row for group in groups for row in group]
+        owner = torch.tensor([g for g, group in enumerate(groups) for _ in group], device=self.device)  # (R,)
+        prefixes = torch.tensor([group[0].prefix for group in groups], device=self.device)  # (G, P)
+        P, S = prefixes.shape[1], max(len(row.suffix) for row in rows)
+        suffixes = torch.zeros(len(rows), S, dtype=torch.long)
+        for r, row in enumerate(rows):
+            suffixes[r, : len(row.suffix)] = torch.tensor(row.suffix, dtype=torch.long)
+        model.set_kv_cache(batch_size=len(rows), max_seq_length=P + S, device=self.device)
+        try:
+            first = model(prefixes, input_pos=0)[:, -1]  # (G, V): predicts each continuation's first token
+            model.select_kv_cache_rows(owner)
+            rest = model(suffixes.to(self.device), input_pos=P)  # (R, S, V)
+        finally:
+            model.clear_kv_cache()
+        scores = {}
+        for r, row in enumerate(rows):
+            logits = torch.cat([first[owner[r]][None], rest[r, : len(row.suffix)]])  # (len(suffix) + 1, V)
+            scores.update(self._score_row(row, logits))
+        return scores
+
+    @staticmethod
+    def _score_row(row: _Row, logits: torch.Tensor) -> dict[int, tuple[float, bool]]:
+        """Score each member's continuation against the logits (n, V) that predict its n tokens."""
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        greedy = logits.argmax(dim=-1)
+        scores = {}
+        for index, continuation in row.members:
+            target = torch.tensor(continuation, device=logits.device)
+            picked = logprobs.gather(1, target[:, None])[:, 0]
+            scores[index] = (float(picked.sum()), bool((greedy == target).all()))
+        return scores
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        """log p(document) per request, each token predicted once, in windows of max_length tokens.
+
+        The first window conditions on `prefix_token_id`; each later one scores `stride` new tokens
+        after max_length - stride tokens of context (with the default stride, none overlap).
+        """
+        context_len = self.max_length - self.stride + 1
+        windows, owners = [], []
+        for index, (text,) in enumerate(request.args for request in requests):
+            pairs = get_rolling_token_windows(self.tok_encode(text), self.prefix_token_id, self.max_length, context_len)
+            for context, continuation in map(make_disjoint_window, pairs):
+                windows.append((None, context, continuation))
+                owners.append(index)
+        totals = [0.0] * len(requests)
+        for index, (logprob, _) in zip(owners, self._loglikelihood_tokens(windows)):
+            totals[index] += logprob
+        for request, total in zip(requests, totals):
+            self.cache_hook.add_partial("loglikelihood_rolling", request.args, total)
+        return totals
+
+    # ------------------------------------------------------------------ generation
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        """The continuation of each context, ended by a stop string, EOS or max_gen_toks (text cut before the stop string).
+
+        Greedy unless the request samples (do_sample / temperature > 0). Each request decodes alone
+        with the model's KV cache; request i samples with seed + i wherever it runs.
+        """
+        eos_text = None if self.eot_token_id is None else self.tok_decode([self.eot_token_id], skip_special_tokens=False)
+        jobs = [(index, *request.args) for index, request in enumerate(requests)]
+        jobs.sort(key=lambda job: -len(job[1]))  # longest first: an even share for each process
+
+        def work(job) -> dict[int, str]:
+            index, context, gen_kwargs = job
+            return {index: self._generate(context, gen_kwargs, eos_text, self.seed + index)}
+
+        texts = self._run_units(jobs, work, "generate_until")
+        answers = [texts[i] for i in range(len(requests))]
+        for request, answer in zip(requests, answers):
+            self.cache_hook.add_partial("generate_until", request.args, answer)
+        return answers
+
+    def _generate(self, context: str, gen_kwargs: dict, eos_text: Optional[str], seed: int) -> str:
+        from toolkit.generate import generate_tokens
+
+        kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
+        if self._chat_template_applied:
+            until += [s for s in self.prompt_style.stop_strings if s not in until]
+        max_new = kwargs.pop("max_gen_toks")
+        if max_new >= self.max_length:
+            raise UserError(f"max_gen_toks ({max_new}) must be smaller than max_length ({self.max_length}).")
+        prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_new) or [self.prefix_token_id]
+        temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
+        stops = [s for s in until if s]
+
+        def reached_stop(new_tokens: torch.Tensor) -> bool:
+            text = self.tok_decode(new_tokens.tolist())
+            return any(s in text for s in stops)
+
+        out = generate_tokens(
+            self.model, torch.tensor(prompt, device=self.device), max_new, temperature=temperature,
+            top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"), eos_id=self.eot_token_id,
+            generator=torch.Generator(device=self.device).manual_seed(seed), stop=reached_stop,
+        )
+        return postprocess_generated_text(self.tok_decode(out[len(prompt):].tolist()), until, None)

@@ -1,0 +1,347 @@
+"""The lm_eval extension against the real harness and real transformers, on a random tiny Llama.
+
+The model is made in Hugging Face format, converted to a toolkit checkpoint (`convert_from_hf`) and
+exported back (`convert_to_hf`): the toolkit model runs in process through `ToolkitLM`, the export
+through lm-evaluation-harness's own Hugging Face backend (`HFLM`), on the same requests.
+"""
+
+import contextlib
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[3]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from lm_eval.evaluator import evaluate as lm_eval_loop  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+
+from extensions.lm_eval.evaluate import TASKS_DIR, evaluate, make_task_manager  # noqa: E402
+from extensions.lm_eval.model import ToolkitLM  # noqa: E402
+
+ASSETS = REPO / "tests" / "assets"
+LAMBADA = ASSETS / "eval" / "lambada_test.jsonl"  # the first 40 documents of the LAMBADA test set
+TOKENIZER = ASSETS / "tokenizers" / "llama2"
+BLOCK_SIZE = 128  # short enough that long LAMBADA documents are truncated and need several windows
+PROG = "python -m extensions.lm_eval"
+
+
+def _lambada_texts() -> list[str]:
+    return [json.loads(line)["text"] for line in LAMBADA.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict:
+    """Toolkit checkpoints of one random Llama in float32 and bfloat16, and their `convert_to_hf` exports."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.convert import convert_from_hf, convert_to_hf
+
+    root = tmp_path_factory.mktemp("lm_eval_models")
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=BLOCK_SIZE, bos_token_id=1, eos_token_id=2,
+    )
+    hf_model = LlamaForCausalLM(config)
+    out = {"root": root}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        hf_dir = root / f"hf_{name}"
+        hf_model.to(dtype).save_pretrained(hf_dir)
+        for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            shutil.copy(TOKENIZER / file, hf_dir / file)
+        convert_from_hf(hf_dir, root / name)
+        convert_to_hf(root / name, root / f"export_{name}")
+        out[name], out[f"export_{name}"] = root / name, root / f"export_{name}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def lambada_file(models) -> Path:
+    """The 40 LAMBADA documents; in every other one the last word is replaced by the single-token
+    word the Hugging Face model predicts greedily, so that accuracy is not zero for a random model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["export_fp32"])
+    model = AutoModelForCausalLM.from_pretrained(models["export_fp32"], dtype=torch.float32).eval()
+    lines = []
+    for index, text in enumerate(_lambada_texts()):
+        if index % 2:
+            context = " ".join(text.split(" ")[:-1])
+            ids = tokenizer(context, return_tensors="pt").input_ids[:, -BLOCK_SIZE:]
+            with torch.no_grad():
+                piece = tokenizer.convert_ids_to_tokens(int(model(ids).logits[0, -1].argmax()))
+            if piece.startswith("\u2581") and piece[1:].isalpha():
+                text = f"{context} {piece[1:]}"
+        lines.append(json.dumps({"text": text}))
+    path = models["root"] / "lambada_greedy.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+DOCUMENTS = 24  # per task
+TASKS = ["local_lambada", "local_perplexity", "lambada_generated"]
+
+
+def _own_tasks(root: Path) -> Path:
+    """A generative task of the user's own (--include_path): local_lambada's documents, answered by generation."""
+    folder = root / "own_tasks"
+    folder.mkdir(exist_ok=True)
+    (folder / "lambada_generated.yaml").write_text(
+        f"include: {TASKS_DIR / 'local_lambada.yaml'}\ntask: lambada_generated\noutput_type: generate_until\n"
+        "generation_kwargs: {until: ['.'], max_gen_toks: 6, do_sample: false}\n"
+        "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]\n"
+    )
+    return folder
+
+
+def _cli_args(models, lambada_file) -> list[str]:
+    return [
+        str(models["fp32"]), "--tasks", ",".join(TASKS), "--include_path", str(_own_tasks(models["root"])),
+        "--data_files", json.dumps({"local_lambada": str(lambada_file), "local_perplexity": str(LAMBADA)}),
+        "--precision", "32-true", "--batch_size", "4", "--log_samples", "true", "--bootstrap_iters", "0",
+        "--limit", str(DOCUMENTS),
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_process(models, lambada_file) -> dict:
+    """`python -m extensions.lm_eval` on the three tasks, run in this process on one thread (as each
+    process of a distributed run has): the results file it writes next to the checkpoint, and its output."""
+    from toolkit.cli import run_function
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    capture = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(capture):
+            assert run_function(PROG, evaluate, _cli_args(models, lambada_file)) == 0
+    finally:
+        torch.set_num_threads(threads)
+    results = json.loads((models["fp32"] / "eval" / f"{'+'.join(TASKS)}.json").read_text())
+    return {"results": results, "stdout": capture.getvalue()}
+
+
+def _harness(lm, data_files: dict, tasks: list[str], include_path=None, limit=None) -> dict:
+    """The harness's evaluation loop, as simple_evaluate runs it (zero-shot) minus the collection of
+    environment details for the report, which takes seconds."""
+    manager = make_task_manager(tasks, {k: str(v) for k, v in data_files.items()}, include_path)
+    loaded = manager.load(tasks)
+    for task in loaded["tasks"].values():
+        task.set_config(key="num_fewshot", value=0)
+    return lm_eval_loop(lm=lm, task_dict=loaded, limit=limit, bootstrap_iters=0, log_samples=True)
+
+
+def _responses(results: dict, task: str) -> list:
+    return [sample["resps"][0][0] for sample in results["samples"][task]]
+
+
+def _compare_offline_tasks(ours: dict, theirs: dict) -> None:
+    for (ll, greedy), (ll_hf, greedy_hf) in zip(_responses(ours, "local_lambada"), _responses(theirs, "local_lambada"), strict=True):
+        assert abs(ll - ll_hf) < 1e-4 and greedy == greedy_hf
+    lambada, lambada_hf = ours["results"]["local_lambada"], theirs["results"]["local_lambada"]
+    assert lambada["acc,none"] == lambada_hf["acc,none"] > 0.1  # the greedy words are found
+    assert lambada["perplexity,none"] == pytest.approx(lambada_hf["perplexity,none"], rel=1e-4)
+
+    rolling = _responses(ours, "local_perplexity")
+    assert max(abs(a - b) for a, b in zip(rolling, _responses(theirs, "local_perplexity"), strict=True)) < 1e-4
+    for metric in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
+        assert ours["results"]["local_perplexity"][metric] == pytest.approx(theirs["results"]["local_perplexity"][metric], rel=1e-5)
+
+
+def test_the_command_gives_the_numbers_of_the_harness_hugging_face_backend(models, lambada_file, one_process):
+    hf = HFLM(pretrained=str(models["export_fp32"]), device="cpu", dtype="float32", batch_size=4)
+    files = {"local_lambada": lambada_file, "local_perplexity": LAMBADA}
+    theirs = _harness(hf, files, TASKS, include_path=_own_tasks(models["root"]), limit=DOCUMENTS)
+    ours = one_process["results"]
+    _compare_offline_tasks(ours, theirs)
+    assert _responses(ours, "lambada_generated") == _responses(theirs, "lambada_generated")  # greedy generation
+    assert "|local_lambada" in one_process["stdout"]  # the table
+
+
+def test_a_bfloat16_checkpoint_at_the_default_precision_gives_the_numbers_of_the_hugging_face_backend(models, lambada_file):
+    files, documents = {"local_lambada": lambada_file, "local_perplexity": LAMBADA}, 10
+    ours = _harness(ToolkitLM(models["bf16"], device="cpu", batch_size=4), files, list(files), limit=documents)
+    hf = HFLM(pretrained=str(models["export_bf16"]), device="cpu", dtype="float32", batch_size=4)
+    _compare_offline_tasks(ours, _harness(hf, files, list(files), limit=documents))
+
+
+def _requests(kind: str, arguments: list) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(arguments)]
+
+
+def test_shared_prefixes_run_once_and_score_as_the_hugging_face_backend(models):
+    contexts = [" ".join(text.split(" ")[:25]) for text in _lambada_texts()[:3]]
+    choices = [" the cat sat down", " a dog", " it", " and then she left the room", " it"]  # " it" twice: a duplicate
+    requests = _requests("loglikelihood", [(context, choice) for context in contexts for choice in choices])
+    lm = ToolkitLM(models["fp32"], device="cpu", precision="32-true", batch_size=8)
+    tokens = []
+    hook = lm.model.embed.register_forward_pre_hook(lambda module, args: tokens.append(args[0].numel()))
+    try:
+        ours = lm.loglikelihood(requests)
+    finally:
+        hook.remove()
+    theirs = HFLM(pretrained=str(models["export_fp32"]), device="cpu", dtype="float32", batch_size=8).loglikelihood(requests)
+    for (ll, greedy), (ll_hf, greedy_hf) in zip(ours, theirs, strict=True):
+        assert abs(ll - ll_hf) < 1e-4 and greedy == greedy_hf
+    # Each context ran once for its four distinct continuations, not four times.
+    separate = sum(len(lm.tok_encode(c + x)) - 1 for c in contexts for x in dict.fromkeys(choices))
+    context_tokens = sum(len(lm.tok_encode(c)) for c in contexts)
+    assert sum(tokens) < separate - 2 * context_tokens
+
+
+def test_rolling_windows_with_a_stride_score_each_token_once_with_more_context(models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    document = " ".join(_lambada_texts()[:3])
+    L, stride = 64, 16
+    tokenizer = AutoTokenizer.from_pretrained(models["export_fp32"])
+    hf = AutoModelForCausalLM.from_pretrained(models["export_fp32"], dtype=torch.float32).eval()
+    full = [tokenizer.bos_token_id] + tokenizer(document).input_ids  # the prefix token, then the document
+
+    def logprobs(window: list[int]) -> torch.Tensor:  # log p(window[i + 1] | window[: i + 1]), (len - 1,)
+        with torch.no_grad():
+            logits = hf(torch.tensor([window])).logits[0, :-1].log_softmax(-1)
+        return logits.gather(1, torch.tensor(window[1:])[:, None])[:, 0]
+
+    n = len(full) - 1  # tokens to predict
+    expected = float(logprobs(full[: L + 1]).sum())  # the first window predicts tokens 1..L
+    for start in range(L, n, stride):  # then blocks of `stride`, each after the L - 1 tokens before its end
+        end = min(start + stride, n)
+        expected += float(logprobs(full[end - L : end + 1])[-(end - start):].sum())
+    assert n > 3 * L
+
+    request = _requests("loglikelihood_rolling", [(document,)])
+    strided = ToolkitLM(models["fp32"], device="cpu", precision="32-true", max_length=L, stride=stride).loglikelihood_rolling(request)
+    assert strided[0] == pytest.approx(expected, abs=1e-3)
+    disjoint = ToolkitLM(models["fp32"], device="cpu", precision="32-true", max_length=L).loglikelihood_rolling(request)
+    hf_disjoint = HFLM(pretrained=str(models["export_fp32"]), device="cpu", dtype="float32", max_length=L).loglikelihood_rolling(request)
+    assert disjoint[0] == pytest.approx(hf_disjoint[0], abs=1e-3)
+    assert abs(strided[0] - disjoint[0]) > 0.1  # more context changes the numbers (rounding stays below 1e-3)
+
+
+def test_generate_until_equals_transformers_greedy_generation_cut_at_stop_strings(models):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(models["export_fp32"])
+    hf = AutoModelForCausalLM.from_pretrained(models["export_fp32"], dtype=torch.float32).eval()
+    prompts = [" ".join(text.split(" ")[:20]) for text in _lambada_texts()[:4]]
+    greedy = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        out = hf.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=tokenizer.eos_token_id)
+        greedy.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    # Stop strings taken from the middle of two of the generations, so that they cut them short.
+    stops = [[greedy[0][len(greedy[0]) // 2 : len(greedy[0]) // 2 + 3]], ["\n\n"], [greedy[2][-4:], "never there"], []]
+    expected = [text.split(stop[0])[0] if stop else text for text, stop in zip(greedy, stops)]
+    assert expected[0] != greedy[0] and expected[2] != greedy[2]
+
+    lm = ToolkitLM(models["fp32"], device="cpu", precision="32-true")
+    kwargs = [{"until": stop, "max_gen_toks": 12, "do_sample": False} for stop in stops]
+    assert lm.generate_until(_requests("generate_until", list(zip(prompts, kwargs)))) == expected
+
+
+def _write_adapter(models, out: Path) -> Path:
+    """A LoRA adapter folder as `finetune_lora` writes it, with random (non-zero) adapter weights."""
+    from dataclasses import asdict
+
+    from peft import get_peft_model
+    from safetensors.torch import save_file
+
+    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, LoRAArgs, adapter_key, is_adapter_weight, write_peft_adapter
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT
+
+    lora = LoRAArgs(r=4, alpha=8, targets=("query", "value", "mlp"))
+    config = Config.from_file(models["fp32"])
+    torch.manual_seed(1)
+    model = get_peft_model(GPT(config), lora.peft_config())
+    adapters = {adapter_key(k): torch.randn_like(v) * 0.1 for k, v in model.state_dict().items() if is_adapter_weight(k)}
+    out.mkdir()
+    save_file(adapters, str(out / ADAPTER_FILE))
+    (out / LORA_META).write_text(json.dumps({"base_checkpoint": str(models["fp32"]), "lora": asdict(lora), "quantize": None}))
+    config.save(out)
+    for file in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(models["fp32"] / file, out / file)
+    assert write_peft_adapter(out, adapters, lora, config) is None
+    return out
+
+
+def test_a_lora_adapter_is_evaluated_unmerged_as_merged_and_as_peft_in_the_hugging_face_backend(models, tmp_path):
+    from toolkit.finetune.lora import merge_lora
+
+    run_dir = tmp_path / "lora"
+    adapter = _write_adapter(models, run_dir.parent / "lora_final")
+    run_dir.mkdir()
+    shutil.move(str(adapter), run_dir / "final")  # a run folder: the adapter sits in final/
+    merged = merge_lora(run_dir, tmp_path / "merged")
+    texts = _lambada_texts()[:6]
+    requests = _requests("loglikelihood", [(" ".join(t.split(" ")[:-1]), " " + t.split(" ")[-1]) for t in texts])
+
+    unmerged = ToolkitLM(run_dir, device="cpu", precision="32-true").loglikelihood(requests)
+    as_merged = ToolkitLM(merged, device="cpu", precision="32-true").loglikelihood(requests)
+    peft_hf = HFLM(pretrained=str(models["export_fp32"]), peft=str(run_dir / "final"), device="cpu", dtype="float32").loglikelihood(requests)
+    base = ToolkitLM(models["fp32"], device="cpu", precision="32-true").loglikelihood(requests)
+    for (a, _), (m, _), (h, _), (b, _) in zip(unmerged, as_merged, peft_hf, base, strict=True):
+        assert abs(a - m) < 1e-4 and abs(a - h) < 1e-4
+        assert abs(a - b) > 1e-3  # the adapter is not a no-op
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_give_exactly_the_results_of_one(models, lambada_file, one_process, tmp_path):
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.pop("LOCAL_RANK", None)
+    command = [sys.executable, "-m", "extensions.lm_eval", *_cli_args(models, lambada_file), "--devices", "2", "--out_dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    two = json.loads((tmp_path / f"{'+'.join(TASKS)}.json").read_text())
+    one = one_process["results"]
+    assert one["results"] == two["results"]
+    for task in TASKS:
+        assert [s["resps"] for s in one["samples"][task]] == [s["resps"] for s in two["samples"][task]]
+    assert one["config"]["devices"] == 1 and two["config"]["devices"] == 2
+
+
+def _one_line_error(capsys, args: list[str], *fragments: str) -> None:
+    from toolkit.cli import run_function
+
+    assert run_function(PROG, evaluate, args) != 0
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, monkeypatch):
+    data = ["--data_files", json.dumps({"local_lambada": str(LAMBADA)}), "--out_dir", str(tmp_path / "out")]
+    checkpoint = str(models["fp32"])
+    # A misspelled name is looked up among the harness's own tasks too (indexing them takes seconds).
+    _one_line_error(capsys, [checkpoint, "--tasks", "hellaswg"], "Unknown task 'hellaswg'", "Did you mean: hellaswag")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--data_files", "{local_lambada: nowhere.jsonl}"],
+                    "nowhere.jsonl does not exist")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada"], "reads a local file", "--data_files")
+    _one_line_error(capsys, [str(tmp_path), "--tasks", "local_lambada", *data], "is not a toolkit checkpoint")
+    _one_line_error(capsys, [checkpoint, *data], "--tasks")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--stride", "0", *data], "--stride must be between 1 and")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--data_files", json.dumps({"local_lambada": str(broken)})],
+                    "broken.jsonl, line 2")
+    monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", *data], "lm_eval is not installed", "requirements.txt")
+    assert not (tmp_path / "out").exists()
