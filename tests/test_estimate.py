@@ -168,6 +168,7 @@ def _check_fsdp_ranks(out: Path, setups: list[tuple[str, tuple[str, ...]]]) -> l
     return ranks
 
 
+@pytest.mark.xfail(strict=True, reason="known gap (issue 10, item 5): the estimator and tests/scripts/estimate_fsdp.py still model FSDP1; the engine is FSDP2 now")
 def test_fsdp_shards_match_a_real_two_process_run(runs):
     """Each rank's flat-parameter shard, flat-gradient shard and AdamW state equal the estimate exactly.
 
