@@ -111,9 +111,10 @@ class ToolkitLM(TemplateLM):
         precision: "bf16-true", "32-true" or "16-true"; default bf16 on GPUs that support it, else float32.
         batch_size: Sequences per forward pass for log-likelihoods.
         max_length: Longest input in tokens; default the model's context (block_size).
-        stride: loglikelihood_rolling scores this many new tokens per window after the first, each
-            with max_length - stride tokens of context before it. Default max_length: windows that do
-            not overlap, as the harness's Hugging Face backend does.
+        stride: loglikelihood_rolling: after the first window, each window holds max_length tokens
+            and scores only its last `stride`, so every token keeps at least max_length - stride
+            tokens of context. Default max_length: windows that do not overlap, as the harness's
+            Hugging Face backend has them.
         max_gen_toks: Tokens to generate when a task does not say.
         prompt_style: The toolkit prompt style used as the chat template (alpaca, chatml, llama-3,
             ...); default the model's own (as `toolkit generate --prompt_style auto`).
@@ -359,8 +360,8 @@ class ToolkitLM(TemplateLM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         """log p(document) per request, each token predicted once, in windows of max_length tokens.
 
-        The first window conditions on `prefix_token_id`; each later one scores `stride` new tokens
-        after max_length - stride tokens of context (with the default stride, none overlap).
+        The first window conditions on `prefix_token_id`; each later one holds max_length tokens and
+        scores its last `stride` (with the default stride, windows do not overlap).
         """
         context_len = self.max_length - self.stride + 1
         windows, owners = [], []
