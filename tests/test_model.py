@@ -131,3 +131,33 @@ def test_the_declared_torch_floor_has_every_feature_the_code_calls():
         assert floor >= version, f"{feature} needs torch>={version[0]}.{version[1]}, pyproject allows {floor}"
     installed = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", torch.__version__).groups())
     assert installed >= floor
+
+
+def test_one_prompt_in_the_cache_continues_in_several_rows():
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("debug")).eval()
+    prompts = torch.randint(0, 4096, (2, 9))
+    continuations = torch.randint(0, 4096, (3, 5))
+    owner = torch.tensor([1, 0, 1])  # the prompt each continuation follows
+    with torch.no_grad():
+        full = model(torch.cat([prompts[owner], continuations], dim=1))[:, 9:]
+        model.set_kv_cache(3, 14)
+        model(prompts, input_pos=0)  # fills rows 0 and 1
+        model.select_kv_cache_rows(owner)
+        cached = model(continuations, input_pos=9)
+        model.clear_kv_cache()
+    torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
+
+
+def test_generation_ends_where_the_stop_hook_says():
+    torch.manual_seed(0)
+    config = Config.from_name("debug")
+    model = GPT(config).eval()
+    init_weights(model, config.n_layer, std=0.2)
+    prompt = torch.randint(0, config.vocab_size, (7,))
+    whole = generate_tokens(model, prompt, max_new_tokens=10, temperature=0.0, top_k=None)
+    seen = []
+    stopped = generate_tokens(model, prompt, max_new_tokens=10, temperature=0.0, top_k=None,
+                              stop=lambda new: seen.append(new.clone()) or new.numel() == 4)
+    assert torch.equal(stopped, whole[: 7 + 4])
+    assert [t.tolist() for t in seen] == [whole[7 : 7 + n].tolist() for n in range(1, 5)]

@@ -89,7 +89,7 @@ def lambada_file(models) -> Path:
     return path
 
 
-DOCUMENTS = 24  # per task
+DOCUMENTS = 16  # per task
 TASKS = ["local_lambada", "local_perplexity", "lambada_generated"]
 
 
@@ -150,7 +150,7 @@ def _compare_offline_tasks(ours: dict, theirs: dict) -> None:
     for (ll, greedy), (ll_hf, greedy_hf) in zip(_responses(ours, "local_lambada"), _responses(theirs, "local_lambada"), strict=True):
         assert abs(ll - ll_hf) < 1e-4 and greedy == greedy_hf
     lambada, lambada_hf = ours["results"]["local_lambada"], theirs["results"]["local_lambada"]
-    assert lambada["acc,none"] == lambada_hf["acc,none"] > 0.1  # the greedy words are found
+    assert lambada["acc,none"] == lambada_hf["acc,none"] > 0.1, lambada  # the greedy words are found
     assert lambada["perplexity,none"] == pytest.approx(lambada_hf["perplexity,none"], rel=1e-4)
 
     rolling = _responses(ours, "local_perplexity")
