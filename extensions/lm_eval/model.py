@@ -295,7 +295,8 @@ class ToolkitLM(TemplateLM):
         return answers
 
     def _shared_prefix_units(self, groups: list[list[_Row]]) -> list:
-        """Units of groups with prefixes of one length, up to batch_size rows each (a larger group alone)."""
+        """Units of groups whose prefixes have one length, up to batch_size rows each; a group with more
+        rows than that is cut into parts, each of which runs the prefix again."""
         units, current, rows = [], [], 0
         for group in sorted(groups, key=lambda g: (-len(g[0].prefix), g[0].prefix)):
             group = sorted(group, key=lambda r: r.suffix)
