@@ -38,7 +38,7 @@ def evaluate(
     max_length: Optional[int] = None,
     stride: Optional[int] = None,
     apply_chat_template: bool = False,
-    prompt_style: Optional[str] = None,
+    chat_template: Optional[str] = None,
     system_instruction: Optional[str] = None,
     log_samples: bool = False,
     bootstrap_iters: int = 1000,
@@ -62,8 +62,9 @@ def evaluate(
         batch_size: Sequences per forward pass.
         max_length: Longest input in tokens; default the model's context.
         stride: Perplexity: new tokens scored per window after the first (default max_length: no overlap).
-        apply_chat_template: Wrap prompts in the model's prompt style (see --prompt_style).
-        prompt_style: The prompt style used as chat template (alpaca, chatml, llama-3, ...); default the model's.
+        apply_chat_template: Give the model its prompts as conversations, laid out by its chat template.
+        chat_template: A built-in template (chatml, llama-3, llama-2, gemma, zephyr) or a .jinja file;
+            default the checkpoint's own (as `toolkit generate --chat`).
         system_instruction: A system message for every prompt.
         log_samples: Also store every document's requests and responses in the results file.
         bootstrap_iters: Resamples for the standard error of metrics that need them (0: skip).
@@ -83,6 +84,7 @@ def evaluate(
     from extensions.lm_eval.model import ToolkitLM, check_settings, find_model_dirs
     from toolkit.models.config import Config
     from toolkit.models.gpt import Block
+    from toolkit.tokenizer import Tokenizer
     from toolkit.training.distributed import DistributedArgs, build_fabric, resolve_accelerator, resolve_devices
 
     logging.getLogger("lm_eval.api.task").addFilter(_drop_metadata_hint)
@@ -90,7 +92,7 @@ def evaluate(
     if not names:
         raise UserError("--tasks is empty: name at least one task, e.g. --tasks local_lambada.")
     checkpoint, adapter_dir = find_model_dirs(checkpoint_dir)
-    check_settings(Config.from_file(checkpoint), batch_size, max_length, stride, prompt_style)
+    check_settings(Config.from_file(checkpoint), Tokenizer(adapter_dir or checkpoint), batch_size, max_length, stride, chat_template)
     files = check_data_files(names, data_files or {})
     task_manager = make_task_manager(names, files, include_path)
     check_tasks_load(names, task_manager)
@@ -103,7 +105,7 @@ def evaluate(
     logging.getLogger("lm_eval").setLevel(logging.WARNING if fabric.global_rank == 0 else logging.ERROR)
     lm = ToolkitLM(
         checkpoint_dir, precision=precision, batch_size=batch_size, max_length=max_length, stride=stride,
-        prompt_style=prompt_style, seed=seed, fabric=fabric,
+        chat_template=chat_template, seed=seed, fabric=fabric,
     )
     results = simple_evaluate(
         model=lm, tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,

@@ -69,9 +69,9 @@ def load_evaluated_model(path: Path | str, device: torch.device, dtype: torch.dt
     return model.get_base_model().to(device=device, dtype=dtype).eval(), adapter_dir
 
 
-def check_settings(config, batch_size: int | str, max_length: Optional[int], stride: Optional[int], prompt_style: Optional[str]):
-    """(batch_size, max_length, stride, PromptStyle), defaults filled in; a one-line error for a bad one."""
-    from toolkit.data.prompts import resolve_style
+def check_settings(config, tokenizer, batch_size: int | str, max_length: Optional[int], stride: Optional[int], chat_template: Optional[str]):
+    """(batch_size, max_length, stride, ChatTemplate), defaults filled in; a one-line error for a bad one."""
+    from toolkit.data.chat_template import resolve_chat_template
 
     if str(batch_size).startswith("auto"):
         raise UserError("batch_size 'auto' is not supported by the toolkit model: give a number.")
@@ -83,8 +83,7 @@ def check_settings(config, batch_size: int | str, max_length: Optional[int], str
     stride = int(stride) if stride is not None else max_length
     if not 1 <= stride <= max_length:
         raise UserError(f"--stride must be between 1 and max_length ({max_length}), got {stride}.")
-    style = resolve_style(None if prompt_style in (None, "auto") else prompt_style, config)
-    return int(batch_size), max_length, stride, style
+    return int(batch_size), max_length, stride, resolve_chat_template(tokenizer, chat_template, config)
 
 
 @dataclass
@@ -99,6 +98,10 @@ class _Row:
     prefix: tuple[int, ...]
     suffix: tuple[int, ...]
     members: list[tuple[int, list[int]]] = field(default_factory=list)  # (request index, continuation tokens)
+
+
+# Appended to a message that the model is to continue; the rendered text is cut where it appears.
+_OPEN_END = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
 @register_model("toolkit")
@@ -116,8 +119,9 @@ class ToolkitLM(TemplateLM):
             tokens of context. Default max_length: windows that do not overlap, as the harness's
             Hugging Face backend has them.
         max_gen_toks: Tokens to generate when a task does not say.
-        prompt_style: The toolkit prompt style used as the chat template (alpaca, chatml, llama-3,
-            ...); default the model's own (as `toolkit generate --prompt_style auto`).
+        chat_template: For prompts given as conversations (the harness's apply_chat_template): a
+            built-in template (chatml, llama-3, llama-2, gemma, zephyr) or a .jinja file; default the
+            checkpoint's own, as `toolkit generate --chat true` uses it.
         seed: Seed of sampled generations (request i uses seed + i, on whichever process runs it).
         fabric: A launched Fabric: requests are split across its processes and the results gathered.
     """
@@ -131,7 +135,7 @@ class ToolkitLM(TemplateLM):
         max_length: Optional[int] = None,
         stride: Optional[int] = None,
         max_gen_toks: int = 256,
-        prompt_style: Optional[str] = None,
+        chat_template: Optional[str] = None,
         seed: int = 1234,
         fabric: Any = None,
         **unused: Any,
@@ -149,11 +153,11 @@ class ToolkitLM(TemplateLM):
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model, tokenizer_dir = load_evaluated_model(checkpoint_dir, self._device, inference_dtype(precision, self._device.type))
         self.tokenizer = Tokenizer(tokenizer_dir)
-        settings = check_settings(self.model.config, batch_size, max_length, stride, prompt_style)
-        self.batch_size, self._max_length, self.stride, self.prompt_style = settings
+        settings = check_settings(self.model.config, self.tokenizer, batch_size, max_length, stride, chat_template)
+        self.batch_size, self._max_length, self.stride, self.conversation_template = settings
         self._max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
-        self._chat_template_applied = False
+        self._chat_stop_ids: Optional[set[int]] = None  # set once a prompt went through the chat template
         self._bos_text = None if self.tokenizer.bos_id is None else self.tokenizer.decode([self.tokenizer.bos_id], skip_special_tokens=False)
 
     # ------------------------------------------------------------------ what the harness asks of a model
@@ -176,10 +180,10 @@ class ToolkitLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return f"toolkit-prompt-style-{self.prompt_style.name}"
+        return str(self.tokenizer.directory).replace("/", "__")
 
     def chat_template(self, chat_template: bool | str = False) -> str:
-        return self.prompt_style.name
+        return self.conversation_template.source
 
     def get_model_info(self) -> dict:
         model = self.model
@@ -200,35 +204,36 @@ class ToolkitLM(TemplateLM):
         return self.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The conversation in the toolkit prompt style: finished turns rendered, the last one opened.
+        """The conversation rendered by the chat template, as the harness's Hugging Face backend renders it.
 
-        A system message goes before the first user message, separated by a blank line. With
-        add_generation_prompt false and an assistant message last, that message is left open
-        (the model continues it).
+        With add_generation_prompt false the last (assistant) message is left open for the model to
+        continue, as transformers' continue_final_message does: the message is rendered with a marker
+        after it, and the text is cut at the marker. A template that refuses a system message gets
+        the conversation without it.
         """
-        style = self.prompt_style
-        self._chat_template_applied = True
-        system = "\n\n".join(m["content"] for m in chat_history if m["role"] == "system")
-        text, user = "", None
-        turns = [m for m in chat_history if m["role"] != "system"]
-        for index, message in enumerate(turns):
-            content = message["content"]
-            if message["role"] == "user":
-                if user is not None:  # two user messages in a row: the first gets no answer
-                    text += style.render(user, "", "")
-                user = f"{system}\n\n{content}" if system and not text else content
-            elif message["role"] == "assistant":
-                is_open = index == len(turns) - 1 and not add_generation_prompt
-                if is_open:
-                    text += style.apply(user or "") + style.response_prefix + content
-                else:
-                    text += style.render(user or "", "", content)
-                user = None
-            else:
-                raise ValueError(f"Unknown chat role {message['role']!r}: expected system, user or assistant.")
-        if user is not None:
-            text += style.apply(user)
-        return text
+        from toolkit.generate_chat import end_of_turn_ids
+
+        if self._chat_stop_ids is None:
+            self._chat_stop_ids = end_of_turn_ids(self.conversation_template, self.tokenizer)
+        if add_generation_prompt:
+            return self._render(chat_history, add_generation_prompt=True)
+        last = chat_history[-1]
+        text = self._render([*chat_history[:-1], {**last, "content": last["content"] + _OPEN_END}], add_generation_prompt=False)
+        cut = text.rindex(_OPEN_END.strip())
+        return text[:cut] if text[cut : cut + len(_OPEN_END)] == _OPEN_END else text[:cut].rstrip()
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
+        from toolkit.data.chat_template import TemplateRenderError
+
+        template = self.conversation_template
+        try:
+            return template.render(messages, add_generation_prompt=add_generation_prompt)
+        except TemplateRenderError as err:
+            without_system = [m for m in messages if m["role"] != "system"]
+            if len(without_system) == len(messages):
+                raise UserError(f"The chat template ({template.origin}) cannot render a prompt: {err}") from None
+            log.warning("The chat template (%s) failed with a system message (%s); rendering without it.", template.origin, err)
+            return self._render(without_system, add_generation_prompt)
 
     # ------------------------------------------------------------------ distribution over processes
     def _run_units(self, units: list, work: Callable[[Any], dict[int, Any]], what: str) -> dict[int, Any]:
@@ -404,8 +409,6 @@ class ToolkitLM(TemplateLM):
 
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
-        if self._chat_template_applied:
-            until += [s for s in self.prompt_style.stop_strings if s not in until]
         max_new = kwargs.pop("max_gen_toks")
         if max_new >= self.max_length:
             raise UserError(f"max_gen_toks ({max_new}) must be smaller than max_length ({self.max_length}).")
@@ -419,7 +422,7 @@ class ToolkitLM(TemplateLM):
 
         out = generate_tokens(
             self.model, torch.tensor(prompt, device=self.device), max_new, temperature=temperature,
-            top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"), eos_id=self.eot_token_id,
+            top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"), eos_id=self._chat_stop_ids or self.eot_token_id,
             generator=torch.Generator(device=self.device).manual_seed(seed), stop=reached_stop,
         )
         return postprocess_generated_text(self.tok_decode(out[len(prompt):].tolist()), until, None)

@@ -251,6 +251,29 @@ def test_generate_until_equals_transformers_greedy_generation_cut_at_stop_string
     assert lm.generate_until(_requests("generate_until", list(zip(prompts, kwargs)))) == expected
 
 
+def test_chat_prompts_are_rendered_as_the_hugging_face_backend_renders_them(models, tmp_path):
+    from toolkit.data.chat_template import CHAT_TEMPLATES
+
+    history = [
+        {"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": "Red."}, {"role": "user", "content": "Another one?"},
+    ]
+    prefilled = [*history, {"role": "assistant", "content": "Blue, or "}]  # the model continues this message
+    # Like Gemma's: no system role. The harness then drops the system message and renders again.
+    refusing = "{% if messages[0]['role'] == 'system' %}{{ raise_exception('no system role') }}{% endif %}" + CHAT_TEMPLATES["chatml"]
+    for index, template in enumerate((CHAT_TEMPLATES["llama-3"], refusing)):
+        folders = {}
+        for name in ("fp32", "export_fp32"):
+            folders[name] = shutil.copytree(models[name], tmp_path / f"{name}_{index}")
+            config_file = folders[name] / "tokenizer_config.json"
+            config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "chat_template": template}))
+        ours = ToolkitLM(folders["fp32"], device="cpu", precision="32-true")
+        theirs = HFLM(pretrained=str(folders["export_fp32"]), device="cpu", dtype="float32")
+        for messages, open_turn in ((history, True), (prefilled, False)):
+            assert ours.apply_chat_template(messages, open_turn) == theirs.apply_chat_template(messages, open_turn)
+        assert ours.apply_chat_template(prefilled, False).rstrip().endswith("Blue, or")  # left open
+
+
 def _write_adapter(models, out: Path) -> Path:
     """A LoRA adapter folder as `finetune_lora` writes it, with random (non-zero) adapter weights."""
     from dataclasses import asdict
@@ -338,6 +361,7 @@ def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, monk
     _one_line_error(capsys, [str(tmp_path), "--tasks", "local_lambada", *data], "is not a toolkit checkpoint")
     _one_line_error(capsys, [checkpoint, *data], "--tasks")
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--stride", "0", *data], "--stride must be between 1 and")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--chat_template", "chatlm", *data], "unknown chat template", "chatml")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--data_files", json.dumps({"local_lambada": str(broken)})],
