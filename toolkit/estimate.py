@@ -1180,8 +1180,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(label.ljust(width) + "".join(f"{figures[c][key] / scale:.2f}".rjust(cell) for c in cols))
     lines.append("")
     lines.append(
-        "peak = parameters + gradients + optimizer state + the most that is alive beside them at one point "
-        "of the step (the rows below the first three do not all exist at once)"
+        "peak = parameters + gradients + optimizer state + the most of the other rows alive at one moment of the step"
     )
     for note in result["notes"]:
         lines.append(f"note: {note}")
