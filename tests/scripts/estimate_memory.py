@@ -101,6 +101,19 @@ def storages(tensors) -> dict[int, int]:
     return found
 
 
+def add_lora(lora: LoRAArgs):
+    """What finetune_lora does to the model before the precision policy: peft's adapters, initialised."""
+
+    def prepare(model):
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora.peft_config())
+        init_adapters(model, seed=0)
+        return model
+
+    return prepare
+
+
 def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int, lora_r: int, out_dir: Path) -> dict:
     precision, finetune, *rest = setup.split(":")
     dist = DistributedArgs(sharding="FULL_SHARD", activation_checkpointing=rest == ["checkpointing"])
@@ -109,17 +122,7 @@ def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int
     train = TrainArgs(micro_batch_size=micro_batch, global_batch_size=micro_batch * devices, max_seq_length=seq)
     session = Session(kind=f"finetune_{finetune}", fabric=fabric, out_dir=out_dir, config=config, train=train,
                       eval=EvalArgs(), log=LogArgs(), plan=None, seed=0, resume=False, precision=precision)  # fmt: skip
-    prepare = None
-    if finetune == "lora":
-        lora = LoRAArgs(r=lora_r)  # finetune_lora's defaults otherwise: query and value, dropout 0.05
-
-        def prepare(model):  # what finetune_lora does before the precision policy
-            from peft import get_peft_model
-
-            model = get_peft_model(model, lora.peft_config())
-            init_adapters(model, seed=0)
-            return model
-
+    prepare = add_lora(LoRAArgs(r=lora_r)) if finetune == "lora" else None  # finetune_lora's defaults otherwise
     gpt._SCRATCH.clear()
     model = session.build_model("random", prepare)
     optimizer = session.build_optimizer(model)
