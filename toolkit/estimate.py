@@ -3,35 +3,43 @@
 The estimate is arithmetic on the model config; nothing is allocated and torch is not imported.
 For every strategy it splits the memory of one device into:
 
-    parameters        the (sharded) stored weights
-    gradients         one gradient per trainable weight, in the weight's dtype
-    optimizer state   AdamW: exp_avg and exp_avg_sq per trainable weight, in the weight's dtype
+    parameters        the (sharded) stored weights, in the dtypes of the precision policy
+    gradients         one gradient per trainable weight, in the trainable dtype (under FSDP, a shard)
+    optimizer state   AdamW: exp_avg and exp_avg_sq per trainable weight, in the trainable dtype
     activations       what autograd saves in the forward pass for the backward pass, derived op by op
                       from `toolkit.models.gpt` (see `_Tracer`), with and without checkpointing
     logits and loss   the head and the loss. A plain head takes the fused loss
                       (`linear_cross_entropy_sum`): it keeps the loss's gradients with respect to the
                       head's input (tokens x E, compute dtype) and trainable weight and bias (float32),
-                      and briefly holds one chunk of logits (at most LOSS_CHUNK_BYTES of float32 rows)
-                      in the forward pass, or the outgoing gradients in the backward pass. A LoRA head
-                      takes the plain loss: the float32 log-softmax it keeps, plus the two
-                      (tokens x vocab) float32 gradients its backward creates
-    weight copies     bf16 copies of float32 weights that autocast makes (single device / DDP)
-    buffers           FSDP's gathered (unsharded) weights and unreduced gradients; DDP's gradient buckets;
-                      bitsandbytes' dequantized weight
+                      and holds one chunk of logits (at most LOSS_CHUNK_BYTES of float32 rows, with
+                      their float32 log-softmax, and under 16-bit compute a float32 copy that
+                      log_softmax makes and a 16-bit softmax) in the forward pass, or the outgoing
+                      gradients in the backward pass. A LoRA head takes the plain loss: the float32
+                      log-softmax it keeps, plus the two (tokens x vocab) float32 gradients its
+                      backward creates
+    weight copies     bf16 copies of float32 weights that autocast makes, whole (not shards), on
+                      one device, with DDP and under FSDP alike
+    buffers           FSDP's gathered (unsharded) weights, all-gather outputs and unreduced
+                      gradients; DDP's gradient buckets; bitsandbytes' dequantized weight
     step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
 
-Peak = parameters + gradients + optimizer state + the larger of the forward/backward transients
-(activations + logits and loss + weight copies + buffers) and the optimizer step's scratch.
-Gradients are counted during the backward pass because with gradient accumulation they are alive
+These do not all exist at once. The peak is parameters + gradients + optimizer state + the largest
+of what is alive besides them at five moments of a step (`column_memory`): the loss in the forward
+pass (every activation, the loss's chunk buffers, every weight copy: autocast caches them until
+the forward pass ends); the start of the backward pass (FSDP gathers the root unit again); the
+loss's backward pass; a block's backward pass (the loss's saved gradients are gone, the block's
+gradients are reduced, and the widest activation gradients are in flight, `_Tracer.mlp`); and
+AdamW's step. Gradients are counted throughout because with gradient accumulation they are alive
 through every micro-batch (without it they grow while activations shrink, so this is an upper bound).
 
 What is assumed, and where it comes from:
-- Precision (Fabric): "*-mixed" keeps float32 weights, gradients and optimizer state and computes
-  under autocast in 16 bits; "*-true" converts the model, so weights, gradients and AdamW state
-  (torch allocates it like the weight) are 16-bit; "32-true" is float32 throughout. Under FSDP,
-  Fabric sets FSDP's param_dtype to the compute dtype: weights are gathered in 16 bits and autocast
-  has nothing left to copy. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live
-  on the CPU and are not counted.
+- Precision: the toolkit's one policy (`toolkit.training.distributed.precision_dtypes`). Under
+  "*-mixed" and "32-true", trainable weights, their gradients and AdamW state are float32 and frozen
+  weights (the LoRA and QLoRA base) are stored in the compute dtype (bf16 under "bf16-mixed");
+  under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. Weights are
+  used as they are stored (FSDP2 gathers without a cast), so autocast copies every float32 weight
+  a linear layer uses. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
+  CPU and are not counted.
 - Attention runs in a fused kernel (flash or memory-efficient SDPA, as on GPUs and in torch's CPU
   flash kernel): it keeps the output and a float32 log-sum-exp per query, never the T x T matrix.
   The math fallback (used with explicit masks; possibly also for float32 with grouped-query
@@ -39,22 +47,24 @@ What is assumed, and where it comes from:
 - Autocast rules are CUDA's: linear layers and SDPA run in 16 bits; layer_norm and the loss run in
   float32. Each linear layer casts its float32 input separately (casts of activations are not
   cached); weight casts are cached for the whole forward pass.
-- LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train. Frozen weights are
-  stored as Fabric leaves them, like trainable ones: float32 under "*-mixed" (finetune_lora does
-  not cast them), so autocast makes a bf16 copy of each frozen linear weight in every forward pass
-  and the backward pass keeps it; 16-bit under "*-true". A frozen linear layer does not keep its
-  input. Adapter dropout (finetune_lora's default 0.05) keeps a one-byte mask per input element.
-  Under FSDP (torch 2.13 FSDP1) a block's flat gradient covers its frozen weights too.
+- LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train (float32 under
+  "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters. A frozen
+  linear layer does not keep its input. Adapter dropout (finetune_lora's default 0.05) keeps a
+  one-byte mask per input element. Frozen parameters have no gradient, under FSDP too.
 - QLoRA (bitsandbytes): the linear layers of the blocks are quantized (embedding, norms and head are
-  not): 4-bit = half a byte per weight + a float32 absmax per 64 weights (double quantization: one
-  byte per 64, plus a float32 per 256 of those); int8 = one byte per weight + a float32 scale per
-  row. Like finetune_lora, quantization is for one device only, without a LoRA head.
-- FSDP (torch 2.13 FSDP1, one unit per Block plus the root unit with embedding, final norm and
-  head, `use_orig_params=True`): flat parameters are padded exactly as torch does (16-byte
-  alignment of each tensor, then to a multiple of the shard group). FULL_SHARD / HYBRID_SHARD gather
-  the root unit for the whole step and two blocks at a time (backward prefetch); SHARD_GRAD_OP keeps
-  every gathered block from forward to backward. The head's gradient is held unsharded until the
-  root unit's gradients are reduced at the end of the backward pass.
+  not, and are stored in the compute dtype): 4-bit = half a byte per weight + a float32 absmax per
+  64 weights (double quantization: one byte per 64, plus a float32 per 256 of those); int8 = one
+  byte per weight + a float32 scale per row. Like finetune_lora, quantization is for one device
+  only, without a LoRA head.
+- FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block plus the root unit with embedding, final
+  norm and head, on the mesh of `toolkit.training.distributed.mesh_layout`): every parameter is
+  split along dim 0 and each rank's shard is padded to ceil(rows / shard group) rows; a gradient
+  shard is as large (a view into the unit's padded reduce-scatter output) and exists only for
+  trainable parameters; AdamW's state follows the unpadded local shard. Gradients accumulate in
+  the shards (reduce-scatter every micro-batch; HYBRID_SHARD's cross-node all-reduce waits for the
+  last one in a buffer of the same size). What FSDP holds beside the shards, and when, is in
+  `fsdp_buffers`. Transient buffers are counted as the synchronous order of the CPU (gloo) runs
+  them; on GPUs the caching allocator and communication streams add some on top.
 - DDP keeps a second copy of the gradients in its communication buckets.
 - The loss (`GPT.head_loss`): a plain `nn.Linear` head goes through the fused
   `linear_cross_entropy_sum`, which computes the loss's gradients in the forward pass in chunks and
@@ -66,7 +76,6 @@ What is assumed, and where it comes from:
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -216,7 +225,7 @@ class _T:
 class _Weight:
     """How a weight looks to the forward pass."""
 
-    b: int  # bytes per element as the forward pass sees it (after FSDP's cast to param_dtype)
+    b: int  # bytes per element as stored (and as the forward pass sees it: FSDP2 gathers without a cast)
     trainable: bool
     numel: int
     quant: Optional[str] = None  # bitsandbytes kind for quantized linear weights
@@ -231,6 +240,7 @@ class Mode:
     compute: int  # bytes of the compute dtype
     cuda: bool = True  # CUDA autocast/layer_norm rules; False: the CPU's (used by the tests)
     lora_dropout: bool = False  # adapters apply dropout to their input
+    float16: bool = False  # the 16-bit compute dtype is float16 (not bfloat16)
 
 
 class _Tracer:
@@ -252,6 +262,8 @@ class _Tracer:
         self.dequant_scratch = 0
         self._ids = 0
         self._rope_cache: Optional[tuple[_T, _T]] = None
+        # Gradients in flight in a block's backward pass, beyond what it saved (see `mlp`).
+        self.backward_in_flight = 0
 
     def new(self, numel: int, b: int, rg: bool) -> _T:
         self._ids += 1
@@ -374,23 +386,32 @@ class _Tracer:
         return self.linear(y, f"{prefix}.o_proj", c.n_embd)
 
     def mlp(self, h: _T, prefix: str) -> _T:
+        """The MLP; also the widest gradients of the backward pass: beside the incoming gradient
+        (tokens x n_embd), the gated product's two gradients (gelu: the input gradient beside the
+        output gradient), each tokens x intermediate_size."""
         c = self.c
         if c.mlp == "gelu":
             a = self.linear(h, f"{prefix}.fc_in", c.intermediate_size)
             if a.rg:
                 self.save(a)  # gelu keeps its input
-            return self.linear(self.new(a.numel, a.b, a.rg), f"{prefix}.fc_out", c.n_embd)
-        gate = self.linear(h, f"{prefix}.gate_proj", c.intermediate_size)
-        if gate.rg:
-            self.save(gate)  # silu / gelu keeps its input
-        act = self.new(gate.numel, gate.b, gate.rg)
-        up = self.linear(h, f"{prefix}.up_proj", c.intermediate_size)
-        if up.rg:
-            self.save(act)
-        if act.rg:
-            self.save(up)
-        prod = self.new(up.numel, max(act.b, up.b), act.rg or up.rg)
-        return self.linear(prod, f"{prefix}.down_proj", c.n_embd)
+            out = self.linear(self.new(a.numel, a.b, a.rg), f"{prefix}.fc_out", c.n_embd)
+            widest = a.numel * a.b if a.rg else 0
+        else:
+            gate = self.linear(h, f"{prefix}.gate_proj", c.intermediate_size)
+            if gate.rg:
+                self.save(gate)  # silu / gelu keeps its input
+            act = self.new(gate.numel, gate.b, gate.rg)
+            up = self.linear(h, f"{prefix}.up_proj", c.intermediate_size)
+            if up.rg:
+                self.save(act)
+            if act.rg:
+                self.save(up)
+            prod = self.new(up.numel, max(act.b, up.b), act.rg or up.rg)
+            out = self.linear(prod, f"{prefix}.down_proj", c.n_embd)
+            widest = (act.numel * act.b if act.rg else 0) + (up.numel * up.b if up.rg else 0)
+        if out.rg:
+            self.backward_in_flight = max(self.backward_in_flight, widest + out.numel * out.b)
+        return out
 
     def block(self, x: _T, i: int) -> _T:
         p, n, E = f"blocks.{i}", self.n, self.c.n_embd
@@ -412,9 +433,14 @@ class Activations:
     block_inputs: list[int]  # each block's input, what a checkpointed block keeps
     head: int  # saved outside the blocks: token ids, final norm, the loss's gradients (fused) or
     # head input, log-softmax and labels (LoRA head)
-    loss_scratch: int  # the loss's transients: fused, the larger of the forward's chunk buffers and the
-    # backward's outgoing gradients; LoRA head, the two float32 (tokens x vocab) gradients of the backward
-    weight_copies: int  # autocast's bf16 copies of float32 weights
+    loss_forward: int  # the loss's transients at their largest in the forward pass (fused: the chunk
+    # buffers, the float32 copy log_softmax makes of 16-bit logits, the casts; LoRA head: the logits)
+    loss_backward: int  # and in its backward pass: the outgoing gradients (LoRA head: the two float32
+    # (tokens x vocab) gradients)
+    loss_kept: int  # the fused loss's chunk buffers that stay allocated between calls (CPU only)
+    backward_in_flight: int  # gradients in flight in a block's backward pass (see _Tracer.mlp)
+    weight_copies: int  # autocast's bf16 copies of float32 weights, all of them
+    block_weight_copies: list[int]  # those of each block (what a checkpointed block re-creates)
     dequant_scratch: int  # bitsandbytes: one dequantized weight at a time
 
     @property
@@ -428,7 +454,16 @@ class Activations:
 
     @property
     def logits(self) -> int:
-        return self.head + self.loss_scratch
+        return self.head + max(self.loss_forward, self.loss_backward)
+
+    def copies_in_backward(self, checkpointed: bool) -> int:
+        """Weight copies alive in the backward pass. Without checkpointing the graph keeps every one;
+        with it the forward's copies go with autocast's cache at the end of the forward pass, and
+        each block's recomputation makes its own again."""
+        if not checkpointed:
+            return self.weight_copies
+        blocks = sum(self.block_weight_copies)
+        return self.weight_copies - blocks + max(self.block_weight_copies, default=0)
 
 
 def trace_activations(
@@ -445,12 +480,13 @@ def trace_activations(
         if x.rg:
             tr.save(tr.new(1, x.b, False))  # x * sqrt(n_embd) keeps the scalar
         x = tr.new(x.numel, x.b, x.rg)
-    blocks, inputs = [], []
+    blocks, inputs, block_copies = [], [], []
     for i in range(config.n_layer):
-        before = tr.saved_bytes()
+        before, copies_before = tr.saved_bytes(), sum(tr.weight_copies.values())
         inputs.append(x.numel * x.b)
         x = tr.block(x, i)
         blocks.append(tr.saved_bytes() - before)
+        block_copies.append(sum(tr.weight_copies.values()) - copies_before)
     h = tr.norm(x, "norm_f")
     if "lm_head" in lora:  # a peft LoRA head: GPT.head_loss takes the plain cross_entropy_sum(lm_head(x))
         logits = tr.linear(h, "lm_head", V)
@@ -460,23 +496,25 @@ def trace_activations(
             tr.save(lsm)  # log_softmax keeps its result
             tr.save(tr.new(n, 8, False))  # nll_loss keeps the labels
             tr.save(tr.new(1, 4, False))  # and the total weight
-        scratch = 2 * n * V * 4 if lsm.rg else 0  # the two float32 (tokens x vocab) gradients
+        forward = n * V * (logits.b + (4 if logits.b != 4 else 0))  # the logits and their float32 copy
+        loss = (forward, 2 * n * V * 4 if lsm.rg else 0, 0)  # backward: two float32 (tokens x vocab) gradients
     else:
-        scratch = _fused_loss(tr, h, weights["lm_head.weight"], weights.get("lm_head.bias"))
+        loss = _fused_loss(tr, h, weights["lm_head.weight"], weights.get("lm_head.bias"))
     head = tr.saved_bytes() - sum(blocks)  # everything outside the blocks, token ids included
-    return Activations(blocks, inputs, head, scratch, sum(tr.weight_copies.values()), tr.dequant_scratch)
+    return Activations(blocks, inputs, head, *loss, tr.backward_in_flight, sum(tr.weight_copies.values()), block_copies,
+                       tr.dequant_scratch)  # fmt: skip
 
 
-
-def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> int:
+def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tuple[int, int, int]:
     """`linear_cross_entropy_sum(h, lm_head.weight, lm_head.bias, labels)` (a plain nn.Linear head).
 
     Saves the loss's gradients, computed in the forward pass: grad_h (tokens x E, compute dtype)
     if h needs a gradient, grad_w (V x E float32) if the head weight trains, grad_b (V float32) if
     the bias trains. `rows` (the non-ignored rows) is not counted: every label is assumed to count
-    (on GPUs it is never kept). Returns the loss's transient bytes: the larger of the forward
-    pass's chunk buffers (with the casts and products beside them) and the gradients its
-    backward pass creates. Weights are not autocast-cached: no weight copy.
+    (on GPUs it is never kept). Returns the loss's transient bytes (forward, backward, kept): the
+    forward pass's chunk buffers with the casts and products beside them; the gradients its
+    backward pass creates; and the chunk buffers that stay allocated after the call (CPU only, see
+    `toolkit.models.gpt._scratch`). Weights are not autocast-cached: no weight copy.
     """
     c, mode, n = tr.c, tr.mode, tr.n
     E, V = c.n_embd, c.vocab_size
@@ -491,16 +529,26 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> int:
         tr.save(tr.new(V, 4, False))  # grad_b
     need_grad = need_h or need_w or need_b
     if not need_grad:
-        return 0
+        return 0, 0, 0
     # Forward: equal chunks of at most LOSS_CHUNK_BYTES of float32 logits (toolkit.models.gpt).
     chunk = max(1, LOSS_CHUNK_BYTES // (4 * V))
     chunk = -(-n // -(-n // chunk))
+    rows = chunk * V
     in_place = cdt == 4 and not mode.cuda  # CPU float32: log_softmax writes over the logits
-    forward = chunk * V * (cdt + (0 if in_place else 4) + (cdt if cdt != 4 else 0))
-    forward += n * E * cdt if h.b != cdt else 0  # h.to(dtype)
-    forward += V * E * cdt if w.b != cdt else 0  # weight.to(dtype)
-    if need_w and cdt != 4:
-        forward += V * E * cdt  # grad.t() @ hc, before it is added to the float32 grad_w
+    logits = rows * cdt
+    log_probs = 0 if in_place else rows * 4
+    # log_softmax(..., dtype=float32) first copies 16-bit logits to float32 (but float16 on CUDA)
+    widened = rows * 4 if cdt != 4 and not (mode.cuda and mode.float16) else 0
+    softmax_16 = rows * cdt if cdt != 4 else 0  # the softmax cast back to the compute dtype
+    casts = (n * E * cdt if h.b != cdt else 0) + (V * E * cdt if w.b != cdt else 0)  # h.to(dtype), weight.to(dtype)
+    product = V * E * cdt if need_w and cdt != 4 else 0  # grad.t() @ hc, before it is added to the float32 grad_w
+    # The float32 copy lives during log_softmax only; the 16-bit softmax and the product come after it.
+    if mode.cuda:  # buffers allocated per call (the 16-bit softmax per chunk) and freed after it
+        kept = 0
+        forward = logits + log_probs + casts + max(widened, softmax_16 + product)
+    else:  # one buffer per kind, kept between calls (the 16-bit softmax's buffer exists already)
+        kept = logits + log_probs + softmax_16
+        forward = kept + casts + max(widened, product)
     # Backward: the incoming-gradient products and their casts to the inputs' dtypes.
     backward = 0
     if need_h:
@@ -509,67 +557,114 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> int:
         backward += V * E * 4 + (V * E * w.b if w.b != 4 else 0)
     if need_b:
         backward += V * 4 + (V * bias.b if bias.b != 4 else 0)  # type: ignore[union-attr]
-    return max(forward, backward)
+    return forward, kept + backward, kept
 
 
 # --------------------------------------------------------------------------------------------
-# FSDP flat parameters
+# FSDP2 shards: every parameter split along dim 0
 # --------------------------------------------------------------------------------------------
 
 
-def fsdp_flat_layout(
-    params: list[ParamSpec], pad_to: int, align: int
-) -> tuple[int, list[tuple[int, int, bool]]]:
-    """(padded flat numel, [(start, numel, trainable)]) of one FSDP unit, as torch 2.13 lays it out.
+def shard_rows(rows: int, shards: int) -> list[int]:
+    """Rows of each rank's dim-0 shard of a tensor with `rows` rows, as FSDP2 splits it (torch.chunk:
+    ceil(rows / shards) rows each, the last ranks fewer or none)."""
+    chunk = -(-rows // shards)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(shards)]
 
-    With use_orig_params each tensor starts at a multiple of `align` elements (16 bytes of the
-    gathered dtype), and the whole is padded to a multiple of the process group's size (also with
-    NO_SHARD, which then keeps all of it).
+
+def padded_shard_numel(s: ParamSpec, shards: int) -> int:
+    """Elements FSDP2 allocates for one rank's shard of `s`: every rank pads its shard to the first
+    rank's ceil(rows / shards) rows, so that the all-gather and the reduce-scatter are even."""
+    rows = s.shape[0]
+    return -(-rows // shards) * (s.numel // rows)
+
+
+def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") -> list[dict[str, int]]:
+    """Parameter, gradient and optimizer-state bytes on each rank of one shard group (FSDP2).
+
+    Each parameter's shard is padded to the same size on every rank, in the parameter's own dtype
+    (trainable or frozen, `Options.param_bytes`). A trainable parameter's gradient shard has the
+    same padded size: a view into the unit's reduce-scatter output, in the trainable dtype. Frozen
+    parameters get no gradient. AdamW keeps two states shaped like the unpadded local shard, so
+    the first ranks, whose shards are fullest, hold the most.
     """
-    total, spans = 0, []
-    for p in params:
-        if total % align:
-            total += align - total % align
-        spans.append((total, p.numel, p.trainable))
-        total += p.numel
-    total += -total % pad_to
-    return total, spans
-
-
-def fsdp_rank_memory(
-    specs: list[ParamSpec], column: "Column", stored_bytes: int, gather_bytes: int
-) -> list[dict[str, int]]:
-    """Parameter, gradient and optimizer-state bytes on each rank of one FSDP shard group.
-
-    Every rank holds the same flat-parameter shard size; a unit with any trainable tensor has a flat
-    gradient shard of the same size (frozen parts included); AdamW keeps two states for the
-    trainable elements that fall into the rank's shard (padding and frozen elements have none).
-    """
-    units: dict[int, list[ParamSpec]] = {}
-    for s in specs:
-        units.setdefault(s.unit, []).append(s)
     W = column.shard_size
     params = grads = 0
     states = [0] * W
-    for members in units.values():
-        total, spans = fsdp_flat_layout(members, column.group_size, 16 // gather_bytes)
-        local = total // W
-        params += local * stored_bytes
-        trainable = [(s0, s0 + n) for s0, n, t in spans if t]
-        if trainable:
-            grads += local * stored_bytes
-        # trainable elements in [r * local, (r + 1) * local) for each rank r
-        ends = [e for _, e in trainable]
-        for r in range(W):
-            lo, hi = r * local, (r + 1) * local
-            i = bisect.bisect_right(ends, lo)
-            count = 0
-            while i < len(trainable) and trainable[i][0] < hi:
-                a, b = trainable[i]
-                count += max(0, min(b, hi) - max(a, lo))
-                i += 1
-            states[r] += count
-    return [{"parameters": params, "gradients": grads, "optimizer_state": 2 * n * stored_bytes} for n in states]
+    for s in specs:
+        padded = padded_shard_numel(s, W)
+        params += padded * opts.param_bytes(s)
+        if s.trainable:
+            grads += padded * opts.trainable_bytes
+            row = s.numel // s.shape[0]
+            for r, rows in enumerate(shard_rows(s.shape[0], W)):
+                states[r] += 2 * rows * row * opts.trainable_bytes
+    return [{"parameters": params, "gradients": grads, "optimizer_state": n} for n in states]
+
+
+@dataclass(frozen=True)
+class Buffers:
+    """What the strategy holds beside the shards and the activations, at four points of a step."""
+
+    loss_forward: int  # while the loss runs in the forward pass
+    backward_start: int  # when the backward pass starts (FSDP gathers the root unit again)
+    loss_backward: int  # while the loss's backward pass runs
+    block_backward: int  # while a block's backward pass runs and its gradients are reduced
+
+    @property
+    def largest(self) -> int:
+        return max(self.loss_forward, self.backward_start, self.loss_backward, self.block_backward)
+
+
+def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> Buffers:
+    """What FSDP2 holds beside the shards, on one rank, in the order torch 2.13's `fully_shard` runs.
+
+    - Gathered (unsharded) parameters, in the dtype each is stored in (no cast on all-gather).
+      A unit is gathered before its forward pass and again before its backward pass (the root
+      unit, with the embedding, final norm and head, too), and released after each (FULL_SHARD,
+      HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every unit gathered from its forward to its
+      backward pass. NO_SHARD "gathers" by copying its full shard.
+    - The all-gather's flat output: each parameter's gathered copy is cut from it, so gathering
+      briefly holds a unit twice (gloo stages a third copy before the flat output is filled, never
+      with the per-parameter copies). In the forward pass the flat output is kept until the next
+      unit is gathered (the last block's, until the forward pass ends); in the backward pass the
+      next block is prefetched when a block starts, and its flat output waits for its turn.
+    - The root unit's gradients (the head's weight and bias, the final norm), unsharded, from the
+      loss's backward pass until the root is reduced at the end of the backward pass.
+    - A block's reduce: its unsharded gradients and the reduce-scatter input they are copied into
+      (padded to the shard group, in the reduction dtype, which is the trainable dtype).
+    """
+    W = column.shard_size
+    units: dict[int, list[ParamSpec]] = {}
+    for s in specs:
+        units.setdefault(s.unit, []).append(s)
+
+    def gathered(members: list[ParamSpec]) -> int:
+        return sum(padded_shard_numel(s, W) * W * opts.param_bytes(s) for s in members)
+
+    root = gathered(units.get(-1, []))
+    blocks = [members for unit, members in units.items() if unit >= 0]
+    block = max((gathered(m) for m in blocks), default=0)
+    flat = block if W > 1 else 0  # a block's flat all-gather output, held beside its copies
+    ps = opts.trainable_bytes
+    # An untied embedding's gradient appears only at the very end, when the activations are gone.
+    head = [s for s in units.get(-1, []) if s.trainable and (s.name != "embed.weight" or opts.config.tie_embeddings)]
+    root_grads = sum(s.numel * ps for s in head)
+    block_grads = max(
+        (sum((s.numel + padded_shard_numel(s, W) * W) * ps for s in members if s.trainable) for members in blocks),
+        default=0,
+    )
+    if column.name == "SHARD_GRAD_OP":  # every unit stays gathered: nothing is gathered again
+        held = root + sum(gathered(m) for m in blocks)
+        return Buffers(held + flat, held, held, held + root_grads + block_grads)
+    return Buffers(
+        loss_forward=root + flat,  # the root, and the last block's flat output
+        # the root gathered again, then the last block prefetched
+        backward_start=max(2 * root if W > 1 else root, root + block + flat),
+        loss_backward=root + (flat or block),  # the prefetched block waits (a flat output, or NO_SHARD's copy)
+        # a block's reduce beside the next block's flat output, or the next block's copy-out and prefetch
+        block_backward=root + root_grads + 2 * block + max(block_grads, block),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,21 +677,18 @@ class Column:
     name: str  # "single", "DDP" or an FSDP sharding strategy
     kind: Literal["single", "ddp", "fsdp"]
     shard_size: int  # devices each FSDP unit is sharded over (1 = replicated)
-    group_size: int = 1  # FSDP pads each unit to a multiple of its process group's size
 
 
 def make_column(name: str, devices: int, num_nodes: int) -> Column:
     """The column for "single", "DDP" or an FSDP sharding on devices x num_nodes."""
-    world = devices * num_nodes
     if name == "single":
-        return Column(name, "single", 1, 1)
+        return Column(name, "single", 1)
     if name == "DDP":
-        return Column(name, "ddp", 1, world)
-    if name == "NO_SHARD":
-        return Column(name, "fsdp", 1, world)
-    if name == "HYBRID_SHARD":
-        return Column(name, "fsdp", devices, devices)  # shard within a node, replicate across nodes
-    return Column(name, "fsdp", world, world)
+        return Column(name, "ddp", 1)
+    from toolkit.training.distributed import mesh_layout  # the mesh training builds (no torch import)
+
+    shape, dims = mesh_layout(name, num_nodes, devices)
+    return Column(name, "fsdp", shape[dims.index("shard")])
 
 
 @dataclass
@@ -614,12 +706,22 @@ class Options:
     lora_dropout: float = 0.0
 
     @property
-    def stored_bytes(self) -> int:  # bytes of a trainable weight
-        return 2 if self.precision.endswith("-true") and self.precision != "32-true" else 4
-
-    @property
     def compute_bytes(self) -> int:
         return 4 if self.precision == "32-true" else 2
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes per element of a trainable weight, its gradient and its AdamW state (float32 but
+        under "*-true" 16-bit precision); also of the gradient reduction under FSDP."""
+        return self.compute_bytes if self.precision.endswith("-true") else 4
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes per element of a frozen weight: stored in the compute dtype."""
+        return self.compute_bytes
+
+    def param_bytes(self, s: ParamSpec) -> int:
+        return self.trainable_bytes if s.trainable else self.frozen_bytes
 
     @property
     def autocast(self) -> bool:
@@ -630,50 +732,30 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
     """Bytes per device of every component for one strategy."""
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
-    ps, cb = opts.stored_bytes, opts.compute_bytes
-    fsdp = column.kind == "fsdp"
     quantized = {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
-    # bitsandbytes' 4-bit layers convert their bias to the compute dtype in the first forward pass
-    half_bias = {s.name for s in specs if opts.quantize not in (None, "bnb.int8") and s.kind == "bias" and s.unit >= 0}
 
     def stored(s: ParamSpec) -> int:
         if s.name in quantized:
             return quantized_bytes(s.shape, opts.quantize)  # type: ignore[arg-type]
-        return s.numel * (cb if s.name in half_bias else ps)
+        return s.numel * opts.param_bytes(s)
 
     out: dict[str, int] = {}
-    trainable = [s for s in specs if s.trainable]
-    if not fsdp:
+    if column.kind != "fsdp":
         out["parameters"] = sum(stored(s) for s in specs)
-        out["gradients"] = sum(s.numel * ps for s in trainable)
+        out["gradients"] = sum(s.numel * opts.trainable_bytes for s in specs if s.trainable)
         out["optimizer_state"] = 2 * out["gradients"]
         out["step_scratch"] = out["gradients"]
-        buffers = out["gradients"] if column.kind == "ddp" else 0  # DDP's gradient buckets
+        buckets = out["gradients"] if column.kind == "ddp" else 0  # DDP's gradient buckets
+        buffers = Buffers(buckets, buckets, buckets, buckets)
     else:
-        ranks = fsdp_rank_memory(specs, column, ps, cb)
+        ranks = fsdp_rank_memory(specs, column, opts)
         out["parameters"] = ranks[0]["parameters"]
         out["gradients"] = ranks[0]["gradients"]
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
         out["step_scratch"] = out["optimizer_state"] // 2
-        units: dict[int, list[ParamSpec]] = {}
-        for s in specs:
-            units.setdefault(s.unit, []).append(s)
-        flat = {u: fsdp_flat_layout(m, column.group_size, 16 // cb)[0] for u, m in units.items()}
-        root = flat.get(-1, 0)
-        block = max((v for k, v in flat.items() if k >= 0), default=0)
-        if column.name == "SHARD_GRAD_OP":
-            gathered = sum(flat.values()) * cb  # kept from forward to backward
-        elif column.name == "NO_SHARD":
-            gathered = (root + 2 * block) * cb if ps != cb else 0  # 16-bit copies while in use
-        else:
-            gathered = (root + 2 * block) * cb
-        head_names = ("embed.weight",) if c.tie_embeddings else ("lm_head.weight", "lm_head.base_layer.weight")
-        head = next(s for s in specs if s.name in head_names)
-        head_grad = head.numel * cb if head.trainable else 0  # held until the root unit reduces
-        block_grad = block * cb if any(s.trainable for s in specs if s.unit >= 0) else 0
-        buffers = gathered + head_grad + block_grad
-    weights, lora = forward_weights(opts, specs, fsdp, quantized)
-    mode = Mode(opts.autocast, cb, opts.cuda, opts.lora_dropout > 0)
+        buffers = fsdp_buffers(specs, column, opts)
+    weights, lora = forward_weights(opts, specs, quantized)
+    mode = Mode(opts.autocast, opts.compute_bytes, opts.cuda, opts.lora_dropout > 0, opts.precision.startswith("16-"))
     act1 = trace_activations(c, mode, weights, lora, 1, opts.max_seq_length)
     if micro_batch_size == 1:
         act = act1
@@ -682,16 +764,28 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         act = _extrapolate(act1, act2, micro_batch_size)
         if micro_batch_size > 2:  # the fused loss's chunks are not affine in the batch size
             full = trace_activations(c, mode, weights, lora, micro_batch_size, opts.max_seq_length)
-            act.loss_scratch = full.loss_scratch
+            act.loss_forward, act.loss_backward, act.loss_kept = full.loss_forward, full.loss_backward, full.loss_kept
     out["activations"] = act.stored
     out["activations_checkpointed"] = act.checkpointed
     out["logits_and_loss"] = act.logits
     out["weight_copies"] = act.weight_copies
-    out["buffers"] = buffers + act.dequant_scratch
+    out["buffers"] = buffers.largest + act.dequant_scratch
     persistent = out["parameters"] + out["gradients"] + out["optimizer_state"]
-    transient = out["logits_and_loss"] + out["weight_copies"] + out["buffers"]
-    out["total"] = persistent + max(out["activations"] + transient, out["step_scratch"])
-    out["total_checkpointed"] = persistent + max(out["activations_checkpointed"] + transient, out["step_scratch"])
+    for key, checkpointed in (("total", False), ("total_checkpointed", True)):
+        # a checkpointed block keeps its input in the forward pass, and is recomputed in the backward pass
+        saved_forward = sum(act.block_inputs) if checkpointed else act.stored
+        saved = act.checkpointed if checkpointed else act.stored
+        copies = act.copies_in_backward(checkpointed)
+        moments = (
+            # the loss in the forward pass: autocast's cache holds every weight copy until the forward ends
+            saved_forward + act.head + act.loss_forward + act.weight_copies + buffers.loss_forward,
+            saved + act.head + act.loss_kept + copies + buffers.backward_start,
+            saved + act.head + act.loss_backward + copies + buffers.loss_backward,
+            # a block's backward pass: the loss's saved gradients are gone (the last block keeps
+            # nearly every activation still)
+            saved + act.backward_in_flight + act.loss_kept + copies + buffers.block_backward,
+        )
+        out[key] = persistent + max(max(moments) + act.dequant_scratch, out["step_scratch"])
     return out
 
 
@@ -705,20 +799,26 @@ def _extrapolate(a1: Activations, a2: Activations, B: int) -> Activations:
         [f(x, y) for x, y in zip(a1.blocks, a2.blocks)],
         [f(x, y) for x, y in zip(a1.block_inputs, a2.block_inputs)],
         f(a1.head, a2.head),
-        f(a1.loss_scratch, a2.loss_scratch),
+        f(a1.loss_forward, a2.loss_forward),
+        f(a1.loss_backward, a2.loss_backward),
+        f(a1.loss_kept, a2.loss_kept),
+        f(a1.backward_in_flight, a2.backward_in_flight),
         a1.weight_copies,
+        a1.block_weight_copies,
         a1.dequant_scratch,
     )
 
 
-def forward_weights(opts: Options, specs: list[ParamSpec], fsdp: bool, quantized: set[str]):
-    """How each weight looks to the forward pass, keyed by parameter name (the module's view)."""
-    ps, cb = opts.stored_bytes, opts.compute_bytes
+def forward_weights(opts: Options, specs: list[ParamSpec], quantized: set[str]):
+    """How each weight looks to the forward pass, keyed by parameter name (the module's view).
+
+    Every weight is used in the dtype it is stored in, on one device as under FSDP2 (which gathers
+    without a cast): trainable float32 weights under "*-mixed" are cast by autocast.
+    """
     weights: dict[str, _Weight] = {}
     adapters: dict[str, dict[str, _Weight]] = {}
     for s in specs:
-        b = cb if fsdp else ps  # FSDP gathers every weight in its param_dtype
-        w = _Weight(b, s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
+        w = _Weight(opts.param_bytes(s), s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
         name = s.name.replace(".base_layer.", ".")
         if s.kind == "lora":
             module, which = s.name.split(".lora_")
@@ -1080,8 +1180,7 @@ def format_table(result: dict[str, Any]) -> str:
         lines.append(label.ljust(width) + "".join(f"{figures[c][key] / scale:.2f}".rjust(cell) for c in cols))
     lines.append("")
     lines.append(
-        "peak = parameters + gradients + optimizer state + max(activations + logits and loss + weight copies + "
-        "buffers, step scratch)"
+        "peak = parameters + gradients + optimizer state + the most of the other rows alive at one moment of the step"
     )
     for note in result["notes"]:
         lines.append(f"note: {note}")
