@@ -7,6 +7,7 @@ subcommand's module is imported. Every subcommand takes `--config file.yaml` and
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import re
 import sys
@@ -151,11 +152,9 @@ def _show_toolkit_logs() -> None:
     Two of Lightning's INFO lines are dropped: "Seed set to N" (at every seeding) and "Using
     bfloat16 Automatic Mixed Precision", which the toolkit's start-up table already says.
     """
-    import logging
-
     logger = logging.getLogger("toolkit")
     if not logger.handlers:
-        handler = logging.StreamHandler()
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
@@ -165,6 +164,19 @@ def _show_toolkit_logs() -> None:
         rank_zero = logging.getLogger(name)
         if not any(isinstance(f, _DropPrecisionNotice) for f in rank_zero.filters):
             rank_zero.addFilter(_DropPrecisionNotice())
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to sys.stderr as it is at each message, not as it was when the handler was made
+    (`run` is also called in-process, e.g. by tests that capture and then close stderr)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
 
 
 class _DropPrecisionNotice:
