@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 
 from toolkit.data.chat_template import ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files
 from toolkit.data.instruct import (
-    IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, read_json_records,
+    IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, read_json_records, sample_stats,
 )
 from toolkit.errors import UserError
 
@@ -461,19 +461,7 @@ class Chat(InstructData, _InstructOptions):
         if self._val is not None and len(self._val) == 0:
             log.warning("every validation conversation was dropped (longer than max_seq_length); no validation")
             self._val = None
-        self.stats = {
-            "chat_template": template.origin,
-            "train_samples": len(self._train),
-            "val_samples": len(self._val) if self._val is not None else 0,
-            "train_tokens": self._train.num_tokens,
-            "train_target_tokens": self._train.num_targets,
-            "max_length": int(self._train.lengths.max()),
-            "mean_length": self._train.num_tokens / len(self._train),
-            "dropped_train": train_stats["dropped"],
-            "dropped_val": val_stats["dropped"],
-            "truncated_train": train_stats["truncated"],
-            "truncated_val": val_stats["truncated"],
-        }
+        self.stats = {"chat_template": template.origin, **sample_stats(self._train, self._val, train_stats, val_stats)}
         log.info(
             "chat data ready in %.1f s: %d training samples (%d tokens, %d in the loss, mean length %.0f, longest %d), "
             "%d validation samples; %d cut at a turn boundary and %d dropped (max_seq_length=%d)",

@@ -538,19 +538,7 @@ class InstructData:
         if self._val is not None and len(self._val) == 0:
             log.warning("every validation sample was dropped (prompt longer than max_seq_length); no validation")
             self._val = None
-        self.stats = {
-            "prompt_style": style.name,
-            "train_samples": len(self._train),
-            "val_samples": len(self._val) if self._val is not None else 0,
-            "train_tokens": self._train.num_tokens,
-            "train_target_tokens": self._train.num_targets,
-            "max_length": int(self._train.lengths.max()),
-            "mean_length": self._train.num_tokens / len(self._train),
-            "dropped_train": train_stats["dropped"],
-            "dropped_val": val_stats["dropped"],
-            "truncated_train": train_stats["truncated"],
-            "truncated_val": val_stats["truncated"],
-        }
+        self.stats = {"prompt_style": style.name, **sample_stats(self._train, self._val, train_stats, val_stats)}
         log.info(
             "instruction data ready in %.1f s: %d training samples (%d tokens, %d in the loss, mean length %.0f, "
             "longest %d), %d validation samples; %d truncated and %d dropped (no response token within "
@@ -647,6 +635,22 @@ class InstructData:
             )
             return None
         return loader
+
+
+def sample_stats(train, val, train_stats: dict, val_stats: dict) -> dict:
+    """What the start-up log and `data.stats` report about tokenized training and validation samples."""
+    return {
+        "train_samples": len(train),
+        "val_samples": len(val) if val is not None else 0,
+        "train_tokens": train.num_tokens,
+        "train_target_tokens": train.num_targets,
+        "max_length": int(train.lengths.max()),
+        "mean_length": train.num_tokens / len(train),
+        "dropped_train": train_stats["dropped"],
+        "dropped_val": val_stats["dropped"],
+        "truncated_train": train_stats["truncated"],
+        "truncated_val": val_stats["truncated"],
+    }
 
 
 def pad_id_for(tokenizer: "Tokenizer") -> int:
