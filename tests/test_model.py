@@ -161,3 +161,19 @@ def test_generation_ends_where_the_stop_hook_says():
                               stop=lambda new: seen.append(new.clone()) or new.numel() == 4)
     assert torch.equal(stopped, whole[: 7 + 4])
     assert [t.tolist() for t in seen] == [whole[7 : 7 + n].tolist() for n in range(1, 5)]
+
+
+@pytest.mark.parametrize("shape", [(5000, 300), (3, 7), (10,)])
+def test_initial_rows_equal_the_rows_of_the_full_initial_value(shape):
+    """A rank draws only the rows it owns; they must be the full tensor's rows, wherever a row block
+    (INIT_BLOCK_ELEMENTS values) starts or ends. (5000, 300) spans two blocks."""
+    from toolkit.models.gpt import initial_value
+
+    full = initial_value(("normal", 0.02), shape, 7, "blocks.0.attn.q_proj.weight")
+    assert full.shape == shape and full.std() > 0
+    rows = shape[0]
+    for start, stop in [(0, rows), (1, rows - 1), (rows // 3, 2 * rows // 3), (rows - 1, rows), (rows, rows)]:
+        part = initial_value(("normal", 0.02), shape, 7, "blocks.0.attn.q_proj.weight", start, stop)
+        assert torch.equal(part, full[start:stop]), (start, stop)
+    other = initial_value(("normal", 0.02), shape, 8, "blocks.0.attn.q_proj.weight")
+    assert not torch.equal(other, full)  # the seed matters

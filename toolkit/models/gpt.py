@@ -244,9 +244,22 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm computed in float32, returned in the input's dtype (as RMSNorm above).
+
+    The input and the weights may differ in dtype: under FSDP with mixed precision a block's
+    weights arrive in bfloat16 while the residual stream stays float32.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = None if self.weight is None else self.weight.float()
+        bias = None if self.bias is None else self.bias.float()
+        return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
+
+
 def make_norm(config: Config) -> nn.Module:
     if config.norm == "layernorm":
-        return nn.LayerNorm(config.n_embd, eps=config.norm_eps)
+        return LayerNorm(config.n_embd, eps=config.norm_eps)
     return RMSNorm(config.n_embd, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
 
 
@@ -499,13 +512,18 @@ def _outside_compile(fn):
     return wrapped
 
 
+# Random initial values are drawn this many at a time (a block of whole rows): small enough that a
+# rank owning a few rows draws little more than them, large enough that seeding costs nothing.
+INIT_BLOCK_ELEMENTS = 1 << 20
+
+
 @torch.no_grad()
 def init_weights(model: nn.Module, n_layer: int, std: float = 0.02, seed: Optional[int] = None) -> None:
     """Initialise a (full, single-device) model for pretraining from scratch; see `init_specs`.
 
     Each parameter draws from its own generator, seeded by `seed` and its name, so the values do
     not depend on the order of initialisation nor on how a distributed run shards the model (a
-    sharded run draws the same full tensor and keeps its rows). Without `seed`, one is drawn from
+    sharded run draws only the rows it owns, with the same values). Without `seed`, one is drawn from
     torch's global generator.
     """
     if seed is None:
@@ -538,12 +556,34 @@ def init_specs(model: nn.Module, n_layer: int, std: float = 0.02) -> dict[str, t
     return specs
 
 
-def initial_value(spec: tuple[str, float], shape: tuple[int, ...], seed: int, name: str) -> torch.Tensor:
-    """The full float32 initial tensor of parameter `name` (see `init_specs`), on the CPU."""
+def initial_value(
+    spec: tuple[str, float], shape: tuple[int, ...], seed: int, name: str, start: int = 0, stop: Optional[int] = None
+) -> torch.Tensor:
+    """Rows [start, stop) (dim 0) of the float32 initial value of parameter `name` (see `init_specs`), on the CPU.
+
+    Random values are drawn in blocks of whole rows (about INIT_BLOCK_ELEMENTS values each), each
+    block from its own generator seeded by `seed`, the name and the block's index. A rank that
+    owns a few rows of a weight draws only the blocks that cover them, never the full tensor, and
+    gets the values any other sharding would give those rows.
+    """
     kind, std = spec
+    rows = shape[0] if shape else 1
+    stop = rows if stop is None else min(stop, rows)
+    part_shape = (max(stop - start, 0), *shape[1:]) if shape else ()
     if kind == "zeros":
-        return torch.zeros(shape)
+        return torch.zeros(part_shape)
     if kind == "ones":
-        return torch.ones(shape)
-    generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
-    return torch.empty(shape).normal_(0.0, std, generator=generator)
+        return torch.ones(part_shape)
+    row_numel = math.prod(shape[1:]) if shape else 1
+    block_rows = max(1, INIT_BLOCK_ELEMENTS // max(row_numel, 1))
+    name_seed = seed * 1_000_003 + zlib.crc32(name.encode())
+    pieces = []
+    for block in range(start // block_rows, math.ceil(stop / block_rows) if stop > start else start // block_rows):
+        first, last = block * block_rows, min((block + 1) * block_rows, rows)
+        generator = torch.Generator().manual_seed((name_seed * 65_537 + block) % 2**63)
+        values = torch.empty((last - first, *shape[1:])).normal_(0.0, std, generator=generator)
+        pieces.append(values[max(start, first) - first:min(stop, last) - first])
+    if not pieces:
+        return torch.empty(part_shape)
+    value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+    return value if shape else value.reshape(())

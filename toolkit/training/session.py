@@ -184,8 +184,8 @@ class Session:
         seed = self.seed
 
         def read_rows(name: str, start: int = 0, stop: Optional[int] = None):
-            # The full tensor is drawn (so the values are the same for any sharding) and sliced.
-            return initial_value(specs[name], shapes[name], seed, name)[start:stop]
+            # Only these rows are drawn; they have the same values under any sharding.
+            return initial_value(specs[name], shapes[name], seed, name, start, stop)
 
         return read_rows
 
