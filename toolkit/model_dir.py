@@ -129,17 +129,20 @@ def checkpoint_row_reader(checkpoint_dir: Path | str):
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
     path = checkpoint_dir / WEIGHTS_FILENAME
     try:
-        handle = safe_open(str(path), framework="pt")
+        with safe_open(str(path), framework="pt") as handle:
+            keys = set(handle.keys())
     except (SafetensorError, OSError) as err:
         raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
-    keys = set(handle.keys())
     tied = Config.from_file(checkpoint_dir).tie_embeddings
 
     def read_rows(name: str, start: int = 0, stop: Optional[int] = None):
         key = "embed.weight" if tied and name == "lm_head.weight" and name not in keys else name
         if key not in keys:
             raise UserError(f"{path} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
-        return handle.get_slice(key)[start:stop]
+        # The file is mapped for this read only: the pages it touched leave the process's resident
+        # set with the mapping, instead of adding up to the rank's share of the file.
+        with safe_open(str(path), framework="pt") as handle:
+            return handle.get_slice(key)[start:stop]
 
     return read_rows
 
