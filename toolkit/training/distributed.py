@@ -210,6 +210,9 @@ class StrategyPlan:
             where = f"FSDP2 {self.sharding} over {self.world_size} processes, each transformer Block sharded"
             if self.device_mesh is not None:
                 where += f", mesh ({self.device_mesh[0]} nodes replicate x {self.device_mesh[1]} devices shard)"
+            if self.precision.endswith("-mixed"):
+                gather = "bfloat16" if self.precision.startswith("bf16") else "float16"
+                where += f", block weights gathered in {gather}, gradients reduced in float32"
         extras = [f"precision {self.precision}", self.accelerator]
         if self.activation_checkpointing:
             extras.append("activation checkpointing")
@@ -461,9 +464,10 @@ def _build_sharded_strategy_class() -> type:
           reduce-scatter on every micro-batch (gradients accumulate in the shards) and defer only
           the cross-replica all-reduce of HYBRID_SHARD/NO_SHARD to the last micro-batch.
 
-        Parameters are used in the dtype they are stored in (see `apply_precision_policy`);
-        autocast chooses the compute dtype, and gradients are reduced in float32 except under
-        "*-true" precision, where everything is in that dtype.
+        Parameters are stored in the dtypes of `apply_precision_policy`. Under "*-mixed" each block
+        gathers its weights in the compute dtype (the root, which holds the embedding, keeps its
+        stored dtype); gradients are reduced in float32 except under "*-true" precision, where
+        everything is in that dtype.
         """
 
         def __init__(self, plan: StrategyPlan, block_cls: type[nn.Module]) -> None:
@@ -508,17 +512,27 @@ def _build_sharded_strategy_class() -> type:
 
             if self.plan.activation_checkpointing:
                 _checkpoint_blocks(module, self.block_cls)
-            true_precision = self.plan.precision.endswith("-true") and self.plan.precision != "32-true"
-            options = dict(
-                mesh=mesh,
-                # Parameters stay in their stored dtype (no cast on all-gather): autocast computes.
-                mp_policy=MixedPrecisionPolicy(reduce_dtype=None if true_precision else torch.float32),
-                offload_policy=CPUOffloadPolicy() if self.plan.cpu_offload else OffloadPolicy(),
-                reshard_after_forward=self.sharding != "SHARD_GRAD_OP",
+            precision = self.plan.precision
+            compute_dtype = precision_dtypes(precision)[1]
+            reduce_dtype = None if precision.endswith("-true") and precision != "32-true" else torch.float32
+            offload = CPUOffloadPolicy() if self.plan.cpu_offload else OffloadPolicy()
+            # Blocks: under "*-mixed" the float32 weights are cast to the compute dtype before the
+            # all-gather, so the gathered copy is 16-bit and autocast has nothing to cast (left to
+            # autocast, it would keep a 16-bit copy of every block's weights until the backward
+            # pass: a whole model's worth per rank). Inputs are not cast: the residual stream
+            # stays in the dtype the single-device model uses.
+            block_policy = MixedPrecisionPolicy(
+                param_dtype=compute_dtype if precision.endswith("-mixed") else None,
+                reduce_dtype=reduce_dtype, cast_forward_inputs=False,
             )
             for unit in _block_units(module, self.block_cls):
-                fully_shard(unit, **options)
-            fully_shard(module, **options)  # the rest: embeddings, final norm, head
+                fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
+                            reshard_after_forward=self.sharding != "SHARD_GRAD_OP")
+            # The root: embeddings, final norm and head, in their stored dtypes (the embedding's
+            # output starts the residual stream). FSDP2's default keeps the root gathered from
+            # its forward pass to its backward pass, which begins with the head.
+            fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
+                        offload_policy=offload)
             return module
 
     class _DeferCrossReplicaReduce(_BackwardSyncControl):
