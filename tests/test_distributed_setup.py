@@ -385,3 +385,24 @@ def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_one_process_checkpoint_save_streams_to_the_file(tmp_path, checkpointing):
+    """A one-device save must not hold a second, serialized copy of the state in memory (Lightning's
+    default CheckpointIO buffers the whole file before writing it). Measured: peak RSS growth."""
+    import torch
+
+    from toolkit.training.distributed import build_fabric, host_memory_growth, start_host_memory_window
+
+    script = _script()
+    fabric = build_fabric(1, 1, "32-true", DistributedArgs(activation_checkpointing=checkpointing),
+                          block_cls=script.TinyBlock, accelerator="cpu")
+    state = {"weights": torch.randn(32, 1 << 20)}  # 128 MiB
+    size = state["weights"].numel() * 4
+    start = start_host_memory_window()
+    fabric.save(tmp_path / "state.pt", state)
+    growth = host_memory_growth(start)
+    assert growth < 0.25 * size, f"saving {size / 2**20:.0f} MiB grew the peak RSS by {growth / 2**20:.0f} MiB"
+    loaded = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert torch.equal(loaded["weights"], state["weights"])

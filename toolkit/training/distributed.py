@@ -324,6 +324,8 @@ def build_fabric(
         raise TypeError(f"block_cls must be an nn.Module subclass (the transformer block), got {block_cls!r}")
 
     strategy, plugins, fabric_precision = _make_strategy(plan, block_cls)
+    if plan.kind != "fsdp":  # (FSDP writes its files with torch's distributed checkpoint or torch.save)
+        plugins = [*plugins, _direct_checkpoint_io()]
     fabric = Fabric(
         accelerator=plan.accelerator,
         devices=plan.devices,
@@ -337,6 +339,30 @@ def build_fabric(
         for level, message in plan.notes:
             log.log(level, message)
     return fabric
+
+
+def _direct_checkpoint_io() -> Any:
+    """A CheckpointIO plugin that `torch.save`s straight into the file.
+
+    Lightning's default serializes the whole checkpoint into an in-memory buffer first, so that the
+    file appears complete or not at all: a second copy of the weights and optimizer state in host
+    memory (+3 GiB at 336M parameters, measured; +96 GB for a one-GPU 8B full fine-tune). The
+    toolkit's checkpoints are atomic at the folder level (`toolkit.training.checkpoint.save` writes
+    into a temporary folder and renames it when complete), so the buffer buys nothing.
+    """
+    from pathlib import Path
+
+    import torch
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class DirectCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            if storage_options is not None:
+                raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, path)
+
+    return DirectCheckpointIO()
 
 
 def _make_strategy(plan: StrategyPlan, block_cls: type[nn.Module]) -> tuple[Any, list, str | None]:
