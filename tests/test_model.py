@@ -177,3 +177,19 @@ def test_initial_rows_equal_the_rows_of_the_full_initial_value(shape):
         assert torch.equal(part, full[start:stop]), (start, stop)
     other = initial_value(("normal", 0.02), shape, 8, "blocks.0.attn.q_proj.weight")
     assert not torch.equal(other, full)  # the seed matters
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [({"n_layer": "abc"}, "n_layer must be an integer"), ({"n_layer": 2.5}, "n_layer must be an integer"),
+     ({"bias": 1}, "bias must be true or false"), ({"family": "foo"}, "family must be one of"),
+     ({"rope_scaling": 3}, "rope_scaling must be a mapping")],
+)
+def test_config_fields_of_the_wrong_type_are_one_clear_error(overrides, message):
+    with pytest.raises(UserError, match=message):
+        Config.from_name("debug", **overrides)
+
+
+def test_overrides_may_rename_a_preset_and_whole_numbers_are_accepted_as_floats():
+    config = Config.from_name("debug", name="mine", rope_base=500000)
+    assert config.name == "mine" and config.rope_base == 500000.0 and isinstance(config.rope_base, float)

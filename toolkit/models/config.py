@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
 
 from toolkit.errors import UserError, did_you_mean
 
@@ -70,6 +70,7 @@ class Config:
     rope_n_elem: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
+        self._check_types()
         problems = []
         for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "head_size", "intermediate_size",
                      "norm_eps", "rope_base"):
@@ -114,9 +115,33 @@ class Config:
             if getattr(self, name) not in allowed:
                 raise UserError(f"Invalid model config {self.name!r}: {name} must be one of {allowed}")
 
+    def _check_types(self) -> None:
+        """Every field holds a value of its annotated type (a JSON file or --model_overrides may not)."""
+        hints = get_type_hints(type(self))
+        for f in fields(self):
+            if not f.init:
+                continue
+            value, hint = getattr(self, f.name), hints[f.name]
+            if value is None and type(None) in get_args(hint):
+                continue
+            base = next((a for a in get_args(hint) if a is not type(None)), hint) if get_origin(hint) is Union else hint
+            if get_origin(base) is Literal:
+                if value not in get_args(base):
+                    raise UserError(f"Invalid model config {self.name!r}: {f.name} must be one of {get_args(base)}, got {value!r}")
+                continue
+            expected = get_origin(base) or base
+            if expected is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, f.name, float(value))  # 10000 for 10000.0
+                continue
+            if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+                kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+                raise UserError(
+                    f"Invalid model config {self.name!r}: {f.name} must be {kind.get(expected, expected.__name__)}, got {value!r}"
+                )
+
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_name(cls, name: str, **overrides: Any) -> "Config":
+    def from_name(cls, name: str, /, **overrides: Any) -> "Config":
         """A preset by name, alias or Hugging Face repo id (case-insensitive), with fields overridden."""
         from toolkit.models.presets import find_preset
 
