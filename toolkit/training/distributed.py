@@ -783,12 +783,18 @@ _FAILURE_CONTEXT = _FailureContext()
 
 
 def _launcher_environment() -> Optional[str]:
-    """The name of the launcher that set up this process's environment, or None."""
-    from lightning.fabric.plugins.environments import LSFEnvironment, SLURMEnvironment, TorchElasticEnvironment
+    """The name of the launcher that set up this process's environment, or None.
 
-    for name, environment in (("torchrun", TorchElasticEnvironment), ("SLURM", SLURMEnvironment), ("LSF", LSFEnvironment)):
-        if environment.detect():
-            return name
+    The same tests as Lightning's cluster environments (TorchElasticEnvironment, SLURMEnvironment,
+    LSFEnvironment `detect()`), made on the environment variables directly: importing Lightning
+    takes seconds, and this check runs before anything else.
+    """
+    if os.environ.get("TORCHELASTIC_RUN_ID"):  # torch.distributed.is_torchelastic_launched()
+        return "torchrun"
+    if "SLURM_NTASKS" in os.environ and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive"):
+        return "SLURM"  # started by srun (an interactive allocation is not a launcher)
+    if all(v in os.environ for v in ("LSB_JOBID", "LSB_DJOB_RANKFILE", "JSM_NAMESPACE_LOCAL_RANK", "JSM_NAMESPACE_SIZE", "JSM_NAMESPACE_RANK")):
+        return "LSF"
     if all(os.environ.get(v) for v in _MANUAL_LAUNCH_VARIABLES):
         return "NODE_RANK/MASTER_ADDR/MASTER_PORT"
     return None

@@ -21,7 +21,7 @@ from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches, plan_strategy, run_on_rank_zero
+from toolkit.training.distributed import DistributedArgs, build_fabric, check_launcher, plan_batches, plan_strategy, run_on_rank_zero
 from toolkit.training.loop import LoopHooks, TrainState, fit
 
 RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
@@ -82,6 +82,7 @@ class Session:
             raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
         # The batch arithmetic is checked once, here, before any process starts.
         strategy = plan_strategy(devices, num_nodes, precision, distributed)
+        check_launcher(num_nodes, strategy.devices)  # before Lightning is imported (seconds)
         plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         created_out_dir = not out_dir.exists()
         fabric = build_fabric(
