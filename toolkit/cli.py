@@ -235,7 +235,22 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)
         return 130
+    except Exception as error:
+        failure = _peer_failure_line(error)
+        if failure is None:
+            raise
+        print(f"{prog}: error: {failure}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _peer_failure_line(error: Exception) -> Optional[str]:
+    """One line when `error` came from another process of a distributed run failing (else None)."""
+    if "torch.distributed" not in sys.modules:  # no process group: not a distributed failure
+        return None
+    from toolkit.training.distributed import explain_peer_failure
+
+    return explain_peer_failure(error)
 
 
 def main() -> None:

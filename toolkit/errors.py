@@ -29,3 +29,12 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' Did you mean: a, b?' or '' when nothing is close."""
     matches = closest(word, choices)
     return f" Did you mean: {', '.join(matches)}?" if matches else ""
+
+
+class PeerFailure(Exception):
+    """Another process of a distributed run failed, died or stopped answering.
+
+    Not the user's input, but reported the same way: one line on stderr, naming the process and
+    what happened, and a non-zero exit code, instead of a traceback from every rank or a hang.
+    See `toolkit.training.distributed.run_on_rank_zero` and `explain_peer_failure`.
+    """

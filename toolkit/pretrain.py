@@ -10,7 +10,7 @@ from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.tokenizer import MIN_BPE_VOCAB
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
-from toolkit.training.distributed import DistributedArgs
+from toolkit.training.distributed import DistributedArgs, run_on_rank_zero
 
 NO_DATA_HELP = (
     "No training data given. For text, pass --data TextFiles --data.train_path <file or folder of .txt/.jsonl>; "
@@ -102,9 +102,7 @@ def pretrain(
                 f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} only {config.vocab_size}: "
                 f"pass --model_overrides '{{vocab_size: {tokenizer.vocab_size}}}' or a matching model."
             )
-        if fabric.global_rank == 0:
-            data.prepare(tokenizer, block_size, session.work_dir)
-        fabric.barrier()
+        run_on_rank_zero(fabric, lambda: data.prepare(tokenizer, block_size, session.work_dir))
         if fabric.global_rank != 0:
             data.connect(tokenizer, block_size, session.work_dir)
         rank, world_size = fabric.global_rank, fabric.world_size

@@ -221,13 +221,14 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     from safetensors.torch import save_file
 
     from toolkit.model_dir import atomic_directory, save_checkpoint_files
-    from toolkit.training.distributed import full_state_dict
+    from toolkit.training.distributed import full_state_dict, run_on_rank_zero
 
     fabric = session.fabric
     # Gathered in full on rank 0 (under FSDP the adapters are sharded with everything else).
     adapters = {adapter_key(k): v for k, v in full_state_dict(fabric, model).items() if is_adapter_weight(k)}
     target = session.out_dir / "final"
-    if fabric.global_rank == 0:
+
+    def write() -> None:
         with atomic_directory(target, overwrite=True) as tmp:
             save_file({k: v.contiguous() for k, v in adapters.items()}, str(tmp / ADAPTER_FILE))
             meta = {"base_checkpoint": str(Path(base_checkpoint).resolve()), "lora": asdict(lora), "quantize": quantize}
@@ -237,7 +238,8 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
         if skipped:
             fabric.print(f"Note: {skipped}.")
         fabric.print(f"Saved the LoRA adapter ({sum(v.numel() for v in adapters.values()):,} parameters) to {target}")
-    fabric.barrier()
+
+    run_on_rank_zero(fabric, write)
     return target
 
 

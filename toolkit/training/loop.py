@@ -106,14 +106,25 @@ def fit(
         if stop_reason:
             break
         group = _take(batches, accumulation)
-        if group is None:
+        if group is None and world_size == 1:
             stop_reason = f"end of data after {state.epoch} epoch(s)"
             break
-        group = [fabric.to_device(b) for b in group]
+        group = [fabric.to_device(b) for b in group or []]
         # Target tokens of this optimizer step over every micro-batch and rank: the loss divisor.
-        targets = sum((b["labels"] != IGNORE_INDEX).sum() for b in group)
-        # (all_reduce works in place: reduce a copy, `targets` stays this rank's count for logging)
-        global_targets = fabric.all_reduce(targets.clone(), reduce_op="sum") if world_size > 1 else targets
+        targets = sum(((b["labels"] != IGNORE_INDEX).sum() for b in group), torch.zeros((), dtype=torch.long, device=fabric.device))
+        global_targets = targets
+        if world_size > 1:
+            # Ranks read their own data and may run out at different steps (a weighted StreamMix,
+            # sharded per rank, can end one step earlier on one rank): the same all-reduce carries
+            # the loss divisor and how many ranks have no whole step left, and all stop together.
+            # Reading the flag costs one host sync per step, before this step's compute is queued.
+            out_of_data = torch.tensor(int(group == []), dtype=torch.long, device=fabric.device)
+            reduced = fabric.all_reduce(torch.stack([targets, out_of_data]), reduce_op="sum")
+            global_targets = reduced[0]
+            ranks_out_of_data = int(reduced[1].item())
+            if ranks_out_of_data:
+                stop_reason = f"end of data after {state.epoch} epoch(s) on {ranks_out_of_data} of {world_size} ranks"
+                break
         # Ranks' gradients are averaged by the strategy (divided by world_size): undo that here.
         scale = world_size / global_targets.clamp(min=1)
 

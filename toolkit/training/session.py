@@ -21,7 +21,7 @@ from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches, plan_strategy
+from toolkit.training.distributed import DistributedArgs, build_fabric, check_launcher, plan_batches, plan_strategy, run_on_rank_zero
 from toolkit.training.loop import LoopHooks, TrainState, fit
 
 RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
@@ -82,6 +82,7 @@ class Session:
             raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
         # The batch arithmetic is checked once, here, before any process starts.
         strategy = plan_strategy(devices, num_nodes, precision, distributed)
+        check_launcher(num_nodes, strategy.devices)  # before Lightning is imported (seconds)
         plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         created_out_dir = not out_dir.exists()
         fabric = build_fabric(
@@ -93,9 +94,7 @@ class Session:
         devices_per_node = fabric.world_size // num_nodes
         plan = plan_batches(devices_per_node, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         fabric.print(plan.table())
-        if fabric.global_rank == 0:
-            out_dir.mkdir(parents=True, exist_ok=True)
-        fabric.barrier()
+        run_on_rank_zero(fabric, lambda: _make_out_dir(out_dir))
         fabric.seed_everything(seed)
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
                    plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision)
@@ -122,11 +121,14 @@ class Session:
             self.tokenizer_dir = Path(tokenizer_dir)
             return Tokenizer(tokenizer_dir)
         target = self.out_dir / "tokenizer"
-        if self.fabric.global_rank == 0 and not (target / "tokenizer.json").is_file():
-            files = data.corpus_files(self.work_dir)
-            self.fabric.print(f"Training a {train_vocab}-token BPE tokenizer on {len(files)} file(s) ...")
-            train_bpe_tokenizer(files, train_vocab, target)
-        self.fabric.barrier()
+
+        def train_tokenizer() -> None:
+            if not (target / "tokenizer.json").is_file():
+                files = data.corpus_files(self.work_dir)
+                self.fabric.print(f"Training a {train_vocab}-token BPE tokenizer on {len(files)} file(s) ...")
+                train_bpe_tokenizer(files, train_vocab, target)
+
+        run_on_rank_zero(self.fabric, train_tokenizer)
         self.tokenizer_dir = target
         return Tokenizer(target)
 
@@ -281,12 +283,21 @@ class Session:
         if self.export_dtype is not None:
             state_dict = {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         target = self.out_dir / name
-        if self.fabric.global_rank == 0:
+
+        def write() -> None:
             with atomic_directory(target, overwrite=True) as tmp:
                 save_checkpoint_files(tmp, state_dict, self.config, self.tokenizer_dir)
             self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
-        self.fabric.barrier()
+
+        run_on_rank_zero(self.fabric, write)
         return target
+
+
+def _make_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(f"Cannot create --out_dir {out_dir}: {error.strerror}; choose a writable folder.") from error
 
 
 def _describe_position(position: dict) -> str:

@@ -1,0 +1,119 @@
+"""A distributed run that goes wrong stops every process with one line, instead of hanging.
+
+Real processes on CPU (gloo, 127.0.0.1), started the way a user starts them: `toolkit ... --devices N`
+(Fabric's launcher starts the other ranks). "Within N seconds" is enforced by the subprocess
+timeout, never by asserting a duration.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ASSETS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", **extra)
+    return env
+
+
+def _pretrain(out_dir: Path, train_path: Path, devices: int, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "toolkit", "pretrain", "debug-neox", "--out_dir", str(out_dir),
+        "--data", "TextFiles", "--data.train_path", str(train_path), "--data.cache_dir", str(out_dir.parent / "cache"),
+        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"), "--devices", str(devices),
+        "--precision", "32-true", "--train.micro_batch_size", "1", "--train.global_batch_size", str(devices),
+        "--train.max_seq_length", "16", "--log.interval", "1", "--log.loggers", "[csv]", "--eval.interval", "100000",
+        *extra,
+    ]
+
+
+@pytest.mark.parametrize("devices", [2, 4])
+def test_bad_data_on_rank_zero_stops_every_rank_with_one_line(tmp_path, devices):
+    """Rank 0 prepares the data alone; a broken JSONL line must reach every rank, not strand them."""
+    data = tmp_path / "corpus.jsonl"
+    data.write_text('{"text": "a good line"}\n{"text": broken\n')
+    out_dir = tmp_path / "out"
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    result = subprocess.run(_pretrain(out_dir, data, devices, "--train.max_steps", "2"), capture_output=True,
+                            text=True, env=env, timeout=30 + 15 * devices)  # start-up of N processes on 2 busy cores
+    line = f"toolkit pretrain: error: {data}:2 is not valid JSON (Expecting value); each line must be one JSON object"
+    assert result.returncode != 0
+    assert result.stderr.count(line) == devices, result.stderr[-3000:]  # every rank, the same line
+    assert "Traceback" not in result.stderr + result.stdout
+    assert not out_dir.exists()  # the run's folder, created at start, is removed again
+
+
+@pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+def test_killed_rank_stops_the_others_with_a_message(tmp_path, victim):
+    """SIGKILL (what the out-of-memory killer sends) on one rank mid-run: the other names it and exits."""
+    timeout = 20
+    cmd = _pretrain(tmp_path / "out", ASSETS / "tinyshakespeare.txt", 2, "--train.max_steps", "100000",
+                    "--distributed.timeout", str(timeout))
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in proc.stdout:  # wait until training runs
+            if line.startswith("step 1"):
+                break
+        (child,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        dead = int(child) if victim == "rank 1" else proc.pid
+        os.kill(dead, signal.SIGKILL)
+        # Output ends when every process that holds the pipes (rank 0 and rank 1) has exited.
+        _, stderr = proc.communicate(timeout=timeout)
+    finally:
+        proc.kill()
+    assert proc.returncode != 0
+    if victim == "rank 1":
+        assert f"toolkit pretrain: error: rank 1 (process {dead}) was killed by SIGKILL" in stderr, stderr[-3000:]
+    else:
+        assert f"toolkit pretrain: error: rank 0 (process {dead}, which started this node's other ranks) is gone" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr
+
+
+def test_two_nodes_without_a_launcher_fail_before_any_work(tmp_path):
+    out_dir = tmp_path / "out"
+    cmd = _pretrain(out_dir, ASSETS / "tinyshakespeare.txt", 1, "--num_nodes", "2", "--train.global_batch_size", "2")
+    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    assert result.returncode != 0
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("toolkit pretrain: error: --num_nodes 2 needs a launcher"), line
+    for needed in ("NODE_RANK", "MASTER_ADDR", "MASTER_PORT", "torchrun --nnodes 2 --nproc-per-node 1", "srun --nodes 2"):
+        assert needed in line
+    assert not out_dir.exists()
+
+
+def test_rendezvous_that_never_completes_names_address_and_port(tmp_path):
+    """Node 0 started, node 1 never: the wait ends at the timeout with the address it waited on."""
+    port = _free_port()
+    cmd = _pretrain(tmp_path / "out", ASSETS / "tinyshakespeare.txt", 1, "--num_nodes", "2", "--train.global_batch_size", "2",
+                    "--distributed.timeout", "3")
+    env = _env(NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90)
+    assert result.returncode != 0
+    assert f"toolkit pretrain: error: the processes did not all meet at 127.0.0.1:{port}" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+
+
+def test_ranks_agree_on_the_end_of_data(tmp_path):
+    """Rank 1's data ends a step before rank 0's: both stop after the same step, neither hangs."""
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "uneven_data.py")], capture_output=True,
+                            text=True, env=env, timeout=90)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert "rank 0 stopped at step 2" in result.stdout and "rank 1 stopped at step 2" in result.stdout
+    assert "end of data after 1 epoch(s) on 1 of 2 ranks" in result.stdout
