@@ -1,4 +1,4 @@
-"""Argument groups shared by every entry point (`--train.*`, `--eval.*`, `--log.*`).
+"""Argument groups shared by every entry point (`--train.*`, `--eval.*`, `--log.*`, `--distributed.*`).
 
 They are plain typed dataclasses: jsonargparse turns them into CLI options and YAML sections, so a
 misspelled option is an error, never a silent default.
@@ -140,3 +140,43 @@ def parse_duration(text: str) -> float:
         return sum(float(n) * _DURATION_UNITS[u] for n, u in re.findall(r"(\d+(?:\.\d+)?)([dhms])", text))
     except ValueError:
         raise UserError(f"Cannot read the duration {text!r}: use e.g. 90s, 45m, 2h, 1d2h or 01:30:00") from None
+
+
+StrategyName = Literal["auto", "fsdp", "ddp"]
+ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]
+StateDictTypeName = Literal["full", "sharded"]
+
+
+@dataclass
+class DistributedArgs:
+    """How to spread training over devices and machines (`--distributed.<field>` on the CLI).
+
+    Args:
+        strategy: "auto" uses FSDP when there is more than one device in total (devices x nodes)
+            and a single device otherwise; "fsdp" and "ddp" force that strategy when there is more
+            than one device. With one device in total the single-device strategy is always used.
+        sharding: FSDP sharding. FULL_SHARD shards parameters, gradients and optimizer state over
+            all devices; SHARD_GRAD_OP keeps full parameters between forward and backward;
+            HYBRID_SHARD shards within each machine and replicates across machines (on one
+            machine it is FULL_SHARD; with one device per machine it falls back to FULL_SHARD);
+            NO_SHARD replicates everything, like DDP. FSDP2 (`fully_shard`) in every case.
+            Ignored unless FSDP is used.
+        activation_checkpointing: recompute each transformer block's activations in the backward
+            pass instead of storing them: less memory, about a third more compute.
+        cpu_offload: keep FSDP parameters and gradients in CPU memory between uses (CUDA only; on
+            CPU they are there already and this is ignored).
+        state_dict_type: format of mid-run FSDP checkpoints: "sharded" writes one file per rank
+            (torch's distributed checkpoint: fast, and it reshards when loaded on another number
+            of devices), "full" gathers everything into a single file on rank 0. The final
+            exported model is always full.
+        timeout: seconds a collective (a barrier, a gradient reduction) waits for the other
+            processes before the run fails. Rank 0 prepares data alone while the others wait, so
+            this must outlast the first tokenization of a large corpus.
+    """
+
+    strategy: StrategyName = "auto"
+    sharding: ShardingName = "HYBRID_SHARD"
+    activation_checkpointing: bool = False
+    cpu_offload: bool = False
+    state_dict_type: StateDictTypeName = "sharded"
+    timeout: int = 3600
