@@ -511,3 +511,31 @@ def test_cli_chooses_the_dataset_class():
     assert data.mask_prompt is False and data.json_path == SEED_TASKS
     data = parser.instantiate(parser.parse_args(["--data", "Alpaca", "--data.json_path", str(TINY)])).data
     assert isinstance(data, Alpaca) and data.prompt_style is None and data.val_split_fraction == 0.05
+
+
+@pytest.mark.parametrize("style", ["chatml", None])
+def test_generate_with_a_prompt_style_stops_at_its_end_of_turn_token(tmp_path, style, capsys):
+    """A model that always says <|im_end|>: with --prompt_style chatml the reply ends there, as
+    fine-tuning taught it to; without a style it runs to --max_new_tokens."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from toolkit.generate import generate
+    from toolkit.model_dir import save_checkpoint_files
+    from toolkit.models.config import Config
+
+    hf = HFTokenizer.from_file(str(ASSETS / "tokenizers" / "gpt-neox-20b" / "tokenizer.json"))
+    hf.add_special_tokens(["<|im_end|>"])
+    tokenizer_dir = tmp_path / "tokenizer"
+    tokenizer_dir.mkdir()
+    hf.save(str(tokenizer_dir / "tokenizer.json"))
+    end_of_turn = hf.token_to_id("<|im_end|>")
+    config = Config.from_name("debug-neox", vocab_size=hf.get_vocab_size(), lm_head_bias=True)
+    model = gpt.GPT(config)
+    state = {name: torch.zeros_like(p) for name, p in model.state_dict().items()}
+    state["lm_head.bias"][end_of_turn] = 10.0  # every position's most likely token
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    save_checkpoint_files(checkpoint, state, config, tokenizer_dir)
+
+    generate(checkpoint, prompt="Say hi.", prompt_style=style, max_new_tokens=5, temperature=0.0)
+    assert ("[1 tokens" if style else "[5 tokens") in capsys.readouterr().out  # <|im_end|> decodes to nothing

@@ -167,11 +167,19 @@ def generate(
         if messages is not None:
             return answer_messages(session, conversation, num_samples)
         return interactive(session, system)
+    stop_ids = {tokenizer.eos_id} - {None}
+    stop_texts: list[str] = []
     if prompt_style is not None:
         from toolkit.data.prompts import resolve_style
 
         style = resolve_style(None if prompt_style == "auto" else prompt_style, model.config)
         prompt = style.apply(prompt)
+        # The response ends where fine-tuning ended it: at the style's end-of-turn marker (one
+        # special token, e.g. <|im_end|>, or text to look for in the decoded reply) as well as EOS.
+        for text in style.stop_strings:
+            token = tokenizer.token_to_id(text)
+            stop_ids.add(token) if token is not None else stop_texts.append(text)
+    stop = (lambda new: any(text in tokenizer.decode(new) for text in stop_texts)) if stop_texts else None
     encoded = tokenizer.encode(prompt).to(device)
     if encoded.numel() == 0:
         if tokenizer.bos_id is None:
@@ -183,9 +191,12 @@ def generate(
     samples = []
     for _ in range(num_samples):
         start = time.perf_counter()
-        out = generate_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, tokenizer.eos_id, generator)
+        out = generate_tokens(model, encoded, max_new_tokens, temperature, top_k, top_p, stop_ids, generator, stop=stop)
         seconds = time.perf_counter() - start
-        text = tokenizer.decode(out)
+        reply = tokenizer.decode(out[encoded.numel():])
+        for marker in stop_texts:
+            reply = reply.split(marker, 1)[0]
+        text = tokenizer.decode(encoded) + reply
         samples.append(text)
         print(text, flush=True)
         new = out.numel() - encoded.numel()
