@@ -368,8 +368,8 @@ ACTIVATION_CASES = [
 def test_activations_equal_what_autograd_saves(name, precision, lora, dropout):
     """Exact: the walk through GPT.forward names every byte autograd keeps, and nothing else.
 
-    CPU autocast differs from CUDA's in one rule the estimator models (CUDA runs layer_norm in
-    float32; CPU keeps bf16), so the comparison uses the estimator's CPU rules (`cuda=False`).
+    CPU kernels differ from CUDA's in what dropout keeps (a scaled copy, not a one-byte mask), so
+    the comparison uses the estimator's CPU rules (`cuda=False`).
     """
     config = Config.from_name(name)
     torch.manual_seed(0)

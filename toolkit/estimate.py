@@ -44,8 +44,8 @@ What is assumed, and where it comes from:
   flash kernel): it keeps the output and a float32 log-sum-exp per query, never the T x T matrix.
   The math fallback (used with explicit masks; possibly also for float32 with grouped-query
   attention on GPUs, where no fused kernel takes both) would add B x heads x T x T per layer.
-- Autocast rules are CUDA's: linear layers and SDPA run in 16 bits; layer_norm and the loss run in
-  float32. Each linear layer casts its float32 input separately (casts of activations are not
+- Autocast rules are CUDA's: linear layers and SDPA run in 16 bits; the loss runs in float32, and
+  the model's norms compute in float32 themselves (`gpt.LayerNorm`, `gpt.RMSNorm`). Each linear layer casts its float32 input separately (casts of activations are not
   cached); weight casts are cached for the whole forward pass.
 - LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train (float32 under
   "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters. A frozen
@@ -238,7 +238,7 @@ class Mode:
 
     autocast: bool  # *-mixed: matmuls in 16 bits under torch.autocast
     compute: int  # bytes of the compute dtype
-    cuda: bool = True  # CUDA autocast/layer_norm rules; False: the CPU's (used by the tests)
+    cuda: bool = True  # CUDA's dropout mask and loss buffers; False: the CPU's (used by the tests)
     lora_dropout: bool = False  # adapters apply dropout to their input
     float16: bool = False  # the 16-bit compute dtype is float16 (not bfloat16)
 
@@ -324,15 +324,16 @@ class _Tracer:
         c, n, E = self.c, self.n, self.c.n_embd
         w = self.w[f"{prefix}.weight"]
         if c.norm == "layernorm":
-            if self.mode.autocast and self.mode.cuda:
-                xin, out_b = self.cast(x, 4), 4  # CUDA autocast runs layer_norm in float32
-            else:
-                xin, out_b = x, max(x.b, w.b)
-            if xin.rg or w.trainable:
-                self.save(xin)
-                stat_b = 4 if (self.mode.cuda or xin.b == 4) else xin.b  # mean and rstd
-                self.save(self.new(2 * n, stat_b, False))
-            return self.new(n * E, out_b, xin.rg or w.trainable)
+            # gpt.LayerNorm: F.layer_norm(x.float(), weight.float(), bias.float()), returned in x's dtype
+            xf = self.cast(x, 4)
+            rg = xf.rg or w.trainable
+            if rg:
+                self.save(xf)
+                self.save(self.new(2 * n, 4, False))  # mean and rstd
+                for p in (w, self.w.get(f"{prefix}.bias")):  # the float32 weight and bias (copies if 16-bit)
+                    if p is not None and p.b != 4:
+                        self.save(self.new(p.numel, 4, False))
+            return self.cast(self.new(n * E, 4, rg), x.b)
         # RMSNorm: x.float(); x * rsqrt(mean(x^2) + eps); then the weight
         xf = self.cast(x, 4)
         if xf.rg:
