@@ -225,7 +225,7 @@ class _T:
 class _Weight:
     """How a weight looks to the forward pass."""
 
-    b: int  # bytes per element as stored (and as the forward pass sees it: FSDP2 gathers without a cast)
+    b: int  # bytes per element as the forward pass sees it (as stored, or as FSDP gathers it: `Options.gathered_bytes`)
     trainable: bool
     numel: int
     quant: Optional[str] = None  # bitsandbytes kind for quantized linear weights
@@ -608,7 +608,7 @@ class Buffers:
     """What the strategy holds beside the shards and the activations, at four points of a step."""
 
     loss_forward: int  # while the loss runs in the forward pass
-    backward_start: int  # when the backward pass starts (FSDP gathers the root unit again)
+    backward_start: int  # when the backward pass starts (FSDP prefetches the last block)
     loss_backward: int  # while the loss's backward pass runs
     block_backward: int  # while a block's backward pass runs and its gradients are reduced
 
@@ -620,11 +620,14 @@ class Buffers:
 def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> Buffers:
     """What FSDP2 holds beside the shards, on one rank, in the order torch 2.13's `fully_shard` runs.
 
-    - Gathered (unsharded) parameters, in the dtype each is stored in (no cast on all-gather).
-      A unit is gathered before its forward pass and again before its backward pass (the root
-      unit, with the embedding, final norm and head, too), and released after each (FULL_SHARD,
-      HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every unit gathered from its forward to its
-      backward pass. NO_SHARD "gathers" by copying its full shard.
+    - Gathered (unsharded) parameters, in the dtype the unit gathers them in
+      (`Options.gathered_bytes`): under "*-mixed" each block's float32 shards are first copied,
+      cast to the compute dtype, into one flat all-gather input (a shard's worth, alive during the
+      all-gather); the root unit (embedding, final norm, head) gathers as stored. A block is
+      gathered before its forward pass and again before its backward pass, and released after
+      each (FULL_SHARD, HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every block gathered from its
+      forward to its backward pass. The root stays gathered from its forward pass to the end of
+      the backward pass (FSDP2's default for the root). NO_SHARD "gathers" by copying its shard.
     - The all-gather's flat output: each parameter's gathered copy is cut from it, so gathering
       briefly holds a unit twice (gloo stages a third copy before the flat output is filled, never
       with the per-parameter copies). In the forward pass the flat output is kept until the next
@@ -632,8 +635,11 @@ def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> B
       next block is prefetched when a block starts, and its flat output waits for its turn.
     - The root unit's gradients (the head's weight and bias, the final norm), unsharded, from the
       loss's backward pass until the root is reduced at the end of the backward pass.
-    - A block's reduce: its unsharded gradients and the reduce-scatter input they are copied into
-      (padded to the shard group, in the reduction dtype, which is the trainable dtype).
+    - A block's reduce: its unsharded gradients, in the gathered dtype (the compute dtype under
+      "*-mixed": autograd computes them against the gathered weights), and the reduce-scatter
+      input they are copied into, padded to the shard group and in the reduction dtype (the
+      trainable dtype: float32 under "*-mixed"). FSDP keeps a block's reduce-scatter input until
+      the next block reduces.
     """
     W = column.shard_size
     units: dict[int, list[ParamSpec]] = {}
@@ -641,30 +647,38 @@ def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> B
         units.setdefault(s.unit, []).append(s)
 
     def gathered(members: list[ParamSpec]) -> int:
-        return sum(padded_shard_numel(s, W) * W * opts.param_bytes(s) for s in members)
+        return sum(padded_shard_numel(s, W) * W * opts.gathered_bytes(s, column) for s in members)
 
     root = gathered(units.get(-1, []))
     blocks = [members for unit, members in units.items() if unit >= 0]
     block = max((gathered(m) for m in blocks), default=0)
     flat = block if W > 1 else 0  # a block's flat all-gather output, held beside its copies
+    cast_input = block // W if W > 1 and opts.autocast else 0  # "*-mixed": the shard cast for the all-gather
     ps = opts.trainable_bytes
     # An untied embedding's gradient appears only at the very end, when the activations are gone.
     head = [s for s in units.get(-1, []) if s.trainable and (s.name != "embed.weight" or opts.config.tie_embeddings)]
     root_grads = sum(s.numel * ps for s in head)
-    block_grads = max(
-        (sum((s.numel + padded_shard_numel(s, W) * W) * ps for s in members if s.trainable) for members in blocks),
-        default=0,
-    )
+
+    def unsharded_grads(members: list[ParamSpec]) -> int:
+        return sum(s.numel * opts.gathered_bytes(s, column) for s in members if s.trainable)
+
+    def reduce_input(members: list[ParamSpec]) -> int:
+        return sum(padded_shard_numel(s, W) * W * ps for s in members if s.trainable)
+
+    grads = max((unsharded_grads(m) for m in blocks), default=0)
+    reduce = max((reduce_input(m) for m in blocks), default=0)
     if column.name == "SHARD_GRAD_OP":  # every unit stays gathered: nothing is gathered again
         held = root + sum(gathered(m) for m in blocks)
-        return Buffers(held + flat, held, held, held + root_grads + block_grads)
+        return Buffers(held + flat, held, held, held + root_grads + grads + reduce)
+    gather = 2 * flat + cast_input if W > 1 else block  # a block's all-gather in flight (NO_SHARD: its copy)
     return Buffers(
         loss_forward=root + flat,  # the root, and the last block's flat output
-        # the root gathered again, then the last block prefetched
-        backward_start=max(2 * root if W > 1 else root, root + block + flat),
+        backward_start=root + gather,  # the root still gathered; the last block prefetched
         loss_backward=root + (flat or block),  # the prefetched block waits (a flat output, or NO_SHARD's copy)
-        # a block's reduce beside the next block's flat output, or the next block's copy-out and prefetch
-        block_backward=root + root_grads + 2 * block + max(block_grads, block),
+        # The larger of: the end of a block's backward pass (its copies and unsharded gradients, the
+        # next block's flat output, the previous block's reduce-scatter input) and the next block's
+        # turn (its copy-out, then the prefetch of the one after it, beside this block's reduce input).
+        block_backward=root + root_grads + max(block + flat + reduce + grads, block + gather + reduce),
     )
 
 
@@ -724,6 +738,15 @@ class Options:
     def param_bytes(self, s: ParamSpec) -> int:
         return self.trainable_bytes if s.trainable else self.frozen_bytes
 
+    def gathered_bytes(self, s: ParamSpec, column: "Column") -> int:
+        """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
+        FSDP with "*-mixed" a block's weights are cast to the compute dtype before the all-gather
+        (the blocks' MixedPrecisionPolicy in toolkit.training.distributed); the root unit
+        (embedding, final norm, head) is gathered as stored."""
+        if column.kind == "fsdp" and self.autocast and s.unit >= 0:
+            return self.compute_bytes
+        return self.param_bytes(s)
+
     @property
     def autocast(self) -> bool:
         return self.precision.endswith("-mixed")
@@ -755,7 +778,7 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
         out["step_scratch"] = out["optimizer_state"] // 2
         buffers = fsdp_buffers(specs, column, opts)
-    weights, lora = forward_weights(opts, specs, quantized)
+    weights, lora = forward_weights(opts, specs, quantized, column)
     mode = Mode(opts.autocast, opts.compute_bytes, opts.cuda, opts.lora_dropout > 0, opts.precision.startswith("16-"))
     act1 = trace_activations(c, mode, weights, lora, 1, opts.max_seq_length)
     if micro_batch_size == 1:
@@ -810,16 +833,21 @@ def _extrapolate(a1: Activations, a2: Activations, B: int) -> Activations:
     )
 
 
-def forward_weights(opts: Options, specs: list[ParamSpec], quantized: set[str]):
+def forward_weights(opts: Options, specs: list[ParamSpec], quantized: set[str], column: Optional[Column] = None):
     """How each weight looks to the forward pass, keyed by parameter name (the module's view).
 
-    Every weight is used in the dtype it is stored in, on one device as under FSDP2 (which gathers
-    without a cast): trainable float32 weights under "*-mixed" are cast by autocast.
+    On one device and with DDP (`column` None or not FSDP) every weight is used in the dtype it is
+    stored in: trainable float32 weights under "*-mixed" are cast by autocast. Under FSDP with
+    "*-mixed" the blocks' weights (adapters included) arrive in the compute dtype
+    (`Options.gathered_bytes`), so autocast casts only the root's float32 weights that a linear
+    layer uses: a LoRA head's adapters (the embedding is a lookup, the plain head takes the fused
+    loss, which casts per chunk).
     """
     weights: dict[str, _Weight] = {}
     adapters: dict[str, dict[str, _Weight]] = {}
     for s in specs:
-        w = _Weight(opts.param_bytes(s), s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
+        b = opts.param_bytes(s) if column is None else opts.gathered_bytes(s, column)
+        w = _Weight(b, s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
         name = s.name.replace(".base_layer.", ".")
         if s.kind == "lora":
             module, which = s.name.split(".lora_")
