@@ -17,8 +17,9 @@ For every strategy it splits the memory of one device into:
                       gradients in the backward pass. A LoRA head takes the plain loss: the float32
                       log-softmax it keeps, plus the two (tokens x vocab) float32 gradients its
                       backward creates
-    weight copies     bf16 copies of float32 weights that autocast makes, whole (not shards), on
-                      one device, with DDP and under FSDP alike
+    weight copies     bf16 copies of float32 weights that autocast makes, whole (not shards): on
+                      one device and with DDP, of every linear weight that trains; under FSDP only
+                      of the root unit's (a LoRA head's adapters), as blocks arrive in 16 bits
     buffers           FSDP's gathered (unsharded) weights, all-gather outputs and unreduced
                       gradients; DDP's gradient buckets; bitsandbytes' dequantized weight
     step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
@@ -26,7 +27,7 @@ For every strategy it splits the memory of one device into:
 These do not all exist at once. The peak is parameters + gradients + optimizer state + the largest
 of what is alive besides them at five moments of a step (`column_memory`): the loss in the forward
 pass (every activation, the loss's chunk buffers, every weight copy: autocast caches them until
-the forward pass ends); the start of the backward pass (FSDP gathers the root unit again); the
+the forward pass ends); the start of the backward pass (FSDP prefetches the last block); the
 loss's backward pass; a block's backward pass (the loss's saved gradients are gone, the block's
 gradients are reduced, and the widest activation gradients are in flight, `_Tracer.mlp`); and
 AdamW's step. Gradients are counted throughout because with gradient accumulation they are alive
@@ -36,9 +37,11 @@ What is assumed, and where it comes from:
 - Precision: the toolkit's one policy (`toolkit.training.distributed.precision_dtypes`). Under
   "*-mixed" and "32-true", trainable weights, their gradients and AdamW state are float32 and frozen
   weights (the LoRA and QLoRA base) are stored in the compute dtype (bf16 under "bf16-mixed");
-  under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. Weights are
-  used as they are stored (FSDP2 gathers without a cast), so autocast copies every float32 weight
-  a linear layer uses. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
+  under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. On one
+  device and with DDP weights are used as they are stored, so autocast copies every float32 weight
+  a linear layer uses; under FSDP each block casts its float32 shards to the compute dtype before
+  the all-gather (its gradients come out 16-bit and are reduced in float32), and the root unit
+  gathers as stored (`Options.gathered_bytes`). The residual stream stays float32. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
   CPU and are not counted.
 - Attention runs in a fused kernel (flash or memory-efficient SDPA, as on GPUs and in torch's CPU
   flash kernel): it keeps the output and a float32 log-sum-exp per query, never the T x T matrix.
@@ -48,7 +51,8 @@ What is assumed, and where it comes from:
   the model's norms compute in float32 themselves (`gpt.LayerNorm`, `gpt.RMSNorm`). Each linear layer casts its float32 input separately (casts of activations are not
   cached); weight casts are cached for the whole forward pass.
 - LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train (float32 under
-  "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters. A frozen
+  "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters (under
+  FSDP, a LoRA head's only: the blocks' adapters are gathered in 16 bits). A frozen
   linear layer does not keep its input. Adapter dropout (finetune_lora's default 0.05) keeps a
   one-byte mask per input element. Frozen parameters have no gradient, under FSDP too.
 - QLoRA (bitsandbytes): the linear layers of the blocks are quantized (embedding, norms and head are
