@@ -7,7 +7,8 @@
   parameter shards, gradients and AdamW state must equal the estimate byte for byte.
 - Activations: a real forward pass on CPU under `torch.autograd.graph.saved_tensors_hooks`, which
   sees every tensor autograd keeps for the backward pass; the estimator's op-by-op walk must name
-  the same bytes, for every architecture family, precision and LoRA set-up.
+  the same bytes, for every architecture family, precision and LoRA set-up; and in the real
+  training steps below, on one device and on each FSDP2 rank (blocks gathered in bf16).
 - Peak: the same real training steps, whose peak of live tensor memory (the CPU allocator's own
   count, method in the script's docstring) must be within a few percent of the estimated total,
   for full fine-tuning and LoRA, bf16-mixed and 32-true, with and without activation checkpointing.
@@ -617,6 +618,34 @@ def test_parameters_gradients_and_optimizer_state_match_real_runs(runs):
     # The uneven last rows: rank 0 holds more AdamW state than rank 1 in a full fine-tune.
     first, second = (rank["FULL_SHARD"]["32-true:full"]["optimizer_state"] for rank in runs.ranks())
     assert first > second
+
+
+def _traced_in_run(opts: est.Options, column: est.Column, as_stored: bool = False) -> int:
+    """The estimator's saved bytes for a measured set-up (CPU rules), with the weights as `column`
+    shows them to the forward pass, or as they are stored."""
+    specs = est.parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
+    weights, adapters = est.forward_weights(opts, specs, set(), None if as_stored else column)
+    mode = est.Mode(opts.autocast, opts.compute_bytes, cuda=False, lora_dropout=opts.lora_dropout > 0)
+    act = est.trace_activations(opts.config, mode, weights, adapters, MEASURED_BATCH, MEASURED_SEQ)
+    return act.stored + act.head + act.weight_copies
+
+
+def test_activations_in_real_runs_equal_what_autograd_saves(runs):
+    """Exact, in the real training steps (not checkpointed): under FSDP2 with bf16-mixed each block
+    arrives gathered in bf16 and the root (embedding, final norm, head) in float32, so autocast
+    copies no weight and the norms meet bf16 weights; the walk, given the weights as FSDP gathers
+    them (`Options.gathered_bytes`), names the same bytes. With the weights as stored it would not."""
+    checked = set()
+    for column_name, world, rank, setup, measured in runs.measured():
+        if measured["saved"] is None:
+            continue
+        opts = _options(setup)
+        column = est.make_column(column_name, world, 1)
+        assert measured["saved"] == _traced_in_run(opts, column), (column_name, rank, setup)
+        if column.kind == "fsdp" and opts.autocast:
+            assert measured["saved"] != _traced_in_run(opts, column, as_stored=True)
+        checked.add((column_name, setup))
+    assert {("FULL_SHARD", "bf16-mixed:full"), ("FULL_SHARD", "bf16-mixed:lora"), ("single", "bf16-mixed:full")} <= checked
 
 
 def test_estimated_peaks_are_within_4_percent_of_measured(runs):
