@@ -17,8 +17,9 @@ For every strategy it splits the memory of one device into:
                       gradients in the backward pass. A LoRA head takes the plain loss: the float32
                       log-softmax it keeps, plus the two (tokens x vocab) float32 gradients its
                       backward creates
-    weight copies     bf16 copies of float32 weights that autocast makes, whole (not shards), on
-                      one device, with DDP and under FSDP alike
+    weight copies     bf16 copies of float32 weights that autocast makes, whole (not shards): on
+                      one device and with DDP, of every linear weight that trains; under FSDP only
+                      of the root unit's (a LoRA head's adapters), as blocks arrive in 16 bits
     buffers           FSDP's gathered (unsharded) weights, all-gather outputs and unreduced
                       gradients; DDP's gradient buckets; bitsandbytes' dequantized weight
     step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
@@ -26,7 +27,7 @@ For every strategy it splits the memory of one device into:
 These do not all exist at once. The peak is parameters + gradients + optimizer state + the largest
 of what is alive besides them at five moments of a step (`column_memory`): the loss in the forward
 pass (every activation, the loss's chunk buffers, every weight copy: autocast caches them until
-the forward pass ends); the start of the backward pass (FSDP gathers the root unit again); the
+the forward pass ends); the start of the backward pass (FSDP prefetches the last block); the
 loss's backward pass; a block's backward pass (the loss's saved gradients are gone, the block's
 gradients are reduced, and the widest activation gradients are in flight, `_Tracer.mlp`); and
 AdamW's step. Gradients are counted throughout because with gradient accumulation they are alive
@@ -36,19 +37,22 @@ What is assumed, and where it comes from:
 - Precision: the toolkit's one policy (`toolkit.training.distributed.precision_dtypes`). Under
   "*-mixed" and "32-true", trainable weights, their gradients and AdamW state are float32 and frozen
   weights (the LoRA and QLoRA base) are stored in the compute dtype (bf16 under "bf16-mixed");
-  under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. Weights are
-  used as they are stored (FSDP2 gathers without a cast), so autocast copies every float32 weight
-  a linear layer uses. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
+  under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. On one
+  device and with DDP weights are used as they are stored, so autocast copies every float32 weight
+  a linear layer uses; under FSDP each block casts its float32 shards to the compute dtype before
+  the all-gather (its gradients come out 16-bit and are reduced in float32), and the root unit
+  gathers as stored (`Options.gathered_bytes`). The residual stream stays float32. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
   CPU and are not counted.
 - Attention runs in a fused kernel (flash or memory-efficient SDPA, as on GPUs and in torch's CPU
   flash kernel): it keeps the output and a float32 log-sum-exp per query, never the T x T matrix.
   The math fallback (used with explicit masks; possibly also for float32 with grouped-query
   attention on GPUs, where no fused kernel takes both) would add B x heads x T x T per layer.
-- Autocast rules are CUDA's: linear layers and SDPA run in 16 bits; layer_norm and the loss run in
-  float32. Each linear layer casts its float32 input separately (casts of activations are not
+- Autocast rules are CUDA's: linear layers and SDPA run in 16 bits; the loss runs in float32, and
+  the model's norms compute in float32 themselves (`gpt.LayerNorm`, `gpt.RMSNorm`). Each linear layer casts its float32 input separately (casts of activations are not
   cached); weight casts are cached for the whole forward pass.
 - LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train (float32 under
-  "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters. A frozen
+  "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters (under
+  FSDP, a LoRA head's only: the blocks' adapters are gathered in 16 bits). A frozen
   linear layer does not keep its input. Adapter dropout (finetune_lora's default 0.05) keeps a
   one-byte mask per input element. Frozen parameters have no gradient, under FSDP too.
 - QLoRA (bitsandbytes): the linear layers of the blocks are quantized (embedding, norms and head are
@@ -225,7 +229,7 @@ class _T:
 class _Weight:
     """How a weight looks to the forward pass."""
 
-    b: int  # bytes per element as stored (and as the forward pass sees it: FSDP2 gathers without a cast)
+    b: int  # bytes per element as the forward pass sees it (as stored, or as FSDP gathers it: `Options.gathered_bytes`)
     trainable: bool
     numel: int
     quant: Optional[str] = None  # bitsandbytes kind for quantized linear weights
@@ -238,7 +242,7 @@ class Mode:
 
     autocast: bool  # *-mixed: matmuls in 16 bits under torch.autocast
     compute: int  # bytes of the compute dtype
-    cuda: bool = True  # CUDA autocast/layer_norm rules; False: the CPU's (used by the tests)
+    cuda: bool = True  # CUDA's dropout mask and loss buffers; False: the CPU's (used by the tests)
     lora_dropout: bool = False  # adapters apply dropout to their input
     float16: bool = False  # the 16-bit compute dtype is float16 (not bfloat16)
 
@@ -324,15 +328,16 @@ class _Tracer:
         c, n, E = self.c, self.n, self.c.n_embd
         w = self.w[f"{prefix}.weight"]
         if c.norm == "layernorm":
-            if self.mode.autocast and self.mode.cuda:
-                xin, out_b = self.cast(x, 4), 4  # CUDA autocast runs layer_norm in float32
-            else:
-                xin, out_b = x, max(x.b, w.b)
-            if xin.rg or w.trainable:
-                self.save(xin)
-                stat_b = 4 if (self.mode.cuda or xin.b == 4) else xin.b  # mean and rstd
-                self.save(self.new(2 * n, stat_b, False))
-            return self.new(n * E, out_b, xin.rg or w.trainable)
+            # gpt.LayerNorm: F.layer_norm(x.float(), weight.float(), bias.float()), returned in x's dtype
+            xf = self.cast(x, 4)
+            rg = xf.rg or w.trainable
+            if rg:
+                self.save(xf)
+                self.save(self.new(2 * n, 4, False))  # mean and rstd
+                for p in (w, self.w.get(f"{prefix}.bias")):  # the float32 weight and bias (copies if 16-bit)
+                    if p is not None and p.b != 4:
+                        self.save(self.new(p.numel, 4, False))
+            return self.cast(self.new(n * E, 4, rg), x.b)
         # RMSNorm: x.float(); x * rsqrt(mean(x^2) + eps); then the weight
         xf = self.cast(x, 4)
         if xf.rg:
@@ -607,7 +612,7 @@ class Buffers:
     """What the strategy holds beside the shards and the activations, at four points of a step."""
 
     loss_forward: int  # while the loss runs in the forward pass
-    backward_start: int  # when the backward pass starts (FSDP gathers the root unit again)
+    backward_start: int  # when the backward pass starts (FSDP prefetches the last block)
     loss_backward: int  # while the loss's backward pass runs
     block_backward: int  # while a block's backward pass runs and its gradients are reduced
 
@@ -619,11 +624,14 @@ class Buffers:
 def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> Buffers:
     """What FSDP2 holds beside the shards, on one rank, in the order torch 2.13's `fully_shard` runs.
 
-    - Gathered (unsharded) parameters, in the dtype each is stored in (no cast on all-gather).
-      A unit is gathered before its forward pass and again before its backward pass (the root
-      unit, with the embedding, final norm and head, too), and released after each (FULL_SHARD,
-      HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every unit gathered from its forward to its
-      backward pass. NO_SHARD "gathers" by copying its full shard.
+    - Gathered (unsharded) parameters, in the dtype the unit gathers them in
+      (`Options.gathered_bytes`): under "*-mixed" each block's float32 shards are first copied,
+      cast to the compute dtype, into one flat all-gather input (a shard's worth, alive during the
+      all-gather); the root unit (embedding, final norm, head) gathers as stored. A block is
+      gathered before its forward pass and again before its backward pass, and released after
+      each (FULL_SHARD, HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every block gathered from its
+      forward to its backward pass. The root stays gathered from its forward pass to the end of
+      the backward pass (FSDP2's default for the root). NO_SHARD "gathers" by copying its shard.
     - The all-gather's flat output: each parameter's gathered copy is cut from it, so gathering
       briefly holds a unit twice (gloo stages a third copy before the flat output is filled, never
       with the per-parameter copies). In the forward pass the flat output is kept until the next
@@ -631,8 +639,11 @@ def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> B
       next block is prefetched when a block starts, and its flat output waits for its turn.
     - The root unit's gradients (the head's weight and bias, the final norm), unsharded, from the
       loss's backward pass until the root is reduced at the end of the backward pass.
-    - A block's reduce: its unsharded gradients and the reduce-scatter input they are copied into
-      (padded to the shard group, in the reduction dtype, which is the trainable dtype).
+    - A block's reduce: its unsharded gradients, in the gathered dtype (the compute dtype under
+      "*-mixed": autograd computes them against the gathered weights), and the reduce-scatter
+      input they are copied into, padded to the shard group and in the reduction dtype (the
+      trainable dtype: float32 under "*-mixed"). FSDP keeps a block's reduce-scatter input until
+      the next block reduces.
     """
     W = column.shard_size
     units: dict[int, list[ParamSpec]] = {}
@@ -640,30 +651,38 @@ def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> B
         units.setdefault(s.unit, []).append(s)
 
     def gathered(members: list[ParamSpec]) -> int:
-        return sum(padded_shard_numel(s, W) * W * opts.param_bytes(s) for s in members)
+        return sum(padded_shard_numel(s, W) * W * opts.gathered_bytes(s, column) for s in members)
 
     root = gathered(units.get(-1, []))
     blocks = [members for unit, members in units.items() if unit >= 0]
     block = max((gathered(m) for m in blocks), default=0)
     flat = block if W > 1 else 0  # a block's flat all-gather output, held beside its copies
+    cast_input = block // W if W > 1 and opts.autocast else 0  # "*-mixed": the shard cast for the all-gather
     ps = opts.trainable_bytes
     # An untied embedding's gradient appears only at the very end, when the activations are gone.
     head = [s for s in units.get(-1, []) if s.trainable and (s.name != "embed.weight" or opts.config.tie_embeddings)]
     root_grads = sum(s.numel * ps for s in head)
-    block_grads = max(
-        (sum((s.numel + padded_shard_numel(s, W) * W) * ps for s in members if s.trainable) for members in blocks),
-        default=0,
-    )
+
+    def unsharded_grads(members: list[ParamSpec]) -> int:
+        return sum(s.numel * opts.gathered_bytes(s, column) for s in members if s.trainable)
+
+    def reduce_input(members: list[ParamSpec]) -> int:
+        return sum(padded_shard_numel(s, W) * W * ps for s in members if s.trainable)
+
+    grads = max((unsharded_grads(m) for m in blocks), default=0)
+    reduce = max((reduce_input(m) for m in blocks), default=0)
     if column.name == "SHARD_GRAD_OP":  # every unit stays gathered: nothing is gathered again
         held = root + sum(gathered(m) for m in blocks)
-        return Buffers(held + flat, held, held, held + root_grads + block_grads)
+        return Buffers(held + flat, held, held, held + root_grads + grads + reduce)
+    gather = 2 * flat + cast_input if W > 1 else block  # a block's all-gather in flight (NO_SHARD: its copy)
     return Buffers(
         loss_forward=root + flat,  # the root, and the last block's flat output
-        # the root gathered again, then the last block prefetched
-        backward_start=max(2 * root if W > 1 else root, root + block + flat),
+        backward_start=root + gather,  # the root still gathered; the last block prefetched
         loss_backward=root + (flat or block),  # the prefetched block waits (a flat output, or NO_SHARD's copy)
-        # a block's reduce beside the next block's flat output, or the next block's copy-out and prefetch
-        block_backward=root + root_grads + 2 * block + max(block_grads, block),
+        # The larger of: the end of a block's backward pass (its copies and unsharded gradients, the
+        # next block's flat output, the previous block's reduce-scatter input) and the next block's
+        # turn (its copy-out, then the prefetch of the one after it, beside this block's reduce input).
+        block_backward=root + root_grads + max(block + flat + reduce + grads, block + gather + reduce),
     )
 
 
@@ -723,6 +742,15 @@ class Options:
     def param_bytes(self, s: ParamSpec) -> int:
         return self.trainable_bytes if s.trainable else self.frozen_bytes
 
+    def gathered_bytes(self, s: ParamSpec, column: "Column") -> int:
+        """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
+        FSDP with "*-mixed" a block's weights are cast to the compute dtype before the all-gather
+        (the blocks' MixedPrecisionPolicy in toolkit.training.distributed); the root unit
+        (embedding, final norm, head) is gathered as stored."""
+        if column.kind == "fsdp" and self.autocast and s.unit >= 0:
+            return self.compute_bytes
+        return self.param_bytes(s)
+
     @property
     def autocast(self) -> bool:
         return self.precision.endswith("-mixed")
@@ -754,7 +782,7 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
         out["step_scratch"] = out["optimizer_state"] // 2
         buffers = fsdp_buffers(specs, column, opts)
-    weights, lora = forward_weights(opts, specs, quantized)
+    weights, lora = forward_weights(opts, specs, quantized, column)
     mode = Mode(opts.autocast, opts.compute_bytes, opts.cuda, opts.lora_dropout > 0, opts.precision.startswith("16-"))
     act1 = trace_activations(c, mode, weights, lora, 1, opts.max_seq_length)
     if micro_batch_size == 1:
@@ -809,16 +837,21 @@ def _extrapolate(a1: Activations, a2: Activations, B: int) -> Activations:
     )
 
 
-def forward_weights(opts: Options, specs: list[ParamSpec], quantized: set[str]):
+def forward_weights(opts: Options, specs: list[ParamSpec], quantized: set[str], column: Optional[Column] = None):
     """How each weight looks to the forward pass, keyed by parameter name (the module's view).
 
-    Every weight is used in the dtype it is stored in, on one device as under FSDP2 (which gathers
-    without a cast): trainable float32 weights under "*-mixed" are cast by autocast.
+    On one device and with DDP (`column` None or not FSDP) every weight is used in the dtype it is
+    stored in: trainable float32 weights under "*-mixed" are cast by autocast. Under FSDP with
+    "*-mixed" the blocks' weights (adapters included) arrive in the compute dtype
+    (`Options.gathered_bytes`), so autocast casts only the root's float32 weights that a linear
+    layer uses: a LoRA head's adapters (the embedding is a lookup, the plain head takes the fused
+    loss, which casts per chunk).
     """
     weights: dict[str, _Weight] = {}
     adapters: dict[str, dict[str, _Weight]] = {}
     for s in specs:
-        w = _Weight(opts.param_bytes(s), s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
+        b = opts.param_bytes(s) if column is None else opts.gathered_bytes(s, column)
+        w = _Weight(b, s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
         name = s.name.replace(".base_layer.", ".")
         if s.kind == "lora":
             module, which = s.name.split(".lora_")

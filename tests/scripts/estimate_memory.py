@@ -12,6 +12,9 @@ and then MEASURED_STEPS more without zero_grad, so that they run with gradients 
 in place, as every micro-batch after the first does. It records:
 
 - the bytes of the rank's parameter shards, gradient storage and AdamW state, from the tensors;
+- what autograd saves in the first step's forward pass (`saved_tensors_hooks`; not with
+  checkpointing), with the weights as the forward pass sees them (under FSDP with "*-mixed", each
+  block gathered in the compute dtype);
 - the peak of live tensor memory in a measured step, from `torch.profiler` (profile_memory=True),
   which records every allocation and free of the CPU allocator with its address: the count
   `torch.cuda.max_memory_allocated` keeps on a GPU. A measured step starts from the storages that
@@ -101,6 +104,23 @@ def storages(tensors) -> dict[int, int]:
     return found
 
 
+def forward_saving(model, ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The loss of one forward pass, and the bytes of the distinct storages autograd saved in it, the
+    model's parameters excluded (under FSDP, the gathered ones registered while their unit runs)."""
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        params = {p.untyped_storage().data_ptr() for p in model.parameters() if not hasattr(p, "to_local")}
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(ids, ids)
+    return loss, sum(seen.values())
+
+
 def add_lora(lora: LoRAArgs):
     """What finetune_lora does to the model before the precision policy: peft's adapters, initialised."""
 
@@ -128,7 +148,11 @@ def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int
     optimizer = session.build_optimizer(model)
     generator = torch.Generator().manual_seed(fabric.global_rank)
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq), generator=generator)
-    fabric.backward(model(ids, ids))
+    if rest == ["checkpointing"]:  # checkpointed blocks save their inputs through the hooks, then recompute
+        loss, saved = model(ids, ids), None
+    else:
+        loss, saved = forward_saving(model, ids)
+    fabric.backward(loss)
     optimizer.step()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         for _ in range(MEASURED_STEPS):
@@ -147,6 +171,7 @@ def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int
     figures["step_counters"] = sorted({f"{t.dim()} {t.dtype} {t.device}" for t in states if t.dim() == 0})
     figures["dtypes"] = sorted({f"{p.requires_grad} {p.dtype}" for p in params})
     figures["peak"] = min(step_peaks(prof, {ptr: n for found in alive.values() for ptr, n in found.items()}))
+    figures["saved"] = saved
     return figures
 
 
