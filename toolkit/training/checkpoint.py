@@ -96,20 +96,9 @@ def _check_file(checkpoint: Path, rel: str, expected: dict) -> Optional[str]:
     return None
 
 
-def verify(checkpoint: Path) -> Optional[str]:
-    """None if every file matches meta.json, else what is wrong (one process reads everything)."""
-    meta = _read_meta(checkpoint)
-    if meta is None:
-        return _MISSING_META
-    for rel, expected in sorted(meta.get("files", {}).items()):
-        problem = _check_file(checkpoint, rel, expected)
-        if problem is not None:
-            return problem
-    return None
-
-
 def _verify_together(fabric, checkpoint: Path) -> Optional[str]:
-    """`verify` with the files split among the ranks by size (collective: every rank gets the same answer)."""
+    """None if every file matches meta.json, else what is wrong. Collective: the files are split among
+    the ranks by size, each checks its share, and every rank gets the same answer."""
     from toolkit.training.distributed import gather_objects
 
     meta = _read_meta(checkpoint)
