@@ -238,6 +238,11 @@ class InstructLoader:
     One process keeps a short last batch, several drop the samples that do not fill a global batch.
     """
 
+    # Training batches follow whole optimizer steps of `step_batch_size` samples, cut among the
+    # ranks: the global order, and the position in it, do not depend on the number of processes,
+    # so a checkpoint resumes exactly on another number of them (see `load_state_dict`).
+    world_size_independent = True
+
     def __init__(
         self,
         samples: TokenizedSamples,
@@ -388,6 +393,10 @@ class InstructLoader:
         epoch, consumed = int(state["epoch"]), int(state["batches_consumed"])
         mine = self.state_dict()
         changed = [k for k in mine if k not in ("epoch", "batches_consumed") and k in state and state[k] != mine[k]]
+        samples_consumed = consumed * self.micro_batch_size * int(state.get("world_size", self.world_size))
+        if changed == ["world_size"] and samples_consumed % self.global_batch == 0:
+            # Another number of processes, same global order: the same samples consumed, in batches of another size.
+            consumed, changed = samples_consumed // self.global_batch, []
         if changed:
             # Another order of batches: the exact position cannot be kept; keep the fraction of the epoch.
             old = dict(mine, **{k: state[k] for k in changed})

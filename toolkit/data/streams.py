@@ -175,11 +175,17 @@ def _global_view_loader_class() -> type:
                 return _DistributedEnv(world_size=1, global_rank=0, num_nodes=1)
 
         class GlobalViewStreamingDataLoader(StreamingDataLoader):
+            @property
+            def world_size_independent(self) -> bool:
+                """Whether a saved position resumes exactly on another number of processes (see
+                `_at_batch_size`): with one reading worker (the trainer's default) it does."""
+                return self.num_workers <= 1
+
             def load_state_dict(self, obj: dict[str, Any]) -> None:
                 detected = litdata_dataloader._DistributedEnv
                 litdata_dataloader._DistributedEnv = _OneProcessEnv
                 try:
-                    super().load_state_dict(obj)
+                    super().load_state_dict(_at_batch_size(obj, self.batch_size))
                 finally:
                     litdata_dataloader._DistributedEnv = detected
 
@@ -187,17 +193,34 @@ def _global_view_loader_class() -> type:
     return _GLOBAL_VIEW_LOADER
 
 
+def _at_batch_size(state: dict[str, Any], batch_size: int) -> dict[str, Any]:
+    """A saved global-view loader state, relabelled as read in global micro-batches of `batch_size`.
+
+    Saved by N processes, the loader read global micro-batches of micro_batch_size x N blocks, and
+    its position (`num_samples_yielded`: blocks taken from the one global stream) is the same for
+    any N. litdata 0.2.76 would see the other batch size as a changed topology and take its
+    "elastic" resume; with one reading worker the batch size only groups the same stream, so the
+    state is relabelled and litdata replays the exact position.
+    """
+    dataset = state.get("dataset")
+    if not isinstance(dataset, dict) or int(dataset.get("num_workers", 1)) > 1 or dataset.get("batch_size") == batch_size:
+        return state
+    return dict(state, dataset=dict(dataset, batch_size=batch_size, initial_batch_size=batch_size))
+
+
 def _loader(
-    dataset: Any, micro_batch_size: int, num_workers: int, drop_last: Optional[bool], rank: int = 0, world_size: int = 1
+    dataset: Any, micro_batch_size: int, num_workers: int, drop_last: Optional[bool], rank: int = 0, world_size: int = 1,
+    global_view: bool = False,
 ) -> "StreamingDataLoader":
     """drop_last=None keeps the dataset's own setting (StreamingDataLoader would overwrite it).
 
-    With world_size > 1 the dataset must be a `_global_view`: the loader reads global micro-batches
-    and each rank keeps its slice.
+    With world_size > 1 (or `global_view`) the dataset must be a `_global_view`: the loader reads
+    global micro-batches and each rank keeps its slice; its position then resumes on any number of
+    processes.
     """
     from litdata import StreamingDataLoader
 
-    loader_class = _global_view_loader_class() if world_size > 1 else StreamingDataLoader
+    loader_class = _global_view_loader_class() if world_size > 1 or global_view else StreamingDataLoader
     loader = loader_class(
         dataset,
         batch_size=micro_batch_size * world_size,
@@ -805,10 +828,10 @@ class TextFiles(PretrainData):
     ) -> "StreamingDataLoader":
         """Shuffled blocks; with world_size > 1 in the same global order as one process (see `_global_view`)."""
         _check_loader_args(micro_batch_size, block_size, num_workers)
-        dataset = _token_dataset(str(self.data_dir / "train"), block_size, shuffle=True, seed=seed, drop_last=True)
-        if world_size > 1:
-            dataset = _global_view(dataset)
-        loader = _loader(dataset, micro_batch_size, num_workers, drop_last=True, rank=rank, world_size=world_size)
+        dataset = _global_view(_token_dataset(str(self.data_dir / "train"), block_size, shuffle=True, seed=seed, drop_last=True))
+        loader = _loader(
+            dataset, micro_batch_size, num_workers, drop_last=True, rank=rank, world_size=world_size, global_view=True
+        )
         blocks = _stream_stats(self.data_dir / "train", block_size)[1]
         _check_not_empty(loader, "training", blocks, micro_batch_size * world_size)
         return loader

@@ -10,6 +10,16 @@ A checkpoint is written into `.step-XXXXXXXX.tmp` next to its final name and ren
 so a crash (or SIGKILL) mid-save leaves the previous checkpoints untouched; leftovers are removed
 by the next save. On resume, every file is checked against meta.json: a truncated or corrupted
 newest checkpoint is reported and the previous one is used.
+
+Checksums are computed in parallel: at a save each rank hashes the files it wrote (its `rank-<r>.pt`
+and its shard files; rank 0 the rest) and rank 0 gathers the digests into meta.json. On resume the
+files are split among the ranks by size, each rank checks its share, and all ranks agree on the
+verdict. No rank reads the whole checkpoint.
+
+A checkpoint resumes on another number of processes (resharding) when the data loader says its
+position does not depend on it (`loader.world_size_independent`, true for TextFiles and instruction
+data): model and optimizer are resharded (`distributed.load_resharded`), the data position and the
+per-rank counters are converted, and rank r takes the RNG state of saved rank r mod N.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 from pathlib import Path
@@ -60,22 +71,72 @@ def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != META)
 
 
-def verify(checkpoint: Path) -> Optional[str]:
-    """None if every file matches meta.json, else what is wrong."""
-    meta_path = checkpoint / META
+def _digest(path: Path) -> dict:
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _read_meta(checkpoint: Path) -> Optional[dict]:
     try:
-        meta = json.loads(meta_path.read_text())
+        return json.loads((checkpoint / META).read_text())
     except (OSError, json.JSONDecodeError):
-        return "meta.json is missing or unreadable (the save did not finish)"
-    for rel, expected in meta.get("files", {}).items():
-        path = checkpoint / rel
-        if not path.is_file():
-            return f"{rel} is missing"
-        if path.stat().st_size != expected["size"]:
-            return f"{rel} is truncated ({path.stat().st_size} of {expected['size']} bytes)"
-        if _sha256(path) != expected["sha256"]:
-            return f"{rel} is corrupted (checksum mismatch)"
+        return None
+
+
+_MISSING_META = "meta.json is missing or unreadable (the save did not finish)"
+
+
+def _check_file(checkpoint: Path, rel: str, expected: dict) -> Optional[str]:
+    path = checkpoint / rel
+    if not path.is_file():
+        return f"{rel} is missing"
+    if path.stat().st_size != expected["size"]:
+        return f"{rel} is truncated ({path.stat().st_size} of {expected['size']} bytes)"
+    if _sha256(path) != expected["sha256"]:
+        return f"{rel} is corrupted (checksum mismatch)"
     return None
+
+
+def _verify_together(fabric, checkpoint: Path) -> Optional[str]:
+    """None if every file matches meta.json, else what is wrong. Collective: the files are split among
+    the ranks by size, each checks its share, and every rank gets the same answer."""
+    from toolkit.training.distributed import gather_objects
+
+    meta = _read_meta(checkpoint)
+    found: Optional[tuple[str, str]] = ("", _MISSING_META) if meta is None else None
+    if meta is not None:
+        files = meta.get("files", {})
+        for rel in _shares(files, fabric.world_size)[fabric.global_rank]:
+            problem = _check_file(checkpoint, rel, files[rel])
+            if problem is not None:
+                found = (rel, problem)
+                break
+    problems = sorted(p for p in gather_objects(fabric, found) if p is not None)
+    return problems[0][1] if problems else None
+
+
+def _shares(files: dict[str, dict], world_size: int) -> list[list[str]]:
+    """Files per rank for verification, largest first, each to the rank with the fewest bytes so far."""
+    shares: list[list[str]] = [[] for _ in range(world_size)]
+    loads = [0] * world_size
+    for rel in sorted(files, key=lambda r: (-int(files[r]["size"]), r)):
+        rank = loads.index(min(loads))
+        shares[rank].append(rel)
+        loads[rank] += int(files[rel]["size"])
+    return [sorted(share) for share in shares]
+
+
+# Files whose writer is known from the name: `rank-<r>.pt` (ours) and torch's distributed checkpoint
+# shards `__<r>_<i>.distcp`. Anything else (state.pt, .metadata, meta.pt, configs) rank 0 writes.
+_WRITER_PATTERNS = (re.compile(r"rank-(\d+)\.pt"), re.compile(r"__(\d+)_\d+\.distcp"))
+
+
+def _writer_rank(rel: str) -> int:
+    name = Path(rel).name
+    for pattern in _WRITER_PATTERNS:
+        match = pattern.fullmatch(name)
+        if match:
+            return int(match.group(1))
+    return 0
 
 
 def rng_state() -> dict[str, Any]:
@@ -130,9 +191,22 @@ def save(
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": _sha256(p)} for p in _files(tmp)}
+    # Each rank hashes the files it wrote (still in its page cache); rank 0 collects the digests.
+    from toolkit.training.distributed import gather_objects
+
+    mine = {}
+    for p in _files(tmp):
+        rel = str(p.relative_to(tmp))
+        if _writer_rank(rel) == fabric.global_rank:
+            mine[rel] = _digest(p)
+    gathered = gather_objects(fabric, mine)
+    if fabric.global_rank == 0:
+        files = {rel: digest for digests in gathered for rel, digest in digests.items()}
+        for p in _files(tmp):  # a file no rank claimed (a writer rank beyond this world): hash it here
+            files.setdefault(str(p.relative_to(tmp)), _digest(p))
         meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
-                "filtered": filter is not None, "files": files}
+                "filtered": filter is not None, "world_size_independent": _world_size_independent(loader),
+                "files": dict(sorted(files.items()))}
         _write_atomically(tmp / META, json.dumps(meta, indent=2, default=str))
         if final.exists():  # a re-save of the same step (e.g. the end of a resumed, finished run)
             shutil.rmtree(final)
@@ -191,39 +265,38 @@ def _is_sharded(fabric) -> bool:
 
 
 def find_resume_checkpoint(fabric, out_dir: Path, resume: Union[bool, str, Path]) -> Optional[Path]:
-    """The checkpoint to resume from, or None for a fresh start; checked on rank 0, agreed by all."""
+    """The checkpoint to resume from, or None for a fresh start; verified by all ranks together."""
     if resume in (False, "false", "False", None):
         return None
-    chosen: Optional[str] = None
-    if fabric.global_rank == 0:
-        if resume in (True, "true", "True", "auto"):
-            for candidate in list_checkpoints(out_dir):
-                problem = verify(candidate)
-                if problem is None:
-                    chosen = str(candidate)
-                    break
-                fabric.print(f"Checkpoint {candidate} is not usable: {problem}. Falling back to the previous one.")
-            if chosen is None and resume != "auto":
-                chosen = "!none"
-        else:
-            path = Path(resume)
-            problem = verify(path) if path.is_dir() else f"{path} is not a checkpoint folder"
-            chosen = str(path) if problem is None else f"!{problem}"
-    chosen = fabric.broadcast(chosen, src=0)
-    if chosen == "!none":
+    if resume in (True, "true", "True", "auto"):
+        # Rank 0 lists, so that every rank walks the same candidates.
+        candidates = fabric.broadcast([str(p) for p in list_checkpoints(out_dir)] if fabric.global_rank == 0 else None, src=0)
+        for candidate in candidates:
+            problem = _verify_together(fabric, Path(candidate))
+            if problem is None:
+                return Path(candidate)
+            fabric.print(f"Checkpoint {candidate} is not usable: {problem}. Falling back to the previous one.")
+        if resume == "auto":
+            return None
         raise UserError(f"--resume true but {checkpoint_root(out_dir)} holds no usable checkpoint; use --resume auto to start fresh.")
-    if chosen is not None and chosen.startswith("!"):
-        raise UserError(f"Cannot resume from {resume}: {chosen[1:]}.")
-    return Path(chosen) if chosen else None
+    path = Path(resume)
+    is_dir = fabric.broadcast(path.is_dir() if fabric.global_rank == 0 else None, src=0)
+    problem = _verify_together(fabric, path) if is_dir else f"{path} is not a checkpoint folder"
+    if problem is not None:
+        raise UserError(f"Cannot resume from {resume}: {problem}.")
+    return path
 
 
 def check_compatible(checkpoint: Path, run_shape: dict) -> None:
-    """Refuse to resume a run whose model, global batch or world size differs, saying what differs."""
+    """Refuse to resume a run whose model or batch differs, saying what differs.
+
+    The world size may differ: `load` reshards (or refuses, when the data position cannot follow).
+    """
     saved = json.loads((checkpoint / META).read_text())["run"]
     different = []
     for key, value in run_shape.items():
         old = saved.get(key)
-        if old == value:
+        if old == value or key == "world_size":
             continue
         if isinstance(old, dict) and isinstance(value, dict):  # the model config: name the fields
             fields = sorted(k for k in set(old) | set(value) if old.get(k) != value.get(k))
@@ -234,14 +307,51 @@ def check_compatible(checkpoint: Path, run_shape: dict) -> None:
         raise UserError(f"Cannot resume from {checkpoint}: " + "; ".join(different) + ". Start a new --out_dir or restore the settings.")
 
 
+def _world_size_independent(loader) -> bool:
+    """Whether the loader's sample order and saved position are the same for any number of processes."""
+    return bool(getattr(loader, "world_size_independent", False))
+
+
+# TrainState counters kept per rank: micro-batches, which a rank takes world_size times fewer of.
+_PER_RANK_COUNTERS = ("micro_step", "epoch_batches")
+
+
 def load(fabric, checkpoint: Path, model, optimizer, loader) -> dict:
-    """Restore model, optimizer, this rank's RNG and loader position; returns the saved counters."""
+    """Restore model, optimizer, this rank's RNG and loader position; returns the saved counters.
+
+    A checkpoint written by another number of processes is resharded (see the module docstring),
+    or refused with a UserError before anything is loaded when the data position cannot be mapped.
+    """
     meta = json.loads((checkpoint / META).read_text())
     state_path = checkpoint / ("state" if meta["sharded"] else "state.pt")
-    state = {"model": model, "optimizer": optimizer, "train_state": {}}
-    fabric.load(state_path, state, strict=not meta.get("filtered", False), weights_only=True)
-    extras = torch.load(checkpoint / f"rank-{fabric.global_rank}.pt", weights_only=True)
+    strict = not meta.get("filtered", False)
+    saved_world = int(meta["run"].get("world_size", fabric.world_size))
+    world = fabric.world_size
+    if saved_world == world:
+        state = {"model": model, "optimizer": optimizer, "train_state": {}}
+        fabric.load(state_path, state, strict=strict, weights_only=True)
+        train_state = state["train_state"]
+        extras = torch.load(checkpoint / f"rank-{fabric.global_rank}.pt", weights_only=True)
+    else:
+        if not (meta.get("world_size_independent") and _world_size_independent(loader)):
+            raise UserError(
+                f"Cannot resume {checkpoint} on {world} process(es): it was saved by {saved_world}, and its data "
+                "position is kept per process (as with StreamMix, whose streams litdata shards per process), so it "
+                f"cannot continue exactly on another number. Resume on {saved_world} process(es), or start a new --out_dir."
+            )
+        from toolkit.training.distributed import load_resharded
+
+        train_state = dict(load_resharded(fabric, state_path, model, optimizer, strict=strict)["train_state"])
+        for key in _PER_RANK_COUNTERS:
+            train_state[key] = train_state[key] * saved_world // world
+        # Every saved rank holds the same loader position (global order); RNG states are per rank.
+        extras = torch.load(checkpoint / f"rank-{fabric.global_rank % saved_world}.pt", weights_only=True)
+        fabric.print(
+            f"Resharded {checkpoint.name}: saved by {saved_world} process(es), resuming on {world}; model, optimizer "
+            "and data position carried over (rank r continues with the RNG state of saved rank r mod "
+            f"{saved_world})."
+        )
     set_rng_state(extras["rng"])
     if extras["loader"] is not None and hasattr(loader, "load_state_dict"):
         loader.load_state_dict(extras["loader"])
-    return state["train_state"]
+    return train_state
