@@ -167,11 +167,16 @@ def save(
     root = checkpoint_root(out_dir)
     final = root / step_dir_name(step)
     tmp = root / (step_dir_name(step) + ".tmp")
-    if fabric.global_rank == 0:
+    # Rank-0 work runs through run_on_rank_zero: if it fails (a full disk), every rank stops with
+    # its message instead of waiting at a barrier.
+    from toolkit.training.distributed import gather_objects, run_on_rank_zero
+
+    def start_folder() -> None:
         for leftover in root.glob("step-*.tmp") if root.is_dir() else []:
             shutil.rmtree(leftover, ignore_errors=True)  # from a save that was interrupted
         tmp.mkdir(parents=True)
-    fabric.barrier()
+
+    run_on_rank_zero(fabric, start_folder)
 
     sharded = _is_sharded(fabric)
     state_path = tmp / ("state" if sharded else "state.pt")
@@ -183,7 +188,7 @@ def save(
     _fault_point("save")
     fabric.barrier()
 
-    if fabric.global_rank == 0:
+    def add_model_files() -> None:
         config.save(tmp)
         if tokenizer_dir is not None:  # so that convert_pretrained_checkpoint gives a usable model on its own
             from toolkit.tokenizer import TOKENIZER_FILES
@@ -191,16 +196,17 @@ def save(
             for name in TOKENIZER_FILES:
                 if (Path(tokenizer_dir) / name).is_file():
                     shutil.copy2(Path(tokenizer_dir) / name, tmp / name)
-    # Each rank hashes the files it wrote (still in its page cache); rank 0 collects the digests.
-    from toolkit.training.distributed import gather_objects
 
+    run_on_rank_zero(fabric, add_model_files)
+    # Each rank hashes the files it wrote (still in its page cache); rank 0 collects the digests.
     mine = {}
     for p in _files(tmp):
         rel = str(p.relative_to(tmp))
         if _writer_rank(rel) == fabric.global_rank:
             mine[rel] = _digest(p)
     gathered = gather_objects(fabric, mine)
-    if fabric.global_rank == 0:
+
+    def complete() -> None:
         files = {rel: digest for digests in gathered for rel, digest in digests.items()}
         for p in _files(tmp):  # a file no rank claimed (a writer rank beyond this world): hash it here
             files.setdefault(str(p.relative_to(tmp)), _digest(p))
@@ -215,7 +221,8 @@ def save(
         if keep_last:
             for old in list_checkpoints(out_dir)[keep_last:]:
                 shutil.rmtree(old, ignore_errors=True)
-    fabric.barrier()
+
+    run_on_rank_zero(fabric, complete)
     seconds = time.perf_counter() - start
     fabric.print(f"Saved checkpoint {final} in {seconds:.2f} s")
     fabric.log_dict({"checkpoint/save_seconds": seconds}, step=step)
