@@ -175,6 +175,9 @@ def test_initial_rows_equal_the_rows_of_the_full_initial_value(shape):
     for start, stop in [(0, rows), (1, rows - 1), (rows // 3, 2 * rows // 3), (rows - 1, rows), (rows, rows)]:
         part = initial_value(("normal", 0.02), shape, 7, "blocks.0.attn.q_proj.weight", start, stop)
         assert torch.equal(part, full[start:stop]), (start, stop)
+        into = torch.empty(part.shape, dtype=torch.bfloat16)  # a rank's shard, written in place
+        assert initial_value(("normal", 0.02), shape, 7, "blocks.0.attn.q_proj.weight", start, stop, out=into) is into
+        assert torch.equal(into, part.to(torch.bfloat16))
     other = initial_value(("normal", 0.02), shape, 8, "blocks.0.attn.q_proj.weight")
     assert not torch.equal(other, full)  # the seed matters
 

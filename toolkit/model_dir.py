@@ -119,7 +119,8 @@ def load_state_dict(checkpoint_dir: Path | str, device: str = "cpu") -> dict:
 
 
 def checkpoint_row_reader(checkpoint_dir: Path | str):
-    """`read_rows(name, start, stop)`: rows [start, stop) of weight `name`, read memory-mapped.
+    """`read_rows(name, start, stop, out=None)`: rows [start, stop) of weight `name`, read memory-mapped
+    (see `toolkit.training.distributed.ReadRows`).
 
     Only the requested rows are read from disk, so each rank of a sharded run touches only its own
     part of the file. A tied output head reads the embedding.
@@ -135,14 +136,15 @@ def checkpoint_row_reader(checkpoint_dir: Path | str):
         raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
     tied = Config.from_file(checkpoint_dir).tie_embeddings
 
-    def read_rows(name: str, start: int = 0, stop: Optional[int] = None):
+    def read_rows(name: str, start: int = 0, stop: Optional[int] = None, out=None):
         key = "embed.weight" if tied and name == "lm_head.weight" and name not in keys else name
         if key not in keys:
             raise UserError(f"{path} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
         # The file is mapped for this read only: the pages it touched leave the process's resident
         # set with the mapping, instead of adding up to the rank's share of the file.
         with safe_open(str(path), framework="pt") as handle:
-            return handle.get_slice(key)[start:stop]
+            rows = handle.get_slice(key)[start:stop]
+        return rows if out is None else out.copy_(rows.reshape(out.shape))
 
     return read_rows
 

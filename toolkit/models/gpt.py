@@ -557,33 +557,35 @@ def init_specs(model: nn.Module, n_layer: int, std: float = 0.02) -> dict[str, t
 
 
 def initial_value(
-    spec: tuple[str, float], shape: tuple[int, ...], seed: int, name: str, start: int = 0, stop: Optional[int] = None
+    spec: tuple[str, float], shape: tuple[int, ...], seed: int, name: str, start: int = 0, stop: Optional[int] = None,
+    out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Rows [start, stop) (dim 0) of the float32 initial value of parameter `name` (see `init_specs`), on the CPU.
+    """Rows [start, stop) (dim 0) of the initial value of parameter `name` (see `init_specs`).
 
-    Random values are drawn in blocks of whole rows (about INIT_BLOCK_ELEMENTS values each), each
-    block from its own generator seeded by `seed`, the name and the block's index. A rank that
-    owns a few rows of a weight draws only the blocks that cover them, never the full tensor, and
-    gets the values any other sharding would give those rows.
+    Returned as a new float32 CPU tensor, or written into `out` (same shape, any dtype and device)
+    and `out` returned. Random values are drawn in blocks of whole rows (about INIT_BLOCK_ELEMENTS
+    values each), each block from its own generator seeded by `seed`, the name and the block's
+    index. A rank that owns a few rows of a weight draws only the blocks that cover them, never the
+    full tensor, and gets the values any other sharding would give those rows.
     """
     kind, std = spec
     rows = shape[0] if shape else 1
     stop = rows if stop is None else min(stop, rows)
     part_shape = (max(stop - start, 0), *shape[1:]) if shape else ()
-    if kind == "zeros":
-        return torch.zeros(part_shape)
-    if kind == "ones":
-        return torch.ones(part_shape)
+    if out is None:
+        out = torch.empty(part_shape)
+    if kind in ("zeros", "ones"):
+        return out.fill_(0.0 if kind == "zeros" else 1.0)
+    flat_rows = out.view(-1, *shape[1:]) if shape else out.view(1)  # () -> (1,) for the one value
     row_numel = math.prod(shape[1:]) if shape else 1
     block_rows = max(1, INIT_BLOCK_ELEMENTS // max(row_numel, 1))
     name_seed = seed * 1_000_003 + zlib.crc32(name.encode())
-    pieces = []
-    for block in range(start // block_rows, math.ceil(stop / block_rows) if stop > start else start // block_rows):
+    for block in range(start // block_rows, -(-stop // block_rows)):
         first, last = block * block_rows, min((block + 1) * block_rows, rows)
+        lo, hi = max(start, first), min(stop, last)
+        if lo >= hi:
+            continue
         generator = torch.Generator().manual_seed((name_seed * 65_537 + block) % 2**63)
         values = torch.empty((last - first, *shape[1:])).normal_(0.0, std, generator=generator)
-        pieces.append(values[max(start, first) - first:min(stop, last) - first])
-    if not pieces:
-        return torch.empty(part_shape)
-    value = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-    return value if shape else value.reshape(())
+        flat_rows[lo - start:hi - start].copy_(values[lo - first:hi - first])
+    return out

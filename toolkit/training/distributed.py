@@ -631,10 +631,12 @@ def _replace_parameters(model: nn.Module, make: Any) -> None:
             module._parameters[leaf] = replaced[id(param)]
 
 
-# Where the initial values of a model's parameters come from: `read_rows(name, start, stop)` returns
-# rows [start, stop) (dim 0) of the full parameter `name` (toolkit name, no wrapper prefixes), in
-# any dtype; `stop=None` means to the last row. FSDP2 shards every parameter along dim 0.
-ReadRows = Callable[[str, int, Optional[int]], "Tensor"]
+# Where the initial values of a model's parameters come from: `read_rows(name, start, stop, out=None)`
+# returns rows [start, stop) (dim 0) of the full parameter `name` (toolkit name, no wrapper
+# prefixes), in any dtype; `stop=None` means to the last row. With `out` (a tensor of that shape, in
+# any dtype) it writes the rows into `out` and returns it, so that a rank's shard is filled without
+# a second copy of it. FSDP2 shards every parameter along dim 0.
+ReadRows = Callable[..., "Tensor"]
 
 
 def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
@@ -673,8 +675,10 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
             if local.numel() == 0:
                 continue
             full = preset.get(name)
-            values = full[start:stop] if full is not None else read_rows(name, start, stop)
-            local.copy_(values.reshape(local.shape))
+            if full is not None:
+                local.copy_(full[start:stop].reshape(local.shape))
+            else:
+                read_rows(name, start, stop, out=local)
     return module
 
 
