@@ -52,7 +52,7 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, get_args
 
 from toolkit.errors import PeerFailure, UserError, did_you_mean
@@ -273,7 +273,8 @@ def plan_strategy(
 # QLoRA: a bitsandbytes-quantized frozen base on more than one device
 # --------------------------------------------------------------------------------------------
 
-# Why the quantized base is not sharded (measured with torch 2.13 and bitsandbytes 0.50.2 on gloo):
+# Why the quantized base is not sharded (measured with torch 2.13 and bitsandbytes 0.50.2 on gloo by
+# benchmarks/fsdp_bitsandbytes.py):
 # `fully_shard` turns each weight into a DTensor and, before every forward pass, gathers it into a
 # plain `nn.Parameter`. What bitsandbytes keeps on its own parameter classes is then gone:
 # `Linear4bit` (float `quant_storage` or not) fails with "quant_state is required" and
@@ -326,8 +327,6 @@ def plan_quantized_base(
         f"each of the {world} processes holds the whole {quantize} base and DDP synchronises only the LoRA "
         f"adapters (the base is not sharded: {QUANTIZED_BASE_NOT_SHARDED})"
     )
-    from dataclasses import replace
-
     return QuantizedBasePlan("replicated", replace(dist, strategy="ddp"), reason)
 
 
