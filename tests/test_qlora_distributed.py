@@ -21,7 +21,8 @@ from safetensors.torch import load_file
 from conftest import kill_group_at_step, run_toolkit, torchrun_nodes
 from toolkit.cli import run
 from toolkit.errors import UserError
-from toolkit.training.distributed import DistributedArgs, plan_quantized_base
+from toolkit.training.args import DistributedArgs
+from toolkit.training.distributed import plan_quantized_base
 
 STEPS = 6
 # Each micro-batch is computed the same way in every run (the same quantized bytes, the same
