@@ -1,6 +1,12 @@
-"""Shared test helpers: the real data files the tests read (tests/assets, see the README there)."""
+"""Shared test helpers: the real data files the tests read (tests/assets, see the README there), the
+tiny checkpoints built from them, and running the real CLI in several processes on 127.0.0.1."""
 
+import json
+import os
 import shutil
+import signal
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -43,3 +49,90 @@ def base(tmp_path_factory) -> dict:
     checkpoint = root / "base"
     convert_from_hf(hf_dir, checkpoint)
     return {"root": root, "hf_dir": hf_dir, "checkpoint": checkpoint}
+
+
+@pytest.fixture(scope="session")
+def bf16_base(base, tmp_path_factory) -> Path:
+    """The session's tiny random Llama, saved by transformers in bfloat16 and converted."""
+    from transformers import LlamaForCausalLM
+
+    from toolkit.convert import convert_from_hf
+    from toolkit.model_dir import stored_dtype
+
+    root = tmp_path_factory.mktemp("bf16")
+    hf_dir = root / "hf"
+    LlamaForCausalLM.from_pretrained(base["hf_dir"], dtype=torch.bfloat16).save_pretrained(hf_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(base["hf_dir"] / name, hf_dir / name)
+    checkpoint = root / "checkpoint"
+    convert_from_hf(hf_dir, checkpoint)
+    assert stored_dtype(checkpoint) == "bfloat16"
+    return checkpoint
+
+
+@pytest.fixture(scope="session")
+def sums(tmp_path_factory) -> Path:
+    """64 short instruction records ("Add 3 and 4." -> "7"), generated."""
+    path = tmp_path_factory.mktemp("data") / "sums.json"
+    records = [{"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)} for a in range(8) for b in range(8)]
+    path.write_text(json.dumps(records))
+    return path
+
+
+# ------------------------------------------------------------------ the CLI in real processes
+REPO = _REPO
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_env() -> dict:
+    """One thread per process (runs are then bit-reproducible on CPU), rendezvous on 127.0.0.1."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    env.pop("LOCAL_RANK", None)
+    return env
+
+
+def run_toolkit(args: list[str]) -> str:
+    """`toolkit <args>` in a subprocess (it launches its own extra processes for --devices N); its stdout."""
+    result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=launch_env(),
+                            timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def torchrun_nodes(args: list[str], nodes: int, per_node: int) -> list[str]:
+    """`toolkit <args>` under torchrun, as `nodes` machines of `per_node` processes; each node's output."""
+    port, env = free_port(), launch_env()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={per_node}",
+             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "toolkit", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
+        )
+        for node in range(nodes)
+    ]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    for proc, out in zip(procs, outputs):
+        assert proc.returncode == 0, out[-5000:]
+    return outputs
+
+
+def kill_group_at_step(cmd: list[str], step: int) -> None:
+    """Run `cmd` and SIGKILL its whole process group (launcher and workers, as a crashed node) when
+    it reports optimizer step `step`."""
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env(),
+                               start_new_session=True, cwd=REPO)
+    try:
+        for line in process.stdout:
+            if line.startswith(f"step {step}/"):
+                os.killpg(process.pid, signal.SIGKILL)
+                break
+        process.wait(timeout=600)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == -signal.SIGKILL, f"the run ended before step {step}"

@@ -75,7 +75,7 @@ def test_the_expected_recipes_exist():
 def test_recipe_parses_and_is_consistent(relative):
     from toolkit.models.config import Config
     from toolkit.models.presets import find_preset
-    from toolkit.training.distributed import plan_batches, plan_strategy, resolve_devices
+    from toolkit.training.distributed import plan_batches, plan_quantized_base, plan_strategy, resolve_devices
 
     name, raw, args = parse(relative)
     if name == "pretrain":
@@ -111,9 +111,10 @@ def test_recipe_parses_and_is_consistent(relative):
     # The checks a run makes before it starts; recipes that name a precision are GPU recipes.
     accelerator = "cuda" if args["precision"] else "cpu"
     devices, num_nodes = resolve_devices(args["devices"], accelerator), args["num_nodes"]
-    if args.get("quantize") is not None:
-        assert devices * num_nodes == 1, "--quantize runs on one device"
-    plan_strategy(devices, num_nodes, args["precision"], args["distributed"], accelerator=accelerator)
+    distributed = args["distributed"]
+    if args.get("quantize") is not None:  # QLoRA picks its own scheme (a replicated base on several devices)
+        distributed = plan_quantized_base(devices, num_nodes, distributed, args["quantize"], accelerator=accelerator).dist
+    plan_strategy(devices, num_nodes, args["precision"], distributed, accelerator=accelerator)
     plan_batches(devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
     if name == "pretrain":
         assert train.max_steps or train.max_tokens or train.max_time, "a pretraining recipe needs a stopping rule"

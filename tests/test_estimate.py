@@ -309,6 +309,21 @@ def test_qlora_model_bytes_match(kind):
     assert result["strategies"]["single"]["parameters"] == stored
 
 
+def test_qlora_on_many_devices_is_the_replicated_scheme_finetune_lora_runs():
+    """finetune_lora replicates the quantized base and synchronises the adapters with DDP
+    (`plan_quantized_base`): every device holds what one device holds, plus DDP's gradient buckets."""
+    kwargs = dict(finetune="lora", quantize="bnb.nf4", max_seq_length=512)
+    one = _quiet_estimate("llama-3.1-8b", **kwargs)
+    many = _quiet_estimate("llama-3.1-8b", devices=2, num_nodes=2, **kwargs)
+    assert many["columns"] == ["DDP"] and any("every device holds the whole quantized base" in n for n in many["notes"])
+    single, ddp = one["strategies"]["single"], many["strategies"]["DDP"]
+    for key in ("parameters", "gradients", "optimizer_state", "activations", "weight_copies", "logits_and_loss"):
+        assert ddp[key] == single[key], key
+    assert ddp["buffers"] == single["buffers"] + single["gradients"]  # DDP's bucket copy of the adapters' gradients
+    assert 4.5 * GiB < ddp["parameters"] < 6 * GiB  # an 8B base in NF4: about 5 GB on each device
+    assert _quiet_estimate("llama-3.1-8b", devices=8, strategy="ddp", **kwargs)["columns"] == ["DDP"]
+
+
 # ------------------------------------------------------------------------------------------
 # Activations
 # ------------------------------------------------------------------------------------------
@@ -531,7 +546,8 @@ def test_recommendation_prefers_no_checkpointing_then_checkpointing():
         (dict(devices=2, strategy="ddp", sharding="FULL_SHARD"), "sharding applies to FSDP"),
         (dict(quantize="bnb.nf4"), "use it with finetune lora"),
         (dict(finetune="lora", quantize="bnb.nf8"), "Unknown quantize 'bnb.nf8'.*Did you mean: bnb.nf4"),
-        (dict(finetune="lora", devices=2, quantize="bnb.nf4"), "quantize runs on one device"),
+        (dict(finetune="lora", devices=2, quantize="bnb.nf4", strategy="fsdp"), "cannot be combined with FSDP sharding"),
+        (dict(finetune="lora", devices=2, quantize="bnb.int8", sharding="FULL_SHARD"), "cannot be combined with FSDP"),
         (dict(finetune="lora", quantize="bnb.nf4", lora_targets=("query", "head")), "head cannot be combined"),
         (dict(finetune="lora", lora_dropout=1.0), "lora_dropout must be in"),
         (dict(finetune="lora", lora_targets=("query", "vaule")), "Unknown lora target 'vaule'.*Did you mean: value"),

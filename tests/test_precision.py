@@ -6,50 +6,16 @@ The bf16 checkpoint is what every published model looks like: a random `transfor
 in bfloat16 and converted with the real converter.
 """
 
-import json
-import os
 import re
 import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from toolkit.model_dir import stored_dtype
+from conftest import run_toolkit, torchrun_nodes
 from toolkit.cli import run
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def bf16_base(base, tmp_path_factory) -> Path:
-    """The session's tiny random Llama, saved by transformers in bfloat16 and converted."""
-    from transformers import LlamaForCausalLM
-
-    from toolkit.convert import convert_from_hf
-
-    root = tmp_path_factory.mktemp("bf16")
-    hf_dir = root / "hf"
-    LlamaForCausalLM.from_pretrained(base["hf_dir"], dtype=torch.bfloat16).save_pretrained(hf_dir)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(base["hf_dir"] / name, hf_dir / name)
-    checkpoint = root / "checkpoint"
-    convert_from_hf(hf_dir, checkpoint)
-    assert stored_dtype(checkpoint) == "bfloat16"
-    return checkpoint
-
-
-@pytest.fixture(scope="module")
-def sums(tmp_path_factory) -> Path:
-    """64 short instruction records ("Add 3 and 4." -> "7"), generated."""
-    path = tmp_path_factory.mktemp("data") / "sums.json"
-    records = [{"instruction": f"Add {a} and {b}.", "input": "", "output": str(a + b)} for a in range(8) for b in range(8)]
-    path.write_text(json.dumps(records))
-    return path
 
 
 def _args(command: str, checkpoint: Path, out_dir: Path, data: Path, *extra: str) -> list[str]:
@@ -61,40 +27,6 @@ def _args(command: str, checkpoint: Path, out_dir: Path, data: Path, *extra: str
         "--eval.initial_validation", "false", "--eval.interval", "100", "--eval.max_iters", "2",
         "--log.interval", "1", "--log.loggers", "[csv]", *extra,
     ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    env.pop("LOCAL_RANK", None)
-    return env
-
-
-def _toolkit(args: list[str]) -> str:
-    result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=_env(), timeout=600, cwd=REPO)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout
-
-
-def _torchrun_nodes(args: list[str], nodes: int, per_node: int) -> list[str]:
-    port, env = _free_port(), _env()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nodes}", f"--nproc_per_node={per_node}",
-             f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", "-m", "toolkit", *args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-        )
-        for node in range(nodes)
-    ]
-    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
-    for proc, out in zip(procs, outputs):
-        assert proc.returncode == 0, out[-5000:]
-    return outputs
 
 
 # LoRA on a bf16 base under the default precision (bf16-mixed): every micro-batch is computed the
@@ -110,13 +42,13 @@ def test_lora_on_a_bf16_base_equals_one_process_on_two_processes_and_two_nodes(b
         return _args("finetune_lora", bf16_base, out, sums, "--lora.dropout", "0.0", "--lora.targets", "[query, value, mlp]",
                      "--train.learning_rate", "0.002", *extra)
 
-    log = _toolkit(args(tmp_path / "one"))
+    log = run_toolkit(args(tmp_path / "one"))
     assert "precision policy (bf16-mixed)" in log and "frozen in bfloat16" in log and "trainable in float32" in log
     single = load_file(str(tmp_path / "one" / "final" / "lora_adapter.safetensors"))
     assert single and all(t.dtype == torch.float32 for t in single.values())
 
-    _toolkit(args(tmp_path / "two", "--devices", "2"))  # FSDP2 FULL_SHARD, Fabric's own launcher
-    outputs = _torchrun_nodes(args(tmp_path / "nodes", "--num_nodes", "2", "--devices", "2"), nodes=2, per_node=2)
+    run_toolkit(args(tmp_path / "two", "--devices", "2"))  # FSDP2 FULL_SHARD, Fabric's own launcher
+    outputs = torchrun_nodes(args(tmp_path / "nodes", "--num_nodes", "2", "--devices", "2"), nodes=2, per_node=2)
     assert "FSDP2 HYBRID_SHARD" in outputs[0] and "mesh (2 nodes replicate x 2 devices shard)" in outputs[0]
     for run_dir in ("two", "nodes"):
         adapter = load_file(str(tmp_path / run_dir / "final" / "lora_adapter.safetensors"))
@@ -197,7 +129,7 @@ def test_single_device_lora_holds_its_frozen_base_in_bf16(bf16_base, sums, tmp_p
     convert_from_hf(hf_dir, wide)
 
     def setup_gib(precision: str) -> float:
-        log = _toolkit(_args("finetune_lora", wide, tmp_path / f"wide-{precision}", sums, "--train.max_steps", "1",
+        log = run_toolkit(_args("finetune_lora", wide, tmp_path / f"wide-{precision}", sums, "--train.max_steps", "1",
                              "--train.save_interval", "null", "--precision", precision))
         return float(re.search(r"set-up took ([\d.]+) GiB", log).group(1))
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS
+from conftest import ASSETS, kill_group_at_step
 from test_resume import _losses, _run, _run_until_step_then_kill
 
 ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
@@ -94,21 +94,10 @@ def _pretrain_2proc_cmd(out_dir: Path, steps: int) -> list[str]:
 def test_two_fsdp_processes_killed_and_resumed_from_a_sharded_checkpoint(tmp_path):
     steps = 6
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
     _run(_pretrain_2proc_cmd(reference, steps))
     # Kill the whole process group (launcher and its worker) at step k, as a crashed node would be.
     k = random.Random(os.getpid()).randint(3, steps - 1)
-    process = subprocess.Popen(_pretrain_2proc_cmd(killed, steps), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, env=env, start_new_session=True)
-    try:
-        for line in process.stdout:
-            if line.startswith(f"step {k}/"):
-                os.killpg(process.pid, signal.SIGKILL)
-                break
-        process.wait(timeout=600)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
+    kill_group_at_step(_pretrain_2proc_cmd(killed, steps), k)
     assert (killed / "checkpoints" / "step-00000002" / "state").is_dir()  # sharded
     result = _run(_pretrain_2proc_cmd(killed, steps))
     assert "Resumed from" in result.stdout

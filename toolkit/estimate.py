@@ -58,8 +58,10 @@ What is assumed, and where it comes from:
 - QLoRA (bitsandbytes): the linear layers of the blocks are quantized (embedding, norms and head are
   not, and are stored in the compute dtype): 4-bit = half a byte per weight + a float32 absmax per
   64 weights (double quantization: one byte per 64, plus a float32 per 256 of those); int8 = one
-  byte per weight + a float32 scale per row. Like finetune_lora, quantization is for one device
-  only, without a LoRA head.
+  byte per weight + a float32 scale per row. No LoRA head, as in finetune_lora. On more than one
+  device finetune_lora replicates the quantized base and synchronises only the adapters with DDP
+  (`toolkit.training.distributed.plan_quantized_base`), so that is the one column shown: the whole
+  quantized base on every device, and DDP's bucket copy of the adapters' gradients.
 - FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block plus the root unit with embedding, final
   norm and head, on the mesh of `toolkit.training.distributed.mesh_layout`): every parameter is
   split along dim 0 and each rank's shard is padded to ceil(rows / shard group) rows; a gradient
@@ -1021,9 +1023,17 @@ def _resolve(
             notes.append("One device in total: a single device is used whatever the strategy.")
     else:
         if quantize is not None:
-            raise UserError(
-                "quantize runs on one device (as finetune_lora): sharding bitsandbytes weights with FSDP is not "
-                "supported; use devices 1, or drop quantize and shard instead."
+            from toolkit.training.distributed import QUANTIZED_BASE_NOT_SHARDED
+
+            if strategy == "fsdp" or sharding is not None:
+                raise UserError(
+                    f"quantize cannot be combined with FSDP sharding: {QUANTIZED_BASE_NOT_SHARDED}. Leave strategy "
+                    "and sharding out: finetune_lora then replicates the quantized base and synchronises the adapters."
+                )
+            columns.append(make_column("DDP", devices, num_nodes))
+            notes.append(
+                f"QLoRA on {world} devices runs as finetune_lora runs it: every device holds the whole quantized base "
+                "and DDP synchronises only the LoRA adapters (the DDP column)."
             )
         else:
             if strategy == "ddp":

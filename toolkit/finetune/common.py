@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, Optional, Sequence, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
@@ -42,6 +42,7 @@ def run_finetune(
     export: Optional[Callable] = None,
     check_args: Optional[Callable] = None,
     export_dtype: Optional[str] = None,
+    startup_notes: Sequence[str] = (),
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model)."""
     from toolkit.model_dir import export_dtype as resolve_export_dtype
@@ -68,6 +69,8 @@ def run_finetune(
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
         max_seq_length=max_seq_length,
     )
+    for note in startup_notes:  # what the entry point decided before launch, e.g. the QLoRA scheme
+        session.fabric.print(note)
     session.export_dtype = dtype
     session.checkpoint_filter = checkpoint_filter
     fabric = session.fabric

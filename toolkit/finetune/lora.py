@@ -2,7 +2,9 @@
 
 LoRA comes from `peft`, applied to the toolkit's own model: peft swaps the chosen Linear layers for
 its LoRA layers; the base weights are frozen. With --quantize, the frozen base Linear layers are
-first replaced by bitsandbytes 4-bit or 8-bit layers.
+first replaced by bitsandbytes 4-bit or 8-bit layers, on the CPU, before the model is moved to its
+device. On more than one device every rank quantizes the whole base in the same way and only the
+adapters are synchronised (`toolkit.training.distributed.plan_quantized_base` says why).
 
 A finished run writes `<out_dir>/final/`:
     lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
@@ -111,7 +113,7 @@ def init_adapters(model, seed: int) -> None:
 def quantize_linears(model, mode: str, compute_dtype):
     """Replace every Linear inside the blocks by a bitsandbytes layer holding the same weights.
 
-    Quantization happens here, on the CPU copy, before the model is moved or sharded. The output
+    Quantization happens here, on the CPU copy, before the model is moved (it is never sharded). The output
     head and embeddings stay in full precision (they are small next to the blocks and quantizing
     them costs quality).
     """
@@ -187,11 +189,16 @@ def finetune_lora(
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise UserError(f"Unknown --quantize {quantize!r}.{did_you_mean(quantize, QUANTIZE_CHOICES)}")
 
-    def check_args(config) -> None:
-        from toolkit.training.distributed import resolve_accelerator, resolve_devices
+    startup_notes: list[str] = []
+    if quantize is not None:
+        from toolkit.training.distributed import plan_quantized_base
 
-        if quantize is not None and resolve_devices(devices, resolve_accelerator()) * num_nodes > 1:
-            raise UserError("--quantize runs on one device for now: sharding bitsandbytes weights with FSDP is not supported yet.")
+        # On more than one device the quantized base is replicated and DDP synchronises the adapters.
+        scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
+        distributed = scheme.dist
+        startup_notes.append(scheme.describe())
+
+    def check_args(config) -> None:
         if quantize is not None and "head" in lora.targets:
             raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
 
@@ -211,7 +218,7 @@ def finetune_lora(
     _, model = run_finetune(
         "finetune_lora", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
         precision, seed, resume, prepare_model=prepare, checkpoint_filter=is_adapter_weight, export=export,
-        check_args=check_args,
+        check_args=check_args, startup_notes=startup_notes,
     )
     return model
 

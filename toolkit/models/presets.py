@@ -38,6 +38,12 @@ LLAMA = [
         expected_params=8_030_261_248,
     ),
     dict(
+        name="llama-3.1-70b", hf_repo_id="meta-llama/Llama-3.1-70B",
+        vocab_size=128256, block_size=131072, n_layer=80, n_embd=8192, n_head=64, n_query_groups=8,
+        intermediate_size=28672, rope_base=500000.0, rope_scaling=_LLAMA_31_SCALING,
+        expected_params=70_553_706_496,
+    ),
+    dict(
         name="llama-3.2-1b", hf_repo_id="meta-llama/Llama-3.2-1B",
         vocab_size=128256, block_size=131072, n_layer=16, n_embd=2048, n_head=32, n_query_groups=8,
         intermediate_size=8192, rope_base=500000.0, rope_scaling=_LLAMA_32_SCALING, tie_embeddings=True,

@@ -52,7 +52,7 @@ import re
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, get_args
 
 from toolkit.errors import PeerFailure, UserError, did_you_mean
@@ -267,6 +267,67 @@ def plan_strategy(
         cpu_offload = False
         notes.append((logging.WARNING, "cpu_offload is ignored when training on CPU (parameters are there already)."))
     return plan("fsdp", sharding=sharding, device_mesh=mesh, cpu_offload=cpu_offload)
+
+
+# --------------------------------------------------------------------------------------------
+# QLoRA: a bitsandbytes-quantized frozen base on more than one device
+# --------------------------------------------------------------------------------------------
+
+# Why the quantized base is not sharded (measured with torch 2.13 and bitsandbytes 0.50.2 on gloo by
+# benchmarks/fsdp_bitsandbytes.py):
+# `fully_shard` turns each weight into a DTensor and, before every forward pass, gathers it into a
+# plain `nn.Parameter`. What bitsandbytes keeps on its own parameter classes is then gone:
+# `Linear4bit` (float `quant_storage` or not) fails with "quant_state is required" and
+# `Linear8bitLt` with "'Parameter' object has no attribute 'CB'". bitsandbytes can restore the
+# 4-bit state from its layer (a `Params4bit` created with `module=layer`); with that, a sharded
+# NF4 layer with bfloat16 `quant_storage` gave bit-identical outputs and input gradients to one
+# process. The 8-bit layer has no such path, and a 4-bit weight cannot be read row by row from the
+# checkpoint (its blocks of 64 values and their scales need the whole weight), so every rank would
+# quantize every full weight anyway. Until both hold, the base is replicated.
+QUANTIZED_BASE_NOT_SHARDED = (
+    "FSDP2 gathers each weight into a plain parameter and bitsandbytes' quantization state is lost with it"
+)
+
+
+@dataclass(frozen=True)
+class QuantizedBasePlan:
+    """How QLoRA spreads over devices: which scheme, with which arguments, and why."""
+
+    scheme: Literal["single", "replicated"]
+    dist: DistributedArgs  # the arguments to build the strategy from
+    reason: str  # one line for the start-up log
+
+    def describe(self) -> str:
+        return f"QLoRA scheme: {self.scheme}; {self.reason}"
+
+
+def plan_quantized_base(
+    devices: int | str, num_nodes: int, dist: DistributedArgs, quantize: str, accelerator: str = "auto"
+) -> QuantizedBasePlan:
+    """The scheme for a frozen base quantized with bitsandbytes (`--quantize`). Raises UserError.
+
+    One device: the base is quantized on the CPU and moved, as always. More than one: the
+    replicated scheme. Every rank builds and quantizes the whole base exactly as one device does
+    (the same checkpoint, the same deterministic quantization, so the same bytes everywhere), and
+    DDP synchronises what trains, the LoRA adapters: their gradients are averaged over all ranks
+    of all nodes after each optimizer step's last micro-batch. The cost is the whole quantized
+    base on every device (about 5 GB for 8B in NF4, 35 GB for 70B); adapters, their gradients and
+    AdamW state are small. See QUANTIZED_BASE_NOT_SHARDED for why FSDP2 is not used.
+    """
+    world = resolve_devices(devices, resolve_accelerator(accelerator)) * num_nodes
+    if world == 1:
+        return QuantizedBasePlan("single", dist, f"one device holds the {quantize} base")
+    if dist.strategy == "fsdp":
+        raise UserError(
+            f"--distributed.strategy fsdp cannot shard a --quantize {quantize} base: {QUANTIZED_BASE_NOT_SHARDED}. "
+            "Leave --distributed.strategy auto: each device then holds the whole quantized base and only the "
+            "LoRA adapters are synchronised."
+        )
+    reason = (
+        f"each of the {world} processes holds the whole {quantize} base and DDP synchronises only the LoRA "
+        f"adapters (the base is not sharded: {QUANTIZED_BASE_NOT_SHARDED})"
+    )
+    return QuantizedBasePlan("replicated", replace(dist, strategy="ddp"), reason)
 
 
 def build_fabric(
@@ -1180,6 +1241,7 @@ __all__ = [
     "BatchPlan",
     "DistributedArgs",
     "PRECISIONS",
+    "QuantizedBasePlan",
     "StrategyPlan",
     "build_fabric",
     "check_launcher",
@@ -1187,6 +1249,7 @@ __all__ = [
     "full_state_dict",
     "is_fsdp",
     "plan_batches",
+    "plan_quantized_base",
     "plan_strategy",
     "resolve_accelerator",
     "resolve_devices",
