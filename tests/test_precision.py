@@ -90,7 +90,7 @@ FULL_RELATIVE_TOLERANCE = 0.02
 def test_full_finetuning_under_bf16_mixed_on_two_processes_follows_one_process(bf16_base, sums, tmp_path):
     finals = {}
     for tag, extra in (("one", ()), ("two", ("--devices", "2"))):
-        log = _toolkit(_args("finetune_full", bf16_base, tmp_path / tag, sums, "--train.learning_rate", "0.001",
+        log = run_toolkit(_args("finetune_full", bf16_base, tmp_path / tag, sums, "--train.learning_rate", "0.001",
                              "--export_dtype", "float32", *extra))
         finals[tag] = load_file(str(tmp_path / tag / "final" / "model.safetensors"))
     assert "block weights gathered in bfloat16, gradients reduced in float32" in log

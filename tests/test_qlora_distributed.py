@@ -111,8 +111,9 @@ def test_two_processes_killed_in_mid_run_resume_to_the_uninterrupted_weights(bf1
     _assert_same_adapter(out, single(mode), f"2 processes killed at step {k} and resumed")
 
 
-@pytest.mark.slow  # about 50 s per mode on 2 busy cores: 4 workers and 2 launchers
-@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.int8"])
+# About 50 s per mode on 2 busy cores (4 workers and 2 launchers): nf4 runs by default, int8 with -m slow
+# (int8 on 2 processes runs by default above).
+@pytest.mark.parametrize("mode", ["bnb.nf4", pytest.param("bnb.int8", marks=pytest.mark.slow)])
 def test_two_nodes_of_two_processes_train_the_adapter_of_one_process(bf16_base, sums, single, tmp_path, mode):
     out = tmp_path / "nodes"
     outputs = torchrun_nodes(_args(bf16_base, sums, out, mode, "--num_nodes", "2", "--devices", "2"), nodes=2, per_node=2)
