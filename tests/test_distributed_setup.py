@@ -167,7 +167,7 @@ def test_plan_strategy_choices():
     assert offload.cpu_offload is False and any("cpu_offload" in text for _, text in offload.notes)
 
 
-def test_build_fabric_configures_fsdp_strategy():
+def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     from lightning.fabric.plugins import MixedPrecision
     from lightning.fabric.strategies import ModelParallelStrategy
 
@@ -186,6 +186,9 @@ def test_build_fabric_configures_fsdp_strategy():
     assert strategy.precision.device == "cpu"  # CPU autocast, not CUDA's
     assert fabric.world_size == 2
 
+    # Two nodes need a launcher's environment (the pre-flight check refuses without one).
+    for name, value in (("NODE_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+        monkeypatch.setenv(name, value)
     hybrid = build_fabric(2, 2, "32-true", DistributedArgs(sharding="HYBRID_SHARD"), block, accelerator="cpu")
     assert hybrid.strategy.sharding == "HYBRID_SHARD"
     assert mesh_layout("HYBRID_SHARD", 2, 2) == ((2, 2), ("replicate", "shard"))
