@@ -196,3 +196,23 @@ def test_config_fields_of_the_wrong_type_are_one_clear_error(overrides, message)
 def test_overrides_may_rename_a_preset_and_whole_numbers_are_accepted_as_floats():
     config = Config.from_name("debug", name="mine", rope_base=500000)
     assert config.name == "mine" and config.rope_base == 500000.0 and isinstance(config.rope_base, float)
+
+
+def test_checkpoint_rows_read_into_a_shard_equal_the_stored_rows(tmp_path, monkeypatch):
+    """A rank's rows of each weight of a bf16 checkpoint, copied into its float32 shard a few rows
+    per mapping (READ_CHUNK_BYTES made tiny so that every weight takes several), and read whole."""
+    import toolkit.model_dir as model_dir
+
+    config = Config.from_name("debug")
+    torch.manual_seed(0)
+    stored = {k: torch.randn_like(v) for k, v in GPT(config).to(torch.bfloat16).state_dict().items()}
+    model_dir.save_checkpoint_files(tmp_path, stored, config)
+    monkeypatch.setattr(model_dir, "READ_CHUNK_BYTES", 1000)
+    read_rows = model_dir.checkpoint_row_reader(tmp_path)
+    for name, tensor in stored.items():
+        rows = tensor.shape[0]
+        for start, stop in [(0, rows), (1, rows - 1), (rows // 3, rows // 2)]:
+            shard = torch.empty((stop - start, *tensor.shape[1:]))
+            assert read_rows(name, start, stop, out=shard) is shard
+            assert torch.equal(shard, tensor[start:stop].float()), (name, start, stop)
+        assert torch.equal(read_rows(name, 0, None), tensor)

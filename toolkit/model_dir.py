@@ -118,6 +118,10 @@ def load_state_dict(checkpoint_dir: Path | str, device: str = "cpu") -> dict:
     return state_dict
 
 
+# Rows copied into a shard per mapping of the checkpoint file (see `checkpoint_row_reader`).
+READ_CHUNK_BYTES = 16 << 20
+
+
 def checkpoint_row_reader(checkpoint_dir: Path | str):
     """`read_rows(name, start, stop, out=None)`: rows [start, stop) of weight `name`, read memory-mapped
     (see `toolkit.training.distributed.ReadRows`).
@@ -140,11 +144,21 @@ def checkpoint_row_reader(checkpoint_dir: Path | str):
         key = "embed.weight" if tied and name == "lm_head.weight" and name not in keys else name
         if key not in keys:
             raise UserError(f"{path} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
-        # The file is mapped for this read only: the pages it touched leave the process's resident
-        # set with the mapping, instead of adding up to the rank's share of the file.
-        with safe_open(str(path), framework="pt") as handle:
-            rows = handle.get_slice(key)[start:stop]
-        return rows if out is None else out.copy_(rows.reshape(out.shape))
+        # The file is mapped for each read only: the pages it touched leave the process's resident
+        # set with the mapping, instead of adding up to the rank's share of the file. Into `out`
+        # (a rank's shard) the rows are copied a few MiB at a time, so no more than that is mapped.
+        if out is None:
+            with safe_open(str(path), framework="pt") as handle:
+                return handle.get_slice(key)[start:stop]
+        rows = out.view(out.shape[0] if out.dim() else 1, -1)
+        step = max(1, READ_CHUNK_BYTES // max(rows.shape[1] * out.element_size(), 1))
+        for first in range(0, rows.shape[0], step):
+            last = min(first + step, rows.shape[0])
+            with safe_open(str(path), framework="pt") as handle:
+                chunk = handle.get_slice(key)[start + first:start + last]
+            rows[first:last].copy_(chunk.reshape(last - first, -1))
+            del chunk
+        return out
 
     return read_rows
 
