@@ -13,7 +13,7 @@ import torch
 
 from conftest import ASSETS
 from toolkit.data.chat import Chat, Conversation, assistant_spans
-from toolkit.data.chat_template import CHAT_TEMPLATES, ChatTemplate, resolve_chat_template
+from toolkit.data.chat_template import CHAT_TEMPLATES, resolve_chat_template
 from toolkit.data.instruct import IGNORE_INDEX, InstructData
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer

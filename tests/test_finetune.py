@@ -3,7 +3,6 @@ real Llama-2 tokenizer and real Alpaca records; real peft, bitsandbytes and tran
 
 import csv
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,7 @@ def test_full_finetuning_lowers_validation_loss(base, tmp_path):
 
 @pytest.fixture(scope="module")
 def lora_run(base) -> dict:
-    from toolkit.finetune.lora import LoRAArgs, finetune_lora
+    from toolkit.finetune.lora import finetune_lora
     from toolkit.cli import build_parser
 
     out = base["root"] / "lora"

@@ -10,7 +10,6 @@ import re
 import shutil
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 

@@ -60,7 +60,7 @@ def _local_snapshot(repo_id: str, cache_dir: Optional[Path], hf_dir: Optional[Pa
     try:
         path = snapshot_download(repo_id, cache_dir=cache_dir, local_dir=hf_dir, token=token, local_files_only=True)
         return Path(path)
-    except Exception as err:  # LocalEntryNotFoundError, IncompleteSnapshotError, HFValidationError...
+    except Exception:  # LocalEntryNotFoundError, IncompleteSnapshotError, HFValidationError...
         where = hf_dir if hf_dir is not None else (cache_dir or "the Hugging Face cache")
         raise UserError(f"{repo_id} is not in {where}, and {why}") from None
 

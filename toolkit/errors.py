@@ -25,6 +25,12 @@ def closest(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
     return matches
 
 
+def check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raise a UserError naming `what`, the valid choices and the closest ones unless `value` is one of them."""
+    if value not in choices:
+        raise UserError(f"Unknown {what} {value!r}; choose one of {', '.join(choices)}.{did_you_mean(str(value), choices)}")
+
+
 def did_you_mean(word: str, choices: Iterable[str]) -> str:
     """' Did you mean: a, b?' or '' when nothing is close."""
     matches = closest(word, choices)

@@ -85,17 +85,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal, Optional, get_args
 
-from toolkit.errors import UserError, did_you_mean
+from toolkit.errors import UserError, check_choice
 from toolkit.models.config import CONFIG_FILENAME, Config
+from toolkit.training.args import QUANTIZE_CHOICES, QuantizeName, ShardingName, StrategyName
 
 GiB = 1024**3
 # toolkit.models.gpt.LOSS_CHUNK_BYTES (not imported: that would import torch): the fused loss computes
 # at most this many bytes of float32 logits at a time.
 LOSS_CHUNK_BYTES = 128 * 2**20
 
-QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
 # LoRA target name -> the linear layers (last name component) it adapts
 LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "query": ("q_proj",),
@@ -107,7 +107,6 @@ LORA_TARGETS: dict[str, tuple[str, ...]] = {
 }
 # Strategy columns, cheapest communication first: the order the recommendation tries them in.
 COLUMN_ORDER = ("single", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
-SHARDINGS = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD")
 
 
 # --------------------------------------------------------------------------------------------
@@ -878,13 +877,13 @@ def estimate(
     micro_batch_size: int = 1,
     max_seq_length: Optional[int] = None,
     precision: str = "bf16-mixed",
-    strategy: Literal["auto", "fsdp", "ddp"] = "auto",
-    sharding: Optional[Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]] = None,
+    strategy: StrategyName = "auto",
+    sharding: Optional[ShardingName] = None,
     finetune: Optional[Literal["lora", "full"]] = None,
     lora_r: int = 8,
     lora_targets: tuple[str, ...] = ("query", "value"),
     lora_dropout: float = 0.05,
-    quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]] = None,
+    quantize: Optional[QuantizeName] = None,
     activation_checkpointing: Optional[bool] = None,
     memory_budget_gb: Optional[float] = None,
     model_overrides: Optional[dict[str, Any]] = None,
@@ -946,13 +945,6 @@ def estimate(
     return result
 
 
-def _check_choice(what: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise UserError(
-            f"Unknown {what} {value!r}; choose one of {', '.join(choices)}.{did_you_mean(str(value), choices)}"
-        )
-
-
 def _resolve(
     model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
     lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
@@ -979,16 +971,16 @@ def _resolve(
             f"({config.block_size} tokens); use at most {config.block_size}."
         )
     name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
-    _check_choice("precision", precision if name not in PRECISIONS else name, PRECISIONS)
-    _check_choice("strategy", strategy, ("auto", "fsdp", "ddp"))
+    check_choice("precision", precision if name not in PRECISIONS else name, PRECISIONS)
+    check_choice("strategy", strategy, get_args(StrategyName))
     if sharding is not None:
-        _check_choice("sharding", sharding, SHARDINGS)
+        check_choice("sharding", sharding, get_args(ShardingName))
         if strategy == "ddp":
             raise UserError("sharding applies to FSDP; leave it out with strategy ddp, or use strategy fsdp.")
     if finetune not in (None, "lora", "full"):
         raise UserError(f"Unknown finetune {finetune!r}; choose lora or full (or leave it out for pretraining).")
     if quantize is not None:
-        _check_choice("quantize", quantize, QUANTIZE_CHOICES)
+        check_choice("quantize", quantize, QUANTIZE_CHOICES)
     if quantize is not None and finetune != "lora":
         raise UserError("quantize applies to frozen weights: use it with finetune lora (QLoRA).")
     lora_modules: tuple[str, ...] = ()
@@ -1000,7 +992,7 @@ def _resolve(
         if not lora_targets:
             raise UserError(f"lora_targets is empty; choose from {', '.join(LORA_TARGETS)}.")
         for target in lora_targets:
-            _check_choice("lora target", target, tuple(LORA_TARGETS))
+            check_choice("lora target", target, tuple(LORA_TARGETS))
         if quantize is not None and "head" in lora_targets:
             raise UserError("lora target head cannot be combined with quantize: the head is not quantized; drop 'head'.")
         if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:

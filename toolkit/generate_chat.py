@@ -21,7 +21,6 @@ from toolkit.data.chat_template import ChatTemplate, TemplateRenderError
 from toolkit.errors import UserError
 
 if TYPE_CHECKING:
-    import torch
 
     from toolkit.tokenizer import Tokenizer
 

@@ -26,7 +26,7 @@ import shutil
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Union
 
 from toolkit.convert.hf_to_toolkit import (
     TORCH_DTYPE_NAMES,

@@ -21,13 +21,13 @@ import dataclasses
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
 from toolkit.models.param_names import unwrapped_name
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.training.args import QUANTIZE_CHOICES, EvalArgs, LogArgs, QuantizeName, TrainArgs
 from toolkit.training.distributed import DistributedArgs
 
 LORA_TRAIN = TrainArgs(
@@ -44,7 +44,6 @@ TARGETS = {
     "mlp": ("gate_proj", "up_proj", "down_proj", "fc_in", "fc_out"),
     "head": ("lm_head",),
 }
-QUANTIZE_CHOICES = ("bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8")
 ADAPTER_FILE = "lora_adapter.safetensors"
 LORA_META = "lora.json"
 
@@ -151,7 +150,7 @@ def finetune_lora(
     out_dir: Path = Path("out/finetune/lora"),
     data: Optional[InstructData] = None,
     lora: LoRAArgs = LoRAArgs(),
-    quantize: Optional[Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]] = None,
+    quantize: Optional[QuantizeName] = None,
     train: TrainArgs = LORA_TRAIN,
     eval: EvalArgs = FINETUNE_EVAL,
     log: LogArgs = LogArgs(),

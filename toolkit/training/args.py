@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Optional, get_args
 
 from toolkit.errors import UserError
 
@@ -141,6 +141,10 @@ def parse_duration(text: str) -> float:
     except ValueError:
         raise UserError(f"Cannot read the duration {text!r}: use e.g. 90s, 45m, 2h, 1d2h or 01:30:00") from None
 
+
+# bitsandbytes storage of a frozen base (QLoRA): 4-bit NF4 or FP4 (-dq also quantizes the scales), or int8.
+QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
+QUANTIZE_CHOICES: tuple[str, ...] = get_args(QuantizeName)
 
 StrategyName = Literal["auto", "fsdp", "ddp"]
 ShardingName = Literal["FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD"]

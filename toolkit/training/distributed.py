@@ -55,7 +55,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Literal, Optional, get_args
 
-from toolkit.errors import PeerFailure, UserError, did_you_mean
+from toolkit.errors import PeerFailure, UserError, check_choice
 from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import DistributedArgs, ShardingName, StateDictTypeName, StrategyName
 
@@ -127,10 +127,7 @@ def resolve_precision(precision: str | None, accelerator: str) -> str:
             return "bf16-mixed" if torch.cuda.is_bf16_supported(including_emulation=False) else "16-mixed"
         return "32-true"
     name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
-    if name not in PRECISIONS:
-        raise UserError(
-            f"Unknown precision {precision!r}; choose one of {', '.join(PRECISIONS)}.{did_you_mean(str(precision), PRECISIONS)}"
-        )
+    check_choice("precision", precision if name not in PRECISIONS else name, PRECISIONS)
     if accelerator == "cpu" and name.startswith("16-"):
         raise UserError(f"precision {name!r} (float16) is not usable on CPU; use bf16-mixed or 32-true.")
     if accelerator == "cuda" and name.startswith("bf16"):
@@ -189,13 +186,6 @@ class StrategyPlan:
         return f"strategy: {where}; " + ", ".join(extras)
 
 
-def _check_choice(field: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise UserError(
-            f"Unknown distributed.{field} {value!r}; choose one of {', '.join(choices)}.{did_you_mean(str(value), choices)}"
-        )
-
-
 def plan_strategy(
     devices: int | str,
     num_nodes: int,
@@ -204,9 +194,9 @@ def plan_strategy(
     accelerator: str = "auto",
 ) -> StrategyPlan:
     """Validate the arguments and decide strategy, sharding and mesh. Raises UserError."""
-    _check_choice("strategy", dist.strategy, get_args(StrategyName))
-    _check_choice("sharding", dist.sharding, get_args(ShardingName))
-    _check_choice("state_dict_type", dist.state_dict_type, get_args(StateDictTypeName))
+    check_choice("distributed.strategy", dist.strategy, get_args(StrategyName))
+    check_choice("distributed.sharding", dist.sharding, get_args(ShardingName))
+    check_choice("distributed.state_dict_type", dist.state_dict_type, get_args(StateDictTypeName))
     if isinstance(num_nodes, bool) or not isinstance(num_nodes, int) or num_nodes < 1:
         raise UserError(f"num_nodes must be at least 1, got {num_nodes!r}.")
     accelerator = resolve_accelerator(accelerator)

@@ -13,7 +13,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
@@ -23,6 +23,9 @@ from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.training.distributed import DistributedArgs, build_fabric, check_launcher, plan_batches, plan_strategy, run_on_rank_zero
 from toolkit.training.loop import LoopHooks, TrainState, fit
+
+if TYPE_CHECKING:
+    from toolkit.tokenizer import Tokenizer
 
 RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
 
