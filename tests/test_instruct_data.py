@@ -1,6 +1,7 @@
 """Instruction data: prompt styles, tokenization and masking, file errors, and the resumable loader."""
 
 import json
+import math
 import logging
 from pathlib import Path
 
@@ -431,11 +432,18 @@ def test_ranks_get_equal_disjoint_shards(tiny):
             assert shards[0].isdisjoint(shards[1])
             assert len(shards[0]) == len(shards[1]) == len(ranks[0]) * 3
         assert [len(list(r)) for r in ranks] == [len(ranks[0])] * 2
-    val = [InstructLoader(samples, 4, shuffle=False, rank=r, world_size=2) for r in range(2)]
-    assert len(val[0]) == len(val[1]) == len(samples) // 8
-    assert {i for b in val[0].batch_indices() for i in b.tolist()}.isdisjoint(
-        {i for b in val[1].batch_indices() for i in b.tolist()}
-    )
+    for group in (True, False):
+        # Validation: rank r of W takes micro-batches r, r + W, ... of the one-process sequence, so
+        # the first k x W micro-batches of any run are the same samples (and the same batches).
+        one = InstructLoader(samples, 4, shuffle=False, group_by_length=group).batch_indices()
+        for world in (2, 3):
+            val = [InstructLoader(samples, 4, shuffle=False, rank=r, world_size=world, group_by_length=group)
+                   for r in range(world)]
+            assert all(len(v) == math.ceil(len(samples) / 4) // world for v in val)
+            for r, loader in enumerate(val):
+                assert [b.tolist() for b in loader.batch_indices()] == [b.tolist() for b in one[r::world][: len(loader)]]
+            assert len({i for v in val for b in v.batch_indices() for i in b.tolist()}) == sum(
+                b.numel() for v in val for b in v.batch_indices())  # disjoint
 
 
 def test_length_grouping_cuts_padding(llama2, caplog):

@@ -10,6 +10,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -46,7 +47,10 @@ def test_lora_on_a_bf16_base_equals_one_process_on_two_processes_and_two_nodes(b
     single = load_file(str(tmp_path / "one" / "final" / "lora_adapter.safetensors"))
     assert single and all(t.dtype == torch.float32 for t in single.values())
 
-    run_toolkit(args(tmp_path / "two", "--devices", "2"))  # FSDP2 FULL_SHARD, Fabric's own launcher
+    two_log = run_toolkit(args(tmp_path / "two", "--devices", "2"))  # FSDP2 FULL_SHARD, Fabric's own launcher
+    # --eval.max_iters 2 counts micro-batches over all ranks: both runs validate the same 4 samples.
+    val = [re.search(r"validation at step 3: loss (\S+)", text).group(1) for text in (log, two_log)]
+    assert float(val[1]) == pytest.approx(float(val[0]), abs=2e-4), val
     outputs = torchrun_nodes(args(tmp_path / "nodes", "--num_nodes", "2", "--devices", "2"), nodes=2, per_node=2)
     assert "FSDP2 HYBRID_SHARD" in outputs[0] and "mesh (2 nodes replicate x 2 devices shard)" in outputs[0]
     for run_dir in ("two", "nodes"):

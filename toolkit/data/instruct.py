@@ -302,18 +302,22 @@ class InstructLoader:
         n, mb, unit = len(self.samples), self.micro_batch_size, self.global_batch
         lengths = self.samples.lengths
         if not self.shuffle:
+            # Validation: one sequence of micro-batches whatever the number of processes; rank r
+            # takes micro-batches r, r + world_size, ... (whole rounds only, so that every rank runs
+            # as many). The first k micro-batches of every run are then the same samples.
             order = torch.arange(n)
             if not self.group_by_length:
-                units = list(order.split(unit))
+                micro = list(order.split(mb))
             else:
-                # Batches of similar lengths (little padding), taken in an order whose every prefix
-                # spreads over all lengths: validation reads only its first max_iters batches.
-                # The longest batch stays first, so an out-of-memory shows at once.
-                units = list(torch.sort(lengths, descending=True, stable=True).indices.split(unit))
-                units = [units[i] for i in spread_order(len(units))]
+                # Micro-batches of similar lengths (little padding), taken in an order whose every
+                # prefix spreads over all lengths: validation reads only its first max_iters.
+                # The longest micro-batch stays first, so an out-of-memory shows at once.
+                micro = list(torch.sort(lengths, descending=True, stable=True).indices.split(mb))
+                micro = [micro[i] for i in spread_order(len(micro))]
             if self.world_size == 1:
-                return units
-            return [u[self.rank * mb : (self.rank + 1) * mb] for u in units if len(u) == unit]
+                return micro
+            rounds = len(micro) // self.world_size
+            return [micro[r * self.world_size + self.rank] for r in range(rounds)]
 
         # Training: whole optimizer steps of `step_batch_size` samples ("units").
         unit = self.step_batch_size
@@ -443,8 +447,8 @@ def spread_order(n: int) -> list[int]:
 
 
 def _batches_per_epoch(num_samples: int, micro_batch_size: int, world_size: int, shuffle: bool = True) -> int:
-    if not shuffle and world_size == 1:
-        return math.ceil(num_samples / micro_batch_size)
+    if not shuffle:  # validation: whole rounds of micro-batches, the last one possibly short
+        return math.ceil(num_samples / micro_batch_size) // world_size
     return num_samples // (micro_batch_size * world_size)
 
 

@@ -83,7 +83,8 @@ class EvalArgs:
     """Periodic validation."""
 
     interval: int = 100  # optimizer steps between validations
-    max_iters: int = 50  # validation micro-batches per device (all of them if the set is smaller)
+    # validation micro-batches in all, over every device (each runs its share); all of them if the set is smaller
+    max_iters: int = 50
     initial_validation: bool = False  # validate before the first step
     final_validation: bool = True
 

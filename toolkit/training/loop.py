@@ -302,14 +302,20 @@ def _duration(seconds: float) -> str:
 
 @torch.no_grad()
 def validate(fabric, model, loader: Iterable[dict], max_iters: int) -> tuple[float, float]:
-    """Mean loss per target token and perplexity over at most `max_iters` batches per rank."""
+    """Mean loss per target token and perplexity over at most `max_iters` micro-batches in all.
+
+    Each rank runs ceil(max_iters / world_size) of them: the validation samples, and so the loss,
+    are those of one process running `max_iters` (the loaders' global order does not depend on the
+    number of processes), not `max_iters` per rank.
+    """
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), device=fabric.device)
     targets = torch.zeros((), device=fabric.device, dtype=torch.long)
     # Under FSDP every rank must run the same number of forward passes: agree on the shortest.
     length = _length(loader)
-    n_batches = torch.tensor(max_iters if length is None else min(max_iters, length), device=fabric.device)
+    per_rank = -(-max_iters // fabric.world_size)
+    n_batches = torch.tensor(per_rank if length is None else min(per_rank, length), device=fabric.device)
     if fabric.world_size > 1:
         import torch.distributed as dist
 
