@@ -241,7 +241,15 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
             raise
         print(f"{prog}: error: {failure}", file=sys.stderr)
         return 1
+    _release_process_group()
     return 0
+
+
+def _release_process_group() -> None:
+    if "torch.distributed" in sys.modules:  # a distributed run happened in this process
+        from toolkit.training.distributed import release_process_group
+
+        release_process_group()
 
 
 def _peer_failure_line(error: Exception) -> Optional[str]:
