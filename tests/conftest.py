@@ -1,6 +1,7 @@
 """Shared test helpers: the real data files the tests read (tests/assets, see the README there), the
 tiny checkpoints built from them, and running the real CLI in several processes on 127.0.0.1."""
 
+import csv
 import json
 import os
 import shutil
@@ -136,3 +137,36 @@ def kill_group_at_step(cmd: list[str], step: int) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL, f"the run ended before step {step}"
+
+
+def logged_metrics(out_dir: Path) -> list[dict]:
+    """Every row of a run's CSV log, over the version_N folders of successive (resumed) starts, in order."""
+    rows = []
+    versions = sorted((Path(out_dir) / "logs" / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    for version in versions:
+        if (version / "metrics.csv").exists():
+            with open(version / "metrics.csv") as f:
+                rows.extend(csv.DictReader(f))
+    return rows
+
+
+def logged_val_losses(out_dir: Path) -> list[float]:
+    """The validation losses a run logged, in order."""
+    return [float(row["val/loss"]) for row in logged_metrics(out_dir) if row.get("val/loss")]
+
+
+def data_from_cli(args: list[str]):
+    """The `--data ...` options parsed and instantiated as the fine-tuning commands do (jsonargparse
+    chooses the InstructData subclass and fills its fields)."""
+    from typing import Optional
+
+    from jsonargparse import ArgumentParser
+
+    from toolkit.data.instruct import InstructData
+
+    def finetune(data: Optional[InstructData] = None) -> None:
+        """Stand-in for a fine-tuning entry point."""
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(finetune)
+    return parser.instantiate(parser.parse_args(args)).data

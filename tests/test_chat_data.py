@@ -6,15 +6,14 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
 
-from conftest import ASSETS
+from conftest import ASSETS, data_from_cli
 from toolkit.data.chat import Chat, Conversation, assistant_spans
 from toolkit.data.chat_template import CHAT_TEMPLATES, resolve_chat_template
-from toolkit.data.instruct import IGNORE_INDEX, InstructData
+from toolkit.data.instruct import IGNORE_INDEX
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer
 
@@ -337,31 +336,33 @@ def test_a_template_that_refuses_a_conversation_names_the_record(tokenizer_dirs,
         Chat(json_path=path, val_split_fraction=0).setup(gemma, max_seq_length=128)
 
 
-def test_a_template_that_rewrites_earlier_turns_is_refused(qwen, tmp_path):
-    # Drops every assistant turn but the last: earlier prompts are not prefixes of the whole text.
-    rewriting = (
-        "{%- for m in messages -%}{%- if m['role'] != 'assistant' or loop.last -%}"
-        "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    )
-    template_file = tmp_path / "rewriting.jinja"
-    template_file.write_text(rewriting)
-    path = _write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS["two turns"]}])
-    with pytest.raises(UserError, match="line 1: the chat template renders the conversation before message 1 differently"):
-        Chat(json_path=path, val_split_fraction=0, chat_template=str(template_file)).setup(qwen, max_seq_length=128)
+# Templates whose rendering of a turn depends on what follows it: the assistant masks could not be
+# cut from rendered prefixes, so they are refused with the line and what differs.
+_REWRITING = (  # drops every assistant turn but the last: earlier prompts are not prefixes of the whole text
+    "{%- for m in messages -%}{%- if m['role'] != 'assistant' or loop.last -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+_LAST_ONLY = (  # the last assistant turn gets a marker the others lose (as reasoning templates do with <think>)
+    "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] -}}"
+    "{%- if m['role'] != 'assistant' or loop.last -%}{{- '<|im_end|>' -}}{%- endif -%}{{- '\\n' -}}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
-def test_a_template_that_renders_the_last_turn_differently_is_refused(qwen, tmp_path):
-    # The last assistant turn gets a marker the others lose (as reasoning templates do with <think>).
-    last_only = (
-        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] -}}"
-        "{%- if m['role'] != 'assistant' or loop.last -%}{{- '<|im_end|>' -}}{%- endif -%}{{- '\\n' -}}{%- endfor -%}"
-        "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
-    )
-    template_file = tmp_path / "last_only.jinja"
-    template_file.write_text(last_only)
+@pytest.mark.parametrize(
+    "template, message",
+    [
+        (_REWRITING, "line 1: the chat template renders the conversation before message 1 differently"),
+        (_LAST_ONLY, "line 1: the chat template renders an assistant turn differently when it is the last"),
+    ],
+    ids=["rewrites earlier turns", "renders the last turn differently"],
+)
+def test_a_template_that_renders_a_turn_by_what_follows_is_refused(qwen, tmp_path, template, message):
+    template_file = tmp_path / "template.jinja"
+    template_file.write_text(template)
     path = _write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS["two turns"]}])
-    with pytest.raises(UserError, match="line 1: the chat template renders an assistant turn differently when it is the last"):
+    with pytest.raises(UserError, match=message):
         Chat(json_path=path, val_split_fraction=0, chat_template=str(template_file)).setup(qwen, max_seq_length=128)
 
 
@@ -400,17 +401,9 @@ def test_template_choice_and_the_template_written_into_the_output(qwen, tmp_path
 
 
 def test_the_cli_builds_chat_data():
-
-    from jsonargparse import ArgumentParser
-
-    def finetune(data: Optional[InstructData] = None) -> None:
-        """Stand-in for the fine-tuning entry point."""
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_function_arguments(finetune)
     args = ["--data", "Chat", "--data.json_path", str(FASTCHAT), "--data.chat_template", "llama-2",
             "--data.role_names", '{"bot": "assistant"}', "--data.mask_prompt", "false"]
-    data = parser.instantiate(parser.parse_args(args)).data
+    data = data_from_cli(args)
     assert isinstance(data, Chat) and data.chat_template == "llama-2" and data.role_names == {"bot": "assistant"}
     assert data.mask_prompt is False and data.format == "auto"
 

@@ -5,7 +5,6 @@ merged model and the Hugging Face export, where transformers renders the tokens 
 
 from __future__ import annotations
 
-import csv
 import io
 import json
 import os
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS
+from conftest import ASSETS, logged_val_losses
 from toolkit.cli import run
 from toolkit.data.chat import Chat, assistant_spans, parse_conversation
 from toolkit.data.chat_template import CHAT_TEMPLATES, checkpoint_template, resolve_chat_template
@@ -38,14 +37,6 @@ def _args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[st
     ]
 
 
-def _val_losses(out_dir: Path) -> list[float]:
-    rows = []
-    for version in sorted((out_dir / "logs" / "csv").glob("version_*")):
-        with open(version / "metrics.csv") as f:
-            rows += [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
-    return rows
-
-
 @pytest.fixture(scope="module")
 def chat_run(base) -> dict:
     out = base["root"] / "chat_lora"
@@ -58,7 +49,7 @@ def chat_run(base) -> dict:
 
 
 def test_lora_on_conversations_lowers_the_validation_loss_on_assistant_tokens(chat_run):
-    losses = _val_losses(chat_run["out"])
+    losses = logged_val_losses(chat_run["out"])
     assert len(losses) == 3, losses  # before training, after 5 and after 10 steps
     assert losses[-1] < losses[0] - 1.0, losses
     adapters = load_file(str(chat_run["out"] / "final" / "lora_adapter.safetensors"))

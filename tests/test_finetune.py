@@ -1,7 +1,6 @@
 """Fine-tuning end to end on CPU: a tiny Llama converted from a random Hugging Face checkpoint, the
 real Llama-2 tokenizer and real Alpaca records; real peft, bitsandbytes and transformers."""
 
-import csv
 import json
 from pathlib import Path
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS
+from conftest import ASSETS, logged_val_losses
 from toolkit.model_dir import load_model
 from toolkit.cli import run
 
@@ -27,18 +26,10 @@ def _args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[st
     ]
 
 
-def _val_losses(out_dir: Path) -> list[float]:
-    rows = []
-    for version in sorted((out_dir / "logs" / "csv").glob("version_*")):
-        with open(version / "metrics.csv") as f:
-            rows += [float(r["val/loss"]) for r in csv.DictReader(f) if r.get("val/loss")]
-    return rows
-
-
 def test_full_finetuning_lowers_validation_loss(base, tmp_path):
     out = tmp_path / "full"
     assert run(_args("finetune_full", base["checkpoint"], out, "--train.learning_rate", "0.003")) == 0
-    first, last = _val_losses(out)[0], _val_losses(out)[-1]
+    first, last = logged_val_losses(out)[0], logged_val_losses(out)[-1]
     assert last < first - 0.5, (first, last)
     tuned = load_file(str(out / "final" / "model.safetensors"))
     original = load_file(str(base["checkpoint"] / "model.safetensors"))
@@ -60,7 +51,7 @@ def lora_run(base) -> dict:
 
 
 def test_lora_lowers_validation_loss_and_leaves_the_base_bit_identical(base, lora_run):
-    first, last = _val_losses(lora_run["out"])[0], _val_losses(lora_run["out"])[-1]
+    first, last = logged_val_losses(lora_run["out"])[0], logged_val_losses(lora_run["out"])[-1]
     assert last < first - 0.3, (first, last)
 
     original = load_file(str(base["checkpoint"] / "model.safetensors"))
@@ -122,7 +113,7 @@ def test_qlora_trains_on_cpu(base, tmp_path, mode):
     args = _args("finetune_lora", base["checkpoint"], out, "--quantize", mode, "--train.learning_rate", "0.01",
                  "--precision", "bf16-mixed", "--lora.targets", "[query, value, mlp]")
     assert run(args) == 0
-    first, last = _val_losses(out)[0], _val_losses(out)[-1]
+    first, last = logged_val_losses(out)[0], logged_val_losses(out)[-1]
     assert last < first, (first, last)
     adapters = load_file(str(out / "final" / "lora_adapter.safetensors"))
     assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapters.items())  # B starts at zero

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ASSETS
+from conftest import ASSETS, data_from_cli
 
 from toolkit.data.instruct import (
     IGNORE_INDEX,
@@ -503,21 +503,12 @@ def test_loader_misuse(tiny, llama2):
 
 
 def test_cli_chooses_the_dataset_class():
-    from typing import Optional
-
-    from jsonargparse import ArgumentParser
-
-    def finetune(data: Optional[InstructData] = None) -> None:
-        """Stand-in for the fine-tuning entry point."""
-
-    parser = ArgumentParser(exit_on_error=False)
-    parser.add_function_arguments(finetune)
     args = ["--data", "JSON", "--data.json_path", str(SEED_TASKS), "--data.response_key", "name",
             "--data.input_key", "null", "--data.mask_prompt", "false"]
-    data = parser.instantiate(parser.parse_args(args)).data
+    data = data_from_cli(args)
     assert isinstance(data, JSON) and data.response_key == "name" and data.input_key is None
     assert data.mask_prompt is False and data.json_path == SEED_TASKS
-    data = parser.instantiate(parser.parse_args(["--data", "Alpaca", "--data.json_path", str(TINY)])).data
+    data = data_from_cli(["--data", "Alpaca", "--data.json_path", str(TINY)])
     assert isinstance(data, Alpaca) and data.prompt_style is None and data.val_split_fraction == 0.05
 
 

@@ -1,6 +1,5 @@
 """`toolkit pretrain` end to end on one device: real Fabric, real litdata, real tokenizers."""
 
-import csv
 import json
 import os
 import re
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from toolkit.cli import run
 
-from conftest import ASSETS
+from conftest import ASSETS, logged_metrics, logged_val_losses
 
 NEOX_TOKENIZER = ASSETS / "tokenizers" / "gpt-neox-20b"
 SHAKESPEARE = ASSETS / "tinyshakespeare.txt"
@@ -30,21 +29,11 @@ def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def _metrics(out_dir: Path) -> list[dict]:
-    """Every logged row, over the version_N folders of successive (resumed) starts."""
-    rows = []
-    versions = sorted((out_dir / "logs" / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-    for version in versions:
-        with open(version / "metrics.csv") as f:
-            rows.extend(csv.DictReader(f))
-    return rows
-
-
 def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp_path):
     out = tmp_path / "run"
     assert run(_pretrain_args(out, "--train.max_steps", "25", "--eval.interval", "25", "--eval.initial_validation", "true")) == 0
 
-    val = [float(r["val/loss"]) for r in _metrics(out) if r.get("val/loss")]
+    val = logged_val_losses(out)
     assert len(val) == 2
     assert val[-1] < val[0] - 1.0, val  # from ~10.8 (uniform over 50k tokens) to well below
 
@@ -61,7 +50,7 @@ def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp
     again = tmp_path / "continued"
     assert run(_pretrain_args(again, "--initial_checkpoint_dir", str(final), "--train.max_steps", "1",
                               "--eval.initial_validation", "true", "--eval.final_validation", "false")) == 0
-    first_val = [float(r["val/loss"]) for r in _metrics(again) if r.get("val/loss")][0]
+    first_val = logged_val_losses(again)[0]
     assert abs(first_val - val[-1]) < 1e-3, (first_val, val[-1])
 
 
@@ -180,7 +169,7 @@ def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
     ]
     assert run(args) == 0
     assert json.loads((out / "summary.json").read_text())["step"] == 3
-    losses = [float(r["train/loss"]) for r in _metrics(out) if r.get("train/loss")]
+    losses = [float(r["train/loss"]) for r in logged_metrics(out) if r.get("train/loss")]
     assert losses and all(0 < x < 20 for x in losses)
 
 

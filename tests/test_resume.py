@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS
+from conftest import ASSETS, kill_group_at_step, logged_metrics
 
 STEPS = 8
 
@@ -45,35 +45,9 @@ def _run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
     return result
 
 
-def _run_until_step_then_kill(cmd: list[str], step: int) -> None:
-    """Start a run and SIGKILL it as soon as it reports optimizer step `step`."""
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env())
-    try:
-        for line in process.stdout:
-            if line.startswith(f"step {step}/"):
-                process.send_signal(signal.SIGKILL)
-                break
-        process.wait(timeout=600)
-    finally:
-        if process.poll() is None:
-            process.kill()
-    assert process.returncode == -signal.SIGKILL
-
-
 def _losses(out_dir: Path) -> dict[int, float]:
     """step -> train loss, the last start's value winning where a resumed run repeated a step."""
-    import csv
-
-    losses = {}
-    versions = sorted((out_dir / "logs" / "csv").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
-    for version in versions:
-        path = version / "metrics.csv"
-        if path.exists():
-            with open(path) as f:
-                for row in csv.DictReader(f):
-                    if row.get("train/loss"):
-                        losses[int(float(row["step"]))] = float(row["train/loss"])
-    return losses
+    return {int(float(row["step"])): float(row["train/loss"]) for row in logged_metrics(out_dir) if row.get("train/loss")}
 
 
 def _assert_same_weights(a: Path, b: Path) -> None:
@@ -94,7 +68,7 @@ def reference(tmp_path_factory) -> Path:
 def test_killed_at_a_random_step_then_resumed_matches_uninterrupted(reference):
     out = reference.parent / "killed"
     k = random.Random(os.getpid()).randint(3, STEPS - 1)  # a random step past the first checkpoint
-    _run_until_step_then_kill(_pretrain_cmd(out), k)
+    kill_group_at_step(_pretrain_cmd(out), k)
     result = _run(_pretrain_cmd(out))
     assert "Resumed from" in result.stdout
     _assert_same_weights(reference, out)

@@ -10,10 +10,7 @@ sits near AdamW's eps) differed by 1.8e-5 while every other weight agreed to 7e-
 mistake moves many weights by about the learning rate (3e-4 here). Single-threaded (OMP_NUM_THREADS=1), see test_resume.py.
 """
 
-import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -22,21 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS
+from conftest import ASSETS, kill_group_at_step, launch_env
 
 STEPS = 4
 KILL_AT = 3  # a checkpoint at every step: those of steps 1 and 2 exist by then, 3 may or may not
 TOLERANCE = 1e-5
 TOKENIZER = ASSETS / "tokenizers" / "gpt-neox-20b"
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-    env.pop("LOCAL_RANK", None)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        env["MASTER_PORT"] = str(s.getsockname()[1])
-    return env
 
 
 def _cmd(out_dir: Path, devices: int, *data: str) -> list[str]:
@@ -54,25 +42,9 @@ def _cmd(out_dir: Path, devices: int, *data: str) -> list[str]:
 
 
 def _run(cmd: list[str]) -> subprocess.CompletedProcess:
-    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    result = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=600)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return result
-
-
-def _run_and_kill_at(cmd: list[str], step: int) -> None:
-    """SIGKILL the whole process group (launcher and workers) when step `step` is logged, as a lost node would be."""
-    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env(),
-                               start_new_session=True)
-    try:
-        for line in process.stdout:
-            if line.startswith(f"step {step}/"):
-                os.killpg(process.pid, signal.SIGKILL)
-                break
-        process.wait(timeout=600)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-    assert process.returncode == -signal.SIGKILL
 
 
 def _assert_close_to(reference: Path, out: Path) -> None:
@@ -95,7 +67,7 @@ def runs(tmp_path_factory) -> dict:
     """An uninterrupted one-process run, and a two-process run killed at step KILL_AT."""
     root = tmp_path_factory.mktemp("reshard")
     _run(_cmd(root / "reference", 1))
-    _run_and_kill_at(_cmd(root / "two", 2), KILL_AT)
+    kill_group_at_step(_cmd(root / "two", 2), KILL_AT)
     assert (_checkpoints(root / "two")[-1] / "state" / "__1_0.distcp").is_file()  # sharded
     return {"root": root, "reference": root / "reference", "two": root / "two"}
 
@@ -123,7 +95,7 @@ def test_two_processes_killed_then_resumed_on_one_past_a_damaged_shard(runs):
 def test_one_process_killed_then_resumed_on_two_which_verify_together(runs):
     """rank-0.pt is small, so rank 1 checks it (rank 0 takes state.pt): its finding reaches every rank."""
     out = runs["root"] / "one-to-two"
-    _run_and_kill_at(_cmd(out, 1), KILL_AT)
+    kill_group_at_step(_cmd(out, 1), KILL_AT)
     previous, newest = _checkpoints(out)
     _damage(newest / "rank-0.pt")
     result = _run(_cmd(out, 2))
@@ -154,7 +126,7 @@ def test_a_per_process_data_position_refuses_another_number_of_processes(tmp_pat
     cmd[cmd.index("--train.max_steps") + 1] = "2"
     _run(cmd)
     saved = sorted(p.relative_to(out) for p in (out / "checkpoints").rglob("*"))
-    result = subprocess.run(_cmd(out, 2, *data), capture_output=True, text=True, env=_env(), timeout=600)
+    result = subprocess.run(_cmd(out, 2, *data), capture_output=True, text=True, env=launch_env(), timeout=600)
     assert result.returncode != 0
     lines = [line for line in result.stderr.splitlines() if "Cannot resume" in line]
     assert lines and "saved by 1" in lines[0] and "Resume on 1 process(es)" in lines[0], result.stderr[-2000:]
