@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ASSETS, kill_group_at_step
-from test_resume import _losses, _run, _run_until_step_then_kill
+from test_resume import _losses, _run
 
 ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
 
@@ -52,7 +52,7 @@ def test_finetuning_killed_at_a_random_step_resumes_exactly(base, tmp_path, comm
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     _run(_finetune_cmd(command, base["checkpoint"], reference, "--train.max_steps", str(steps)))
     k = random.Random(os.getpid()).randint(4, steps - 1)
-    _run_until_step_then_kill(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)), k)
+    kill_group_at_step(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)), k)
     result = _run(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)))
     assert "Resumed from" in result.stdout
     _assert_identical(reference, killed)
@@ -65,7 +65,7 @@ def test_resuming_in_the_second_epoch_continues_that_epoch(base, tmp_path):
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     cmd = lambda out: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.epochs", "2")  # noqa: E731
     _run(cmd(reference))
-    _run_until_step_then_kill(cmd(killed), 15)
+    kill_group_at_step(cmd(killed), 15)
     result = _run(cmd(killed))
     assert "Resumed from" in result.stdout and "epoch 1" in result.stdout
     _assert_identical(reference, killed)
