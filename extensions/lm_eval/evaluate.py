@@ -1,10 +1,12 @@
 """`python -m extensions.lm_eval`: score a toolkit checkpoint on lm-evaluation-harness tasks, in process.
 
-    checks (checkpoint, task names, data files)  ->  Fabric launch (one process per device)
+    checks (checkpoint, task names, data files, unsafe code, generation lengths)  ->  Fabric launch
       ->  ToolkitLM on every process  ->  lm_eval.simple_evaluate on every process (each computes
-          its share of the requests, see model.py)  ->  process 0 writes the JSON and prints the table
+          its share of the requests, see model.py)  ->  process 0 writes results_<date>.json (and
+          samples_<task>_<date>.jsonl, as the harness names them) and prints the table
 
-Everything a user can get wrong is checked before any process starts or anything is written.
+Everything a user can get wrong is checked before any process starts or anything is written; what
+can only be found once the requests exist is found by every process alike, and reported once.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
+from datetime import datetime
 from pathlib import Path
 from typing import Literal, Optional, Union
 
@@ -34,12 +36,15 @@ def evaluate(
     include_path: Optional[Path] = None,
     num_fewshot: Optional[int] = None,
     limit: Optional[float] = None,
-    batch_size: int = 8,
+    batch_size: Union[int, str] = 8,
+    max_batch_size: int = 64,
     max_length: Optional[int] = None,
     stride: Optional[int] = None,
     apply_chat_template: bool = False,
     chat_template: Optional[str] = None,
     system_instruction: Optional[str] = None,
+    gen_kwargs: Optional[str] = None,
+    confirm_run_unsafe_code: bool = False,
     log_samples: bool = False,
     bootstrap_iters: int = 1000,
     out_dir: Optional[Path] = None,
@@ -59,16 +64,25 @@ def evaluate(
         include_path: A folder of your own task YAML files.
         num_fewshot: Examples in each prompt; default each task's own.
         limit: Evaluate only this many documents per task (a fraction when below 1).
-        batch_size: Sequences per forward pass.
+        batch_size: Sequences per forward pass (log-likelihoods) or decoded together (generation);
+            "auto": the largest power of two up to max_batch_size whose forward pass over
+            max_length tokens fits in memory.
+        max_batch_size: The largest batch size "auto" tries.
         max_length: Longest input in tokens; default the model's context.
         stride: Perplexity: new tokens scored per window after the first (default max_length: no overlap).
         apply_chat_template: Give the model its prompts as conversations, laid out by its chat template.
         chat_template: A built-in template (chatml, llama-3, llama-2, gemma, zephyr) or a .jinja file;
             default the checkpoint's own (as `toolkit generate --chat`).
         system_instruction: A system message for every prompt.
-        log_samples: Also store every document's requests and responses in the results file.
+        gen_kwargs: Generation settings for every generation task, over the task's own, as the
+            harness's --gen_kwargs: 'max_gen_toks=32,temperature=0' (keys: max_gen_toks, until,
+            do_sample, temperature, top_k, top_p).
+        confirm_run_unsafe_code: Run tasks marked unsafe_code (HumanEval, MBPP, ...): their metric
+            executes the code the model wrote, on this machine. Use a sandbox.
+        log_samples: Also write every document's requests and responses, one samples_<task>_<date>.jsonl per task.
         bootstrap_iters: Resamples for the standard error of metrics that need them (0: skip).
-        out_dir: Where the results JSON goes; default `<checkpoint_dir>/eval`.
+        out_dir: Where results_<date>.json (and the samples files) go; default `<checkpoint_dir>/eval`.
+            Every run writes new files, as the harness does.
         devices: Devices (processes) per node; requests are split across all of them.
         num_nodes: Number of nodes.
         precision: bf16-true, 32-true or 16-true; default bf16 on GPUs that support it, float32 elsewhere.
@@ -92,37 +106,50 @@ def evaluate(
     if not names:
         raise UserError("--tasks is empty: name at least one task, e.g. --tasks local_lambada.")
     checkpoint, adapter_dir = find_model_dirs(checkpoint_dir)
-    check_settings(Config.from_file(checkpoint), Tokenizer(adapter_dir or checkpoint), batch_size, max_length, stride, chat_template)
+    settings = check_settings(Config.from_file(checkpoint), Tokenizer(adapter_dir or checkpoint), batch_size, max_length, stride, chat_template)
+    if max_batch_size < 1:
+        raise UserError(f"--max_batch_size must be at least 1, got {max_batch_size}.")
+    generation = parse_gen_kwargs(gen_kwargs)
     files = check_data_files(names, data_files or {})
     task_manager = make_task_manager(names, files, include_path)
-    check_tasks_load(names, task_manager)
-    out_file = results_path(Path(out_dir) if out_dir is not None else (adapter_dir or checkpoint) / "eval", names)
+    task_dict = check_tasks_load(names, task_manager)
+    check_unsafe_code(task_dict, confirm_run_unsafe_code)
+    check_generation_lengths(task_dict, generation, max_length=settings[1])
+    out_dir = Path(out_dir) if out_dir is not None else (adapter_dir or checkpoint) / "eval"
 
     # Every process holds the whole model (DDP's layout; nothing is trained, so nothing is synchronised).
     several = resolve_devices(devices, resolve_accelerator()) * num_nodes > 1
     fabric = build_fabric(devices, num_nodes, "32-true", DistributedArgs(strategy="ddp" if several else "auto"), block_cls=Block)
     fabric.launch()
     logging.getLogger("lm_eval").setLevel(logging.WARNING if fabric.global_rank == 0 else logging.ERROR)
-    lm = ToolkitLM(
-        checkpoint_dir, precision=precision, batch_size=batch_size, max_length=max_length, stride=stride,
-        chat_template=chat_template, seed=seed, fabric=fabric,
-    )
-    results = simple_evaluate(
-        model=lm, tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
-        bootstrap_iters=bootstrap_iters if fabric.global_rank == 0 else 0,  # only process 0 reports
-        log_samples=log_samples, apply_chat_template=apply_chat_template,
-        system_instruction=system_instruction, random_seed=seed, numpy_random_seed=seed,
-        torch_random_seed=seed, fewshot_random_seed=seed,
-    )
+    try:
+        lm = ToolkitLM(
+            checkpoint_dir, precision=precision, batch_size=batch_size, max_batch_size=max_batch_size,
+            max_length=max_length, stride=stride, chat_template=chat_template, seed=seed, fabric=fabric,
+        )
+        results = simple_evaluate(
+            model=lm, tasks=names, task_manager=task_manager, num_fewshot=num_fewshot, limit=limit,
+            batch_size=batch_size, gen_kwargs=generation or None, confirm_run_unsafe_code=confirm_run_unsafe_code,
+            bootstrap_iters=bootstrap_iters if fabric.global_rank == 0 else 0,  # only process 0 reports
+            log_samples=log_samples, apply_chat_template=apply_chat_template,
+            system_instruction=system_instruction, random_seed=seed, numpy_random_seed=seed,
+            torch_random_seed=seed, fewshot_random_seed=seed,
+        )
+    except UserError:
+        # Found alike by every process (see model.py): process 0 tells the user, the others leave quietly.
+        if fabric.global_rank != 0:
+            raise SystemExit(1) from None
+        raise
     if fabric.global_rank != 0:
         return None
     results["config"]["model"] = str(checkpoint_dir)
     results["config"]["devices"] = fabric.world_size
-    write_atomically(out_file, json.dumps(results, indent=2, default=handle_non_serializable, ensure_ascii=False) + "\n")
+    files = write_results(out_dir, results, handle_non_serializable)
     print(make_table(results))
     if results.get("groups"):
         print(make_table(results, "groups"))
-    print(f"Results: {out_file}")
+    for file in files:
+        print(f"{'Samples' if file.name.startswith('samples_') else 'Results'}: {file}")
     return results
 
 
@@ -172,22 +199,91 @@ def make_task_manager(names: list[str], data_files: dict[str, str], include_path
     return manager
 
 
-def check_tasks_load(names: list[str], manager) -> None:
+def check_tasks_load(names: list[str], manager) -> dict:
     """Build the tasks once, before any process starts: a hub dataset is downloaded (and cached for
     the processes), and one that cannot be reached is a one-line error instead of a traceback."""
-    from lm_eval.tasks import get_task_dict
-
     try:
-        get_task_dict(names, manager)
+        return manager.load(names)["tasks"]
     except OSError as err:  # ConnectionError, DatasetNotFoundError, a missing or unreadable file
         raise UserError(f"Cannot load the data of --tasks {','.join(names)}: {err}. Without a network, use "
                         "local files (--data_files, --include_path).") from None
 
 
-def results_path(out_dir: Path, names: list[str]) -> Path:
-    """`<out_dir>/<task>+<task>.json`: one file per set of tasks, so other evaluations stay."""
-    stem = re.sub(r"[^A-Za-z0-9_.+-]", "_", "+".join(Path(name).stem if name.endswith((".yaml", ".yml")) else name for name in names))
-    return out_dir / f"{stem[:150]}.json"
+def parse_gen_kwargs(text: Optional[str]) -> dict:
+    """{key: value} from the harness's form 'max_gen_toks=32,until=["\\n"]'; a one-line error for anything else."""
+    from lm_eval.utils import simple_parse_args_string
+
+    if text is None or not str(text).strip():
+        return {}
+    try:
+        parsed = simple_parse_args_string(str(text))
+    except (ValueError, SyntaxError) as err:
+        raise UserError(f"--gen_kwargs {text!r} is not key=value,key=value ({err}).") from None
+    unknown = sorted(set(parsed) - set(GEN_KWARGS))
+    if unknown:
+        raise UserError(f"--gen_kwargs: unknown setting {unknown[0]!r}; the toolkit model reads {', '.join(GEN_KWARGS)}.{did_you_mean(unknown[0], GEN_KWARGS)}")
+    max_gen_toks = parsed.get("max_gen_toks")
+    if max_gen_toks is not None and (not isinstance(max_gen_toks, int) or isinstance(max_gen_toks, bool) or max_gen_toks < 1):
+        raise UserError(f"--gen_kwargs max_gen_toks must be a whole number of at least 1, got {max_gen_toks!r}.")
+    return parsed
+
+
+# What ToolkitLM.generate_until reads of a request's generation settings.
+GEN_KWARGS = ("max_gen_toks", "until", "do_sample", "temperature", "top_k", "top_p")
+
+
+def _tasks_in(task_dict: dict) -> dict:
+    """{task name: Task} of a harness task dict, groups opened."""
+    found = {}
+    for key, value in task_dict.items():
+        if isinstance(value, dict):
+            found.update(_tasks_in(value))
+        elif value is not None:
+            found[getattr(key, "group_name", key) if not isinstance(key, str) else key] = value
+    return found
+
+
+def check_unsafe_code(task_dict: dict, confirmed: bool) -> None:
+    """A task marked unsafe_code runs the model's code to score it: only with --confirm_run_unsafe_code."""
+    unsafe = [name for name, task in _tasks_in(task_dict).items() if getattr(task, "UNSAFE_CODE", False)]
+    if unsafe and not confirmed:
+        raise UserError(
+            f"Task {', '.join(unsafe)} is marked unsafe_code: scoring it executes the code the model writes, on "
+            "this machine. Pass --confirm_run_unsafe_code true to run it (preferably in a sandbox or container)."
+        )
+
+
+def check_generation_lengths(task_dict: dict, gen_kwargs: dict, max_length: int) -> None:
+    """Each generation task's max_gen_toks (its own, or --gen_kwargs's) leaves room for a prompt."""
+    from extensions.lm_eval.model import DEFAULT_MAX_GEN_TOKS
+
+    for name, task in _tasks_in(task_dict).items():
+        if task.OUTPUT_TYPE != "generate_until":
+            continue
+        settings = {**(task.config.generation_kwargs or {}), **gen_kwargs}
+        tokens = settings.get("max_gen_toks", DEFAULT_MAX_GEN_TOKS)
+        if int(tokens) >= max_length:
+            given = "--gen_kwargs" if "max_gen_toks" in gen_kwargs else ("its own" if "max_gen_toks" in settings else "by default")
+            raise UserError(
+                f"Task {name} generates up to {tokens} tokens (max_gen_toks, {given}), which leaves no room for a prompt "
+                f"in max_length {max_length}: pass --gen_kwargs max_gen_toks=N with N below {max_length}."
+            )
+
+
+def write_results(out_dir: Path, results: dict, default) -> list[Path]:
+    """results_<date>.json and, with samples, samples_<task>_<date>.jsonl in `out_dir`, named as the
+    harness names them (the date to the microsecond, ':' as '-'), so that no run overwrites another."""
+    date_id = datetime.now().isoformat().replace(":", "-")
+    samples = results.pop("samples", None) or {}
+    written = []
+    for task, task_samples in samples.items():
+        path = out_dir / f"samples_{task}_{date_id}.jsonl"
+        write_atomically(path, "".join(json.dumps(sample, default=default, ensure_ascii=False) + "\n" for sample in task_samples))
+        written.append(path)
+    path = out_dir / f"results_{date_id}.json"
+    write_atomically(path, json.dumps(results, indent=2, default=default, ensure_ascii=False) + "\n")
+    results["samples"] = samples
+    return [path, *written]
 
 
 def write_atomically(path: Path, text: str) -> None:

@@ -70,20 +70,53 @@ def load_evaluated_model(path: Path | str, device: torch.device, dtype: torch.dt
 
 
 def check_settings(config, tokenizer, batch_size: int | str, max_length: Optional[int], stride: Optional[int], chat_template: Optional[str]):
-    """(batch_size, max_length, stride, ChatTemplate), defaults filled in; a one-line error for a bad one."""
+    """(batch_size, max_length, stride, ChatTemplate), defaults filled in; a one-line error for a bad one.
+
+    batch_size is a number or "auto" (found by `ToolkitLM.detect_batch_size` once the model is loaded).
+    """
     from toolkit.data.chat_template import resolve_chat_template
 
-    if str(batch_size).startswith("auto"):
-        raise UserError("batch_size 'auto' is not supported by the toolkit model: give a number.")
-    if int(batch_size) < 1:
-        raise UserError(f"--batch_size must be at least 1, got {batch_size}.")
+    if batch_size != "auto":
+        try:
+            batch_size = int(batch_size)
+        except (TypeError, ValueError):
+            raise UserError(f"--batch_size must be a number or 'auto', got {batch_size!r}.") from None
+        if batch_size < 1:
+            raise UserError(f"--batch_size must be at least 1, got {batch_size}.")
     max_length = int(max_length) if max_length is not None else config.block_size
     if not 1 < max_length <= config.block_size:
         raise UserError(f"--max_length must be between 2 and the model's context ({config.block_size}), got {max_length}.")
     stride = int(stride) if stride is not None else max_length
     if not 1 <= stride <= max_length:
         raise UserError(f"--stride must be between 1 and max_length ({max_length}), got {stride}.")
-    return int(batch_size), max_length, stride, resolve_chat_template(tokenizer, chat_template, config)
+    return batch_size, max_length, stride, resolve_chat_template(tokenizer, chat_template, config)
+
+
+DEFAULT_MAX_GEN_TOKS = 256  # tokens a generation task may produce when neither it nor --gen_kwargs says
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """Whether `error` is an allocation failure (CUDA, or the CPU allocator's)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and ("out of memory" in str(error) or "can't allocate memory" in str(error))
+    )
+
+
+def largest_batch_that_fits(run: Callable[[int], Any], largest: int) -> int:
+    """The largest power of two up to `largest` (or `largest` itself) for which `run(batch_size)`
+    does not run out of memory, halving from the top; a one-line error when not even 1 fits."""
+    size = largest
+    while size >= 1:
+        try:
+            run(size)
+            return size
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            size = size // 2 if size & (size - 1) == 0 else 1 << (size.bit_length() - 1)
+    raise UserError("--batch_size auto: not even one sequence of max_length tokens fits in memory; lower --max_length.")
 
 
 @dataclass
@@ -112,7 +145,9 @@ class ToolkitLM(TemplateLM):
         checkpoint_dir: A toolkit checkpoint folder, or a LoRA run's folder (adapter not merged).
         device: "cpu", "cuda", "cuda:1", ...; default the Fabric's device, else CUDA when there is one.
         precision: "bf16-true", "32-true" or "16-true"; default bf16 on GPUs that support it, else float32.
-        batch_size: Sequences per forward pass for log-likelihoods.
+        batch_size: Sequences per forward pass for log-likelihoods, and decoded together for
+            generation; "auto": the largest that fits (`detect_batch_size`).
+        max_batch_size: The largest batch size "auto" tries.
         max_length: Longest input in tokens; default the model's context (block_size).
         stride: loglikelihood_rolling: after the first window, each window holds max_length tokens
             and scores only its last `stride`, so every token keeps at least max_length - stride
@@ -132,9 +167,10 @@ class ToolkitLM(TemplateLM):
         device: Optional[str] = None,
         precision: Optional[str] = None,
         batch_size: int | str = 8,
+        max_batch_size: int = 64,
         max_length: Optional[int] = None,
         stride: Optional[int] = None,
-        max_gen_toks: int = 256,
+        max_gen_toks: int = DEFAULT_MAX_GEN_TOKS,
         chat_template: Optional[str] = None,
         seed: int = 1234,
         fabric: Any = None,
@@ -155,6 +191,9 @@ class ToolkitLM(TemplateLM):
         self.tokenizer = Tokenizer(tokenizer_dir)
         settings = check_settings(self.model.config, self.tokenizer, batch_size, max_length, stride, chat_template)
         self.batch_size, self._max_length, self.stride, self.conversation_template = settings
+        if self.batch_size == "auto":
+            self.batch_size = self.detect_batch_size(int(max_batch_size))
+            self.batch_sizes = {"auto": self.batch_size}  # reported by the harness as config.batch_sizes
         self._max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
         self._chat_stop_ids: Optional[set[int]] = None  # set once a prompt went through the chat template
@@ -235,6 +274,29 @@ class ToolkitLM(TemplateLM):
             log.warning("The chat template (%s) failed with a system message (%s); rendering without it.", template.origin, err)
             return self._render(without_system, add_generation_prompt)
 
+    def detect_batch_size(self, largest: int) -> int:
+        """The largest batch size up to `largest` (halving from it) whose forward pass over max_length
+        tokens fits in memory, with a KV cache as generation holds it: what every batch of the run
+        needs at most. With several processes, the smallest of theirs."""
+
+        def run(size: int) -> None:
+            tokens = torch.zeros(size, self.max_length, dtype=torch.long, device=self.device)
+            self.model.set_kv_cache(batch_size=size, max_seq_length=self.max_length, device=self.device)
+            try:
+                with torch.inference_mode():
+                    self.model(tokens, input_pos=0).float().log_softmax(-1)  # (B, T, V), as scoring a row
+            finally:
+                self.model.clear_kv_cache()
+
+        size = largest_batch_that_fits(run, largest)
+        if self.fabric is not None and self.fabric.world_size > 1:
+            from toolkit.training.distributed import gather_objects
+
+            size = min(gather_objects(self.fabric, size))
+        if self.fabric is None or self.fabric.global_rank == 0:
+            log.warning("--batch_size auto: %d sequences per batch.", size)
+        return size
+
     # ------------------------------------------------------------------ distribution over processes
     def _run_units(self, units: list, work: Callable[[Any], dict[int, Any]], what: str) -> dict[int, Any]:
         """{request index: result} from `work(unit)` over all units, each unit computed on one process."""
@@ -267,16 +329,25 @@ class ToolkitLM(TemplateLM):
         """
         L = self.max_length
         rows: dict[tuple, _Row] = {}
+        cut = []  # tokens cut from each truncated request
         for index, (_, context, continuation) in enumerate(requests):
             if not continuation:
                 raise ValueError("An empty continuation has no log-likelihood to compute.")
             if len(continuation) > L:
-                raise UserError(f"A continuation of {len(continuation)} tokens does not fit in max_length {L}.")
+                raise UserError(f"A continuation of {len(continuation)} tokens does not fit in --max_length {L}.")
+            if len(context) + len(continuation) > L + 1:
+                cut.append(len(context) + len(continuation) - L - 1)
             tokens = (context + continuation)[-(L + 1):]  # the input is tokens[:-1], left-truncated to L
             split = len(tokens) - len(continuation)
             key = (tuple(tokens[:split]), tuple(tokens[split:-1]))
             rows.setdefault(key, _Row(*key)).members.append((index, continuation))
 
+        if cut:
+            self._warn_truncation(
+                f"Left truncation applied to {len(cut)} of {len(requests)} requests: context and continuation "
+                f"exceed the model's maximum length ({L}); at most {max(cut)} tokens were cut from the left. "
+                "Some content will be lost."
+            )
         by_prefix: dict[tuple, list[_Row]] = defaultdict(list)
         for row in rows.values():
             by_prefix[row.prefix].append(row)
@@ -387,42 +458,123 @@ class ToolkitLM(TemplateLM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """The continuation of each context, ended by a stop string, EOS or max_gen_toks (text cut before the stop string).
 
-        Greedy unless the request samples (do_sample / temperature > 0). Each request decodes alone
-        with the model's KV cache; request i samples with seed + i wherever it runs.
+        Greedy unless the request samples (do_sample / temperature > 0); request i samples with
+        seed + i wherever it runs. Requests decode together, batch_size at a time, left-padded
+        in one KV cache (see `_generate_batch`); each keeps its own stop strings and length.
         """
         eos_text = None if self.eot_token_id is None else self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        jobs = [(index, *request.args) for index, request in enumerate(requests)]
-        jobs.sort(key=lambda job: -len(job[1]))  # longest first: an even share for each process
-
-        def work(job) -> dict[int, str]:
-            index, context, gen_kwargs = job
-            return {index: self._generate(context, gen_kwargs, eos_text, self.seed + index)}
-
-        texts = self._run_units(jobs, work, "generate_until")
+        jobs = [self._generation_job(index, *request.args, eos_text) for index, request in enumerate(requests)]
+        cut = [job for job in jobs if job.truncated]
+        if cut:
+            worst = max(cut, key=lambda job: job.truncated)
+            self._warn_truncation(
+                f"Left truncation applied to {len(cut)} of {len(jobs)} generation contexts: each keeps its last "
+                f"max_length - max_gen_toks tokens (max_length {self.max_length}); at most {worst.truncated} tokens "
+                "were cut. Some content will be lost."
+            )
+        # Batches of one max_gen_toks (so that prompt + new tokens fit the context) and similar
+        # prompt lengths (little padding), longest first: the slowest batches are shared out first.
+        jobs.sort(key=lambda job: (-job.max_new, -len(job.prompt), job.index))
+        units, current = [], []
+        for job in jobs:
+            if current and (len(current) == self.batch_size or job.max_new != current[0].max_new):
+                units.append(current)
+                current = []
+            current.append(job)
+        if current:
+            units.append(current)
+        texts = self._run_units(units, self._generate_batch, "generate_until")
         answers = [texts[i] for i in range(len(requests))]
         for request, answer in zip(requests, answers):
             self.cache_hook.add_partial("generate_until", request.args, answer)
         return answers
 
-    def _generate(self, context: str, gen_kwargs: dict, eos_text: Optional[str], seed: int) -> str:
-        from toolkit.generate import generate_tokens
+    def _generation_job(self, index: int, context: str, gen_kwargs: dict, eos_text: Optional[str]) -> "_Job":
+        """The request's prompt tokens (left-truncated to leave room for max_gen_toks) and settings.
 
+        Every process builds every job before any work is shared out, so that a bad setting is
+        the same error on all of them (one line for the run, see evaluate.py), not a hang.
+        """
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)
-        max_new = kwargs.pop("max_gen_toks")
-        if max_new >= self.max_length:
-            raise UserError(f"max_gen_toks ({max_new}) must be smaller than max_length ({self.max_length}).")
-        prompt = self.tok_encode(context, left_truncate_len=self.max_length - max_new) or [self.prefix_token_id]
+        max_new = int(kwargs.pop("max_gen_toks"))
+        if not 0 < max_new < self.max_length:
+            raise UserError(
+                f"max_gen_toks ({max_new}) must be between 1 and max_length - 1 ({self.max_length - 1}); "
+                f"give a smaller one with --gen_kwargs max_gen_toks=N."
+            )
+        prompt = self.tok_encode(context)
+        room = self.max_length - max_new
+        truncated = max(len(prompt) - room, 0)
+        prompt = prompt[-room:]
         temperature = float(kwargs.get("temperature") or 0.0) if kwargs.get("do_sample") else 0.0
-        stops = [s for s in until if s]
+        return _Job(index, prompt or [self.prefix_token_id], max_new, until, temperature, kwargs.get("top_k"), kwargs.get("top_p"), truncated)
 
-        def reached_stop(new_tokens: torch.Tensor) -> bool:
-            text = self.tok_decode(new_tokens.tolist())
-            return any(s in text for s in stops)
+    def _generate_batch(self, jobs: list["_Job"]) -> dict[int, str]:
+        """Decode B requests together: left-padded prompts (B, P) fill the KV cache in one pass, then
+        one pass per new token (B, 1). A row ends at EOS (or the chat template's end of turn), at one
+        of its stop strings, or after its max_gen_toks; the batch ends when all rows have."""
+        from toolkit.generate import sample
 
-        out = generate_tokens(
-            self.model, torch.tensor(prompt, device=self.device), max_new, temperature=temperature,
-            top_k=kwargs.get("top_k"), top_p=kwargs.get("top_p"), eos_id=self._chat_stop_ids or self.eot_token_id,
-            generator=torch.Generator(device=self.device).manual_seed(seed), stop=reached_stop,
-        )
-        return postprocess_generated_text(self.tok_decode(out[len(prompt):].tolist()), until, None)
+        model, B = self.model, len(jobs)
+        P = max(len(job.prompt) for job in jobs)
+        steps = max(job.max_new for job in jobs)
+        padding = torch.tensor([P - len(job.prompt) for job in jobs], device=self.device)  # (B,)
+        tokens = torch.zeros(B, P, dtype=torch.long)
+        for b, job in enumerate(jobs):
+            tokens[b, P - len(job.prompt):] = torch.tensor(job.prompt)
+        stop_ids = set(self._chat_stop_ids or {self.eot_token_id}) - {None}
+        generators = [torch.Generator(device=self.device).manual_seed(self.seed + job.index) for job in jobs]
+        new: list[list[int]] = [[] for _ in jobs]
+        done = [False] * B
+        model.set_kv_cache(batch_size=B, max_seq_length=P + steps, device=self.device, left_padding=padding)
+        try:
+            logits = model(tokens.to(self.device), input_pos=0)[:, -1]  # (B, V)
+            for step in range(steps):
+                greedy = logits.argmax(dim=-1).tolist()  # (B,)
+                for b, job in enumerate(jobs):
+                    if done[b]:
+                        continue
+                    token = greedy[b] if job.temperature <= 0 else int(sample(logits[b], job.temperature, job.top_k, job.top_p, generators[b]))
+                    new[b].append(token)
+                    done[b] = token in stop_ids or len(new[b]) >= job.max_new or self._reached_stop(new[b], job.stops)
+                if all(done):
+                    break
+                last = torch.tensor([row[-1] for row in new], device=self.device)
+                logits = model(last[:, None], input_pos=P + step)[:, -1]
+        finally:
+            model.clear_kv_cache()
+        return {job.index: postprocess_generated_text(self.tok_decode(row), job.until, None) for job, row in zip(jobs, new)}
+
+    def _reached_stop(self, new: list[int], stops: list[str]) -> bool:
+        """Whether the text of the new tokens contains a stop string; only the last few tokens are
+        decoded (a stop string of n characters spans at most n + 2 of them), which is enough to end
+        early: the answer is cut at the first stop string anyway."""
+        if not stops:
+            return False
+        tail = max(map(len, stops)) + 2
+        text = self.tok_decode(new[-tail:])
+        return any(stop in text for stop in stops)
+
+    def _warn_truncation(self, message: str) -> None:
+        """The harness's warning when a context loses tokens on the left, from process 0 only."""
+        if self.fabric is None or self.fabric.global_rank == 0:
+            log.warning(message)
+
+
+@dataclass
+class _Job:
+    """One generate_until request, ready to decode."""
+
+    index: int
+    prompt: list[int]
+    max_new: int
+    until: list[str]  # as the harness cuts the answer (with EOS text)
+    temperature: float
+    top_k: Optional[int]
+    top_p: Optional[float]
+    truncated: int  # context tokens cut on the left
+
+    @property
+    def stops(self) -> list[str]:
+        return [s for s in self.until if s]

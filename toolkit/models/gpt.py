@@ -53,7 +53,13 @@ class GPT(nn.Module):
         x = self.embed(input_ids)  # (B, T, E)
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
-        cos, sin = self.rope(start, T, x.device)  # (T, rope_n_elem) each, float32
+        cache = self.blocks[0].attn.kv_cache
+        if cache is not None and cache.left_padding is not None:
+            # A row's first real token is at position 0 whatever padding precedes it (padding: 0)
+            positions = torch.arange(start, start + T, device=x.device)[None] - cache.left_padding[:B, None]  # (B, T)
+            cos, sin = self.rope.at(positions.clamp(min=0), x.device)  # (B, 1, T, rope_n_elem) each
+        else:
+            cos, sin = self.rope(start, T, x.device)  # (T, rope_n_elem) each, float32
         for block in self.blocks:
             x = block(x, cos, sin, input_pos)
         x = self.norm_f(x)
@@ -77,8 +83,16 @@ class GPT(nn.Module):
         return cross_entropy_sum(head(x), labels)
 
     # ------------------------------------------------------------------ KV cache
-    def set_kv_cache(self, batch_size: int, max_seq_length: int, device=None, dtype=None) -> None:
-        """Allocate a key/value cache per block for incremental decoding up to `max_seq_length`."""
+    def set_kv_cache(
+        self, batch_size: int, max_seq_length: int, device=None, dtype=None, left_padding: Optional[torch.Tensor] = None
+    ) -> None:
+        """Allocate a key/value cache per block for incremental decoding up to `max_seq_length`.
+
+        `left_padding` (B,): the number of padding tokens each row of a left-padded batch starts
+        with. No position attends to a row's padding, and the row's first real token is at
+        position 0 (as Hugging Face derives position ids from the attention mask), so each row
+        gets the outputs it gets alone. Cache slot s of row b then holds position s - padding[b].
+        """
         if max_seq_length > self.config.block_size:
             raise ValueError(f"max_seq_length {max_seq_length} exceeds the context of {self.config.block_size}")
         weight = self.lm_head.weight
@@ -86,6 +100,8 @@ class GPT(nn.Module):
         dtype = dtype or weight.dtype
         for block in self.blocks:
             block.attn.kv_cache = KVCache(batch_size, self.config.kv_heads, max_seq_length, self.config.head_size, device, dtype)
+            if left_padding is not None:
+                block.attn.kv_cache.left_padding = left_padding.to(device=device, dtype=torch.long)
 
     def clear_kv_cache(self) -> None:
         for block in self.blocks:
@@ -101,6 +117,8 @@ class GPT(nn.Module):
             cache = block.attn.kv_cache
             cache.k[: rows.numel()] = cache.k[rows]
             cache.v[: rows.numel()] = cache.v[rows]
+            if cache.left_padding is not None:
+                cache.left_padding = torch.cat([cache.left_padding[rows], cache.left_padding[rows.numel():]])
 
 
 class Block(nn.Module):
@@ -156,7 +174,16 @@ class CausalSelfAttention(nn.Module):
         if self.kv_cache is not None:
             start = 0 if input_pos is None else input_pos
             k, v = self.kv_cache.update(start, k, v)  # (B, G, start + T, D)
-            if start > 0 and T > 1:
+            padding = self.kv_cache.left_padding
+            if padding is not None:
+                # query i (slot start + i) sees slots up to its own, except the row's padding; a
+                # padding query sees itself only (a query that sees nothing would give NaN)
+                key_pos = torch.arange(start + T, device=x.device)[None, None, :]  # (1, 1, S)
+                query_pos = torch.arange(start, start + T, device=x.device)[None, :, None]  # (1, T, 1)
+                real = key_pos >= padding[:B, None, None]  # (B, 1, S)
+                mask = ((key_pos <= query_pos) & real | (key_pos == query_pos))[:, None]  # (B, 1, T, S)
+                is_causal = False
+            elif start > 0 and T > 1:
                 # query i sits at position start + i and sees keys 0 .. start + i
                 key_pos = torch.arange(start + T, device=x.device)
                 query_pos = torch.arange(start, start + T, device=x.device)
@@ -176,6 +203,7 @@ class KVCache(nn.Module):
         shape = (batch_size, n_kv, max_len, head_size)
         self.register_buffer("k", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        self.left_padding: Optional[torch.Tensor] = None  # (batch_size,), see GPT.set_kv_cache
 
     def update(self, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         end = start + k.shape[2]
@@ -294,6 +322,11 @@ class RotaryEmbedding:
             cos, sin = emb.cos(), emb.sin()
             self._cache[device] = (cos, sin)
         return cos[start : start + length], sin[start : start + length]
+
+    def at(self, positions: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin (B, 1, T, dim) at the positions (B, T) of each row."""
+        cos, sin = self(0, int(positions.max()) + 1, device)
+        return cos[positions][:, None], sin[positions][:, None]
 
 
 def llama3_scale_frequencies(

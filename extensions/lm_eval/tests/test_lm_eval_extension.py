@@ -128,8 +128,20 @@ def one_process(models, lambada_file) -> dict:
             assert run_function(PROG, evaluate, _cli_args(models, lambada_file)) == 0
     finally:
         torch.set_num_threads(threads)
-    results = json.loads((models["fp32"] / "eval" / f"{'+'.join(TASKS)}.json").read_text())
-    return {"results": results, "stdout": capture.getvalue()}
+    return {"results": _read_run(models["fp32"] / "eval"), "stdout": capture.getvalue()}
+
+
+def _read_run(out_dir: Path, index: int = -1) -> dict:
+    """The results of a run (the last one by default) in `out_dir`, with the samples from its samples files."""
+    files = sorted(out_dir.glob("results_*.json"))
+    results = json.loads(files[index].read_text())
+    date = files[index].stem.removeprefix("results_")
+    results["samples"] = {}
+    for task in results["results"]:
+        path = out_dir / f"samples_{task}_{date}.jsonl"
+        if path.exists():
+            results["samples"][task] = [json.loads(line) for line in path.read_text().splitlines()]
+    return results
 
 
 def _harness(lm, data_files: dict, tasks: list[str], include_path=None, limit=None) -> dict:
@@ -332,7 +344,7 @@ def test_two_processes_give_exactly_the_results_of_one(models, lambada_file, one
     command = [sys.executable, "-m", "extensions.lm_eval", *_cli_args(models, lambada_file), "--devices", "2", "--out_dir", str(tmp_path)]
     result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    two = json.loads((tmp_path / f"{'+'.join(TASKS)}.json").read_text())
+    two = _read_run(tmp_path)
     one = one_process["results"]
     assert one["results"] == two["results"]
     for task in TASKS:
