@@ -463,7 +463,7 @@ class ToolkitLM(TemplateLM):
         in one KV cache (see `_generate_batch`); each keeps its own stop strings and length.
         """
         eos_text = None if self.eot_token_id is None else self.tok_decode([self.eot_token_id], skip_special_tokens=False)
-        jobs = [self._generation_job(index, *request.args, eos_text) for index, request in enumerate(requests)]
+        jobs = [self.generation_job(index, *request.args, eos_text) for index, request in enumerate(requests)]
         cut = [job for job in jobs if job.truncated]
         if cut:
             worst = max(cut, key=lambda job: job.truncated)
@@ -489,7 +489,7 @@ class ToolkitLM(TemplateLM):
             self.cache_hook.add_partial("generate_until", request.args, answer)
         return answers
 
-    def _generation_job(self, index: int, context: str, gen_kwargs: dict, eos_text: Optional[str]) -> "_Job":
+    def generation_job(self, index: int, context: str, gen_kwargs: dict, eos_text: Optional[str]) -> "_Job":
         """The request's prompt tokens (left-truncated to leave room for max_gen_toks) and settings.
 
         Every process builds every job before any work is shared out, so that a bad setting is
@@ -511,7 +511,12 @@ class ToolkitLM(TemplateLM):
         return _Job(index, prompt or [self.prefix_token_id], max_new, until, temperature, kwargs.get("top_k"), kwargs.get("top_p"), truncated)
 
     def _generate_batch(self, jobs: list["_Job"]) -> dict[int, str]:
-        """Decode B requests together: left-padded prompts (B, P) fill the KV cache in one pass, then
+        """{request index: answer text, cut before its first stop string} for a batch of jobs."""
+        rows = self.decode_batch(jobs)
+        return {job.index: postprocess_generated_text(self.tok_decode(row), job.until, None) for job, row in zip(jobs, rows)}
+
+    def decode_batch(self, jobs: list["_Job"]) -> list[list[int]]:
+        """The new tokens of each job. Decode B requests together: left-padded prompts (B, P) fill the KV cache in one pass, then
         one pass per new token (B, 1). A row ends at EOS (or the chat template's end of turn), at one
         of its stop strings, or after its max_gen_toks; the batch ends when all rows have."""
         from toolkit.generate import sample
@@ -544,7 +549,7 @@ class ToolkitLM(TemplateLM):
                 logits = model(last[:, None], input_pos=P + step)[:, -1]
         finally:
             model.clear_kv_cache()
-        return {job.index: postprocess_generated_text(self.tok_decode(row), job.until, None) for job, row in zip(jobs, new)}
+        return new
 
     def _reached_stop(self, new: list[int], stops: list[str]) -> bool:
         """Whether the text of the new tokens contains a stop string; only the last few tokens are

@@ -381,3 +381,150 @@ def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, monk
     monkeypatch.setitem(sys.modules, "lm_eval", None)  # as if it were not installed
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", *data], "lm_eval is not installed", "requirements.txt")
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------------------- issue 23: the evaluation gaps
+def test_batched_generation_equals_transformers_greedy_generate_token_for_token(models):
+    """Prompts of 3 to 120+ tokens decode left-padded in batches of 5 (and alone); each row's new
+    tokens are those of transformers' greedy `generate` on that prompt alone, the long ones cut on
+    the left to max_length - max_gen_toks as the harness cuts them."""
+    from transformers import AutoModelForCausalLM
+
+    lm = ToolkitLM(models["fp32"], device="cpu", precision="32-true", batch_size=5)
+    hf = AutoModelForCausalLM.from_pretrained(models["export_fp32"], dtype=torch.float32).eval()
+    words = " ".join(_lambada_texts()).split(" ")
+    contexts = [" ".join(words[30 * i : 30 * i + 2 + 14 * i]) for i in range(11)]  # 2 to 142 words
+    max_new = 16
+    jobs = [lm.generation_job(i, context, {"until": [], "max_gen_toks": max_new}, None) for i, context in enumerate(contexts)]
+    assert any(job.truncated for job in jobs) and min(len(job.prompt) for job in jobs) < 8
+    expected = []
+    for job in jobs:
+        ids = torch.tensor([job.prompt])
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new, eos_token_id=None, pad_token_id=0)
+        expected.append(out[0, ids.shape[1]:].tolist())
+    ordered = sorted(jobs, key=lambda job: -len(job.prompt))
+    batched = [row for start in range(0, len(ordered), 5) for row in lm.decode_batch(ordered[start:start + 5])]
+    assert {job.index: row for job, row in zip(ordered, batched)} == dict(enumerate(expected))
+    assert [lm.decode_batch([job])[0] for job in jobs] == expected  # alone: the same tokens
+
+
+def test_auto_batch_size_halves_from_the_largest_until_a_forward_pass_fits(models):
+    from extensions.lm_eval.model import largest_batch_that_fits
+
+    tried = []
+
+    def run(size: int) -> None:  # a device on which 20 sequences fit
+        tried.append(size)
+        if size > 20:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert largest_batch_that_fits(run, 64) == 16 and tried == [64, 32, 16]
+    tried.clear()
+    assert largest_batch_that_fits(run, 48) == 16 and tried == [48, 32, 16]
+    with pytest.raises(ValueError):  # anything but running out of memory is not swallowed
+        largest_batch_that_fits(lambda size: (_ for _ in ()).throw(ValueError("bad")), 8)
+    lm = ToolkitLM(models["fp32"], device="cpu", precision="32-true", batch_size="auto", max_batch_size=6)
+    assert lm.batch_size == 6 and lm.batch_sizes == {"auto": 6}  # a CPU with room for the largest
+
+
+def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
+    from toolkit.cli import run_function
+
+    code = run_function(PROG, evaluate, args)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _generation_tasks(root: Path) -> Path:
+    """Two tasks of the user's: one that leaves max_gen_toks to the model (256 by default, more than
+    the test model's context) and one marked unsafe_code whose metric executes the answer."""
+    folder = root / "generation_tasks"
+    folder.mkdir(exist_ok=True)
+    (folder / "unsafe_metric.py").write_text(
+        "def run_answer(doc, results):\n"
+        "    try:\n"
+        "        exec(compile(results[0], '<answer>', 'exec'), {})  # what HumanEval's metric does with a program\n"
+        "        return {'runs': 1.0}\n"
+        "    except Exception:\n"
+        "        return {'runs': 0.0}\n"
+    )
+    base = f"include: {TASKS_DIR / 'local_lambada.yaml'}\noutput_type: generate_until\n"
+    (folder / "open_generation.yaml").write_text(
+        base + "task: open_generation\ngeneration_kwargs: {until: ['.'], do_sample: false}\n"
+        "metric_list: [{metric: exact_match, aggregation: mean, higher_is_better: true}]\n"
+    )
+    (folder / "unsafe_generation.yaml").write_text(
+        base + "task: unsafe_generation\nunsafe_code: true\ndoc_to_target: '1'\n"
+        "generation_kwargs: {until: ['\\n'], max_gen_toks: 4, do_sample: false}\n"
+        "process_results: !function unsafe_metric.run_answer\n"
+        "metric_list: [{metric: runs, aggregation: mean, higher_is_better: true}]\n"
+    )
+    return folder
+
+
+def test_unsafe_code_gen_kwargs_auto_batch_and_timestamped_files(models, lambada_file, one_process, capsys, tmp_path):
+    tasks = _generation_tasks(models["root"])
+    out = tmp_path / "out"
+    common = [str(models["fp32"]), "--include_path", str(tasks), "--precision", "32-true", "--bootstrap_iters", "0",
+              "--data_files", json.dumps({"local_lambada": str(lambada_file)}), "--limit", "6", "--out_dir", str(out)]
+
+    # A task that runs the model's code is refused in one line, before anything runs or is written.
+    code, _, err = _cli(capsys, [*common, "--tasks", "local_lambada,unsafe_generation"])
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "unsafe_generation is marked unsafe_code" in err, err
+    assert "--confirm_run_unsafe_code true" in err and not out.exists()
+    # 256 tokens by default do not fit a context of 128: one line that names --gen_kwargs.
+    code, _, err = _cli(capsys, [*common, "--tasks", "local_lambada,open_generation"])
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "--gen_kwargs max_gen_toks=N" in err, err
+
+    args = [*common, "--tasks", "local_lambada,open_generation,unsafe_generation", "--confirm_run_unsafe_code", "true",
+            "--gen_kwargs", "max_gen_toks=5", "--batch_size", "auto", "--max_batch_size", "16", "--log_samples", "true"]
+    code, stdout, err = _cli(capsys, args)
+    assert code == 0, err
+    first = _read_run(out)
+    assert first["results"]["unsafe_generation"]["runs,none"] in (0.0, 1.0 / 6, 2.0 / 6, 0.5, 4.0 / 6, 5.0 / 6, 1.0)
+    assert first["configs"]["open_generation"]["generation_kwargs"]["max_gen_toks"] == 5
+    assert first["config"]["batch_size"] == "auto" and first["config"]["batch_sizes"] == [16]
+    # Each request asked for 5 tokens and got the answer of the model decoding 5 tokens alone.
+    lm = ToolkitLM(models["fp32"], device="cpu", precision="32-true", batch_size=1)
+    arguments = [tuple(s["arguments"][0]) for s in first["samples"]["open_generation"]]
+    assert all(kwargs["max_gen_toks"] == 5 for _, kwargs in arguments)
+    answers = lm.generate_until(_requests("generate_until", arguments))
+    assert [s["resps"][0][0] for s in first["samples"]["open_generation"]] == answers and any(answers)
+    # The same log-likelihoods as the batch of 4 of the first run (same shapes per row, other batches).
+    ours = [s["resps"][0][0][0] for s in first["samples"]["local_lambada"]]
+    theirs = [s["resps"][0][0][0] for s in one_process["results"]["samples"]["local_lambada"][:6]]
+    assert max(abs(a - b) for a, b in zip(ours, theirs, strict=True)) < 1e-4
+
+    # A second run writes new files beside the first (results and one samples file per task).
+    assert _cli(capsys, args)[0] == 0
+    assert len(list(out.glob("results_*.json"))) == 2 and len(list(out.glob("samples_open_generation_*.jsonl"))) == 2
+    assert _read_run(out, 0)["samples"] == _read_run(out, 1)["samples"] == first["samples"]
+    assert f"Results: {sorted(out.glob('results_*.json'))[0]}" in stdout
+
+
+def test_context_truncation_is_warned_once_per_request_list(models, capsys, caplog, tmp_path):
+    args = [str(models["fp32"]), "--tasks", "local_lambada", "--data_files", json.dumps({"local_lambada": str(LAMBADA)}),
+            "--max_length", "24", "--limit", "8", "--bootstrap_iters", "0", "--out_dir", str(tmp_path)]
+    code, _, err = _cli(capsys, args)
+    assert code == 0, err
+    lines = [r.getMessage() for r in caplog.records if "Left truncation applied" in r.getMessage()]
+    assert len(lines) == 1 and "to 8 of 8 requests" in lines[0] and "(24)" in lines[0], lines
+    caplog.clear()
+    code, _, err = _cli(capsys, [*args[:-8], "--limit", "2", "--bootstrap_iters", "0", "--out_dir", str(tmp_path)])
+    assert code == 0 and not [r for r in caplog.records if "Left truncation" in r.getMessage()]  # 2 documents fit in 128
+
+
+def test_an_error_found_after_launch_is_one_line_for_two_processes(models, tmp_path):
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    # The whole document as the continuation: longer than --max_length, found when the requests exist.
+    (folder / "whole_text.yaml").write_text(f"include: {TASKS_DIR / 'local_lambada.yaml'}\ntask: whole_text\ndoc_to_text: ''\ndoc_to_target: '{{{{text}}}}'\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.pop("LOCAL_RANK", None)
+    command = [sys.executable, "-m", "extensions.lm_eval", str(models["fp32"]), "--tasks", "local_lambada,whole_text",
+               "--include_path", str(folder), "--data_files", json.dumps({"local_lambada": str(LAMBADA)}), "--limit", "4",
+               "--max_length", "16", "--devices", "2", "--out_dir", str(tmp_path / "out")]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert result.returncode != 0 and len(errors) == 1 and "does not fit in --max_length 16" in errors[0], result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
