@@ -149,6 +149,29 @@ def test_one_prompt_in_the_cache_continues_in_several_rows():
     torch.testing.assert_close(cached, full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["debug", "debug-neox", "debug-phi"])
+def test_a_left_padded_batch_in_the_cache_gives_each_row_what_it_gets_alone(name):
+    """Rows of 3, 9 and 6 tokens padded on the left to 9, then 4 tokens decoded one at a time: the
+    logits of every real position equal those of the row run alone without a cache (padding is
+    never attended to and each row's positions start at 0: partial RoPE in NeoX and Phi as well)."""
+    torch.manual_seed(0)
+    config = Config.from_name(name)
+    model = GPT(config).eval()
+    init_weights(model, config.n_layer, seed=0)
+    rows = [torch.randint(0, config.vocab_size, (n,)) for n in (3, 9, 6)]
+    steps = torch.randint(0, config.vocab_size, (3, 4))
+    padding = torch.tensor([9 - len(r) for r in rows])
+    batch = torch.stack([torch.cat([torch.zeros(9 - len(r), dtype=torch.long), r]) for r in rows])
+    with torch.no_grad():
+        model.set_kv_cache(3, 13, left_padding=padding)
+        first = model(batch, input_pos=0, logits_to_keep=1)[:, -1]  # (3, V)
+        later = [model(steps[:, i : i + 1], input_pos=9 + i)[:, -1] for i in range(4)]
+        model.clear_kv_cache()
+        for b, row in enumerate(rows):
+            alone = model(torch.cat([row, steps[b]])[None])[0, len(row) - 1 :]  # (5, V)
+            torch.testing.assert_close(torch.stack([first[b]] + [step[b] for step in later]), alone, atol=1e-5, rtol=1e-5)
+
+
 def test_generation_ends_where_the_stop_hook_says():
     torch.manual_seed(0)
     config = Config.from_name("debug")

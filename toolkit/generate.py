@@ -50,7 +50,7 @@ def generate_tokens(
     model.set_kv_cache(batch_size=1, max_seq_length=total, device=prompt.device)
     try:
         tokens = [prompt]
-        logits = model(prompt[None], input_pos=0)[0, -1]  # (V,)
+        logits = model(prompt[None], input_pos=0, logits_to_keep=1)[0, -1]  # (V,)
         position = prompt.numel()
         while position < total:
             next_token = sample(logits, temperature, top_k, top_p, generator)

@@ -411,7 +411,7 @@ class ToolkitLM(TemplateLM):
             suffixes[r, : len(row.suffix)] = torch.tensor(row.suffix, dtype=torch.long)
         model.set_kv_cache(batch_size=len(rows), max_seq_length=P + S, device=self.device)
         try:
-            first = model(prefixes, input_pos=0)[:, -1]  # (G, V): predicts each continuation's first token
+            first = model(prefixes, input_pos=0, logits_to_keep=1)[:, -1]  # (G, V): predicts each continuation's first token
             model.select_kv_cache_rows(owner)
             rest = model(suffixes.to(self.device), input_pos=P)  # (R, S, V)
         finally:
@@ -534,7 +534,7 @@ class ToolkitLM(TemplateLM):
         done = [False] * B
         model.set_kv_cache(batch_size=B, max_seq_length=P + steps, device=self.device, left_padding=padding)
         try:
-            logits = model(tokens.to(self.device), input_pos=0)[:, -1]  # (B, V)
+            logits = model(tokens.to(self.device), input_pos=0, logits_to_keep=1)[:, -1]  # (B, V)
             for step in range(steps):
                 greedy = logits.argmax(dim=-1).tolist()  # (B,)
                 for b, job in enumerate(jobs):

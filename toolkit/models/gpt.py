@@ -39,12 +39,15 @@ class GPT(nn.Module):
         input_ids: torch.Tensor,
         labels: Optional[torch.Tensor] = None,
         input_pos: Optional[int] = None,
+        logits_to_keep: int = 0,
     ) -> torch.Tensor:
         """Logits (B, T, V); with `labels` (B, T), the summed cross-entropy over labelled tokens.
 
         The loss is a sum, not a mean, so that the training loop can normalise by the number of
         target tokens across micro-batches and ranks. `input_pos` is the position of the first
-        token when a KV cache is in use (see `set_kv_cache`).
+        token when a KV cache is in use (see `set_kv_cache`). `logits_to_keep` > 0: logits of the last
+        that many positions only (B, logits_to_keep, V), as when a prompt fills the cache and only
+        its last position predicts (the head over every position costs B * T * V).
         """
         B, T = input_ids.shape
         start = 0 if input_pos is None else input_pos
@@ -64,7 +67,7 @@ class GPT(nn.Module):
             x = block(x, cos, sin, input_pos)
         x = self.norm_f(x)
         if labels is None:
-            return self.lm_head(x)
+            return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
         return self.head_loss(x, labels)
 
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
