@@ -50,6 +50,7 @@ def evaluate(
     out_dir: Optional[Path] = None,
     devices: Union[int, str] = 1,
     num_nodes: int = 1,
+    sharded: bool = False,
     precision: Optional[Literal["bf16-true", "32-true", "16-true"]] = None,
     seed: int = 1234,
 ) -> Optional[dict]:
@@ -83,8 +84,11 @@ def evaluate(
         bootstrap_iters: Resamples for the standard error of metrics that need them (0: skip).
         out_dir: Where results_<date>.json (and the samples files) go; default `<checkpoint_dir>/eval`.
             Every run writes new files, as the harness does.
-        devices: Devices (processes) per node; requests are split across all of them.
+        devices: Devices (processes) per node; requests are split across all of them, unless --sharded.
         num_nodes: Number of nodes.
+        sharded: Shard the model over all devices with FSDP2, as the trainers do, for a model that does
+            not fit on one device: each process holds 1/N of every weight, and all of them run every
+            request together (no faster than one device; the same numbers).
         precision: bf16-true, 32-true or 16-true; default bf16 on GPUs that support it, float32 elsewhere.
         seed: Seed for few-shot sampling and sampled generation.
     """
@@ -96,6 +100,7 @@ def evaluate(
     from lm_eval.utils import handle_non_serializable, make_table
 
     from extensions.lm_eval.model import ToolkitLM, check_settings, find_model_dirs
+    from toolkit.generate import INFERENCE_DTYPES, inference_dtype
     from toolkit.models.config import Config
     from toolkit.models.gpt import Block
     from toolkit.tokenizer import Tokenizer
@@ -117,9 +122,18 @@ def evaluate(
     check_generation_lengths(task_dict, generation, max_length=settings[1])
     out_dir = Path(out_dir) if out_dir is not None else (adapter_dir or checkpoint) / "eval"
 
-    # Every process holds the whole model (DDP's layout; nothing is trained, so nothing is synchronised).
-    several = resolve_devices(devices, resolve_accelerator()) * num_nodes > 1
-    fabric = build_fabric(devices, num_nodes, "32-true", DistributedArgs(strategy="ddp" if several else "auto"), block_cls=Block)
+    accelerator = resolve_accelerator()
+    several = resolve_devices(devices, accelerator) * num_nodes > 1
+    if sharded and not several:
+        raise UserError("--sharded true needs more than one device (--devices, --num_nodes) to shard the model over.")
+    if sharded and adapter_dir is not None:
+        raise UserError("A LoRA adapter cannot be evaluated sharded yet: merge it first (`toolkit merge_lora`) and evaluate the merged folder.")
+    # Replicated: every process holds the whole model (DDP's layout; nothing is trained, so nothing
+    # is synchronised). Sharded: the trainers' FSDP2 engine, in the dtype the model computes in.
+    dtype = inference_dtype(precision, accelerator)
+    strategy = "fsdp" if sharded else ("ddp" if several else "auto")
+    flag = next(name for name, value in INFERENCE_DTYPES.items() if value == dtype)  # e.g. "bf16-true"
+    fabric = build_fabric(devices, num_nodes, flag, DistributedArgs(strategy=strategy), block_cls=Block)
     fabric.launch()
     logging.getLogger("lm_eval").setLevel(logging.WARNING if fabric.global_rank == 0 else logging.ERROR)
     try:
@@ -144,6 +158,7 @@ def evaluate(
         return None
     results["config"]["model"] = str(checkpoint_dir)
     results["config"]["devices"] = fabric.world_size
+    results["config"]["sharded"] = sharded
     files = write_results(out_dir, results, handle_non_serializable)
     print(make_table(results))
     if results.get("groups"):

@@ -11,9 +11,12 @@ Tokenization follows lm-evaluation-harness's Hugging Face backend token for toke
 left truncation, rolling windows, stop strings), so the same weights give the same numbers in both.
 
 Distributed: with a launched Fabric, every process receives every request (the harness runs as if
-alone on each), cuts the work into units that do not depend on the number of processes, computes
-its share (unit i on process i % N) and gathers the rest from the others. Every unit is computed
-with the same shapes whatever N is, so N processes give exactly the results of one.
+alone on each) and cuts the work into units that do not depend on the number of processes.
+Replicated (DDP's layout, each process holds the whole model): each process computes its share
+(unit i on process i % N) and gathers the rest from the others. Sharded (FSDP2, the trainers'
+engine, for a model that does not fit on one device): each process holds 1/N of every weight and
+all of them compute every unit together, each block's weights gathered for its forward pass. Every
+unit is computed with the same shapes whatever N is, so N processes give exactly the results of one.
 """
 
 from __future__ import annotations
@@ -67,6 +70,22 @@ def load_evaluated_model(path: Path | str, device: torch.device, dtype: torch.dt
     # The toolkit GPT with peft's LoRA layers in place of the adapted Linears: it keeps the model's
     # own methods (KV cache) and computes base + adapter in every adapted layer.
     return model.get_base_model().to(device=device, dtype=dtype).eval(), adapter_dir
+
+
+def load_sharded_model(checkpoint: Path, fabric: Any, dtype: torch.dtype) -> torch.nn.Module:
+    """The checkpoint's model sharded by FSDP2 over the processes of `fabric`, as the trainers set it
+    up (`setup_model`): built on the meta device, sharded, then each process reads only its own rows
+    of every weight from the file. Returns the sharded module itself (FSDP2's hooks are on it)."""
+    from toolkit.model_dir import checkpoint_row_reader
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT
+    from toolkit.training.distributed import setup_model
+
+    with torch.device("meta"):
+        model = GPT(Config.from_file(checkpoint)).to(dtype)
+    model.requires_grad_(False)
+    module = setup_model(fabric, model, checkpoint_row_reader(checkpoint))
+    return (module.module if hasattr(module, "module") else module).eval()
 
 
 def check_settings(config, tokenizer, batch_size: int | str, max_length: Optional[int], stride: Optional[int], chat_template: Optional[str]):
@@ -158,7 +177,8 @@ class ToolkitLM(TemplateLM):
             built-in template (chatml, llama-3, llama-2, gemma, zephyr) or a .jinja file; default the
             checkpoint's own, as `toolkit generate --chat true` uses it.
         seed: Seed of sampled generations (request i uses seed + i, on whichever process runs it).
-        fabric: A launched Fabric: requests are split across its processes and the results gathered.
+        fabric: A launched Fabric: requests are split across its processes and the results gathered;
+            under FSDP (`is_fsdp(fabric)`) the model is sharded and every process runs every request.
     """
 
     def __init__(
@@ -187,7 +207,21 @@ class ToolkitLM(TemplateLM):
             self._device = torch.device(fabric.device)
         else:
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model, tokenizer_dir = load_evaluated_model(checkpoint_dir, self._device, inference_dtype(precision, self._device.type))
+        from toolkit.training.distributed import is_fsdp
+
+        self.sharded = fabric is not None and is_fsdp(fabric)
+        dtype = inference_dtype(precision, self._device.type)
+        if self.sharded:
+            checkpoint, adapter_dir = find_model_dirs(checkpoint_dir)
+            if adapter_dir is not None:
+                raise UserError("A LoRA adapter cannot be evaluated sharded yet: merge it first (`toolkit merge_lora`).")
+            self.model, tokenizer_dir = load_sharded_model(checkpoint, fabric, dtype), checkpoint
+            from toolkit.training.distributed import gather_objects
+
+            # What each process holds: its shard of every weight (the harness asks process 0 only).
+            self.parameters_per_process = gather_objects(fabric, sum(p.to_local().numel() for p in self.model.parameters()))
+        else:
+            self.model, tokenizer_dir = load_evaluated_model(checkpoint_dir, self._device, dtype)
         self.tokenizer = Tokenizer(tokenizer_dir)
         settings = check_settings(self.model.config, self.tokenizer, batch_size, max_length, stride, chat_template)
         self.batch_size, self._max_length, self.stride, self.conversation_template = settings
@@ -226,10 +260,13 @@ class ToolkitLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         model = self.model
-        return {
+        info = {
             "model_num_parameters": sum(p.numel() for p in model.parameters()),
             "model_dtype": str(next(model.parameters()).dtype),
         }
+        if self.sharded:
+            info["parameters_per_process"] = self.parameters_per_process
+        return info
 
     def tok_encode(self, string: str, add_special_tokens: Optional[bool] = None, left_truncate_len: Optional[int] = None, **kwargs) -> list[int]:
         """Token ids; BOS as the tokenizer adds it by default, unless asked not to or the text starts with it."""
@@ -283,7 +320,7 @@ class ToolkitLM(TemplateLM):
             tokens = torch.zeros(size, self.max_length, dtype=torch.long, device=self.device)
             self.model.set_kv_cache(batch_size=size, max_seq_length=self.max_length, device=self.device)
             try:
-                with torch.inference_mode():
+                with torch.no_grad():
                     self.model(tokens, input_pos=0).float().log_softmax(-1)  # (B, T, V), as scoring a row
             finally:
                 self.model.clear_kv_cache()
@@ -302,10 +339,15 @@ class ToolkitLM(TemplateLM):
         """{request index: result} from `work(unit)` over all units, each unit computed on one process."""
         rank, world = (self.fabric.global_rank, self.fabric.world_size) if self.fabric is not None else (0, 1)
         mine: dict[int, Any] = {}
-        with torch.inference_mode():
-            for unit in tqdm(units[rank::world], desc=what, disable=rank != 0 or len(units) < 2):
+        # Sharded, every process runs every unit (their forward passes gather the weights together).
+        # FSDP2 reshards after backward, which inference never runs: torch.no_grad, and an explicit reshard.
+        share = units if self.sharded else units[rank::world]
+        with torch.no_grad() if self.sharded else torch.inference_mode():
+            for unit in tqdm(share, desc=what, disable=rank != 0 or len(units) < 2):
                 mine.update(work(unit))
-        if world == 1:
+                if self.sharded:
+                    self.model.reshard()
+        if world == 1 or self.sharded:
             return mine
         import torch.distributed as dist
 

@@ -528,3 +528,20 @@ def test_an_error_found_after_launch_is_one_line_for_two_processes(models, tmp_p
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert result.returncode != 0 and len(errors) == 1 and "does not fit in --max_length 16" in errors[0], result.stderr[-3000:]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sharded_two_process_run_equals_the_one_process_run(models, lambada_file, one_process, tmp_path):
+    """--sharded: the trainers' FSDP2 engine on 2 gloo processes, each holding half of every weight."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env.pop("LOCAL_RANK", None)
+    command = [sys.executable, "-m", "extensions.lm_eval", *_cli_args(models, lambada_file), "--devices", "2",
+               "--sharded", "true", "--out_dir", str(tmp_path)]
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    sharded, one = _read_run(tmp_path), one_process["results"]
+    for task in TASKS:  # log-likelihoods, rolling log-likelihoods and greedy generations
+        assert [s["resps"] for s in sharded["samples"][task]] == [s["resps"] for s in one["samples"][task]], task
+    assert sharded["results"] == one["results"]
+    total, held = sharded["config"]["model_num_parameters"], sharded["config"]["parameters_per_process"]
+    assert total == one["config"]["model_num_parameters"] and len(held) == 2 and sum(held) == total
+    assert max(held) < 0.51 * total and sharded["config"]["sharded"] is True
