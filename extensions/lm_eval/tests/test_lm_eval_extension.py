@@ -374,6 +374,10 @@ def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, monk
     _one_line_error(capsys, [checkpoint, *data], "--tasks")
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--stride", "0", *data], "--stride must be between 1 and")
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--chat_template", "chatlm", *data], "unknown chat template", "chatml")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--gen_kwargs", "max_gen_tok=5", *data],
+                    "unknown setting 'max_gen_tok'", "Did you mean: max_gen_toks")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--batch_size", "big", *data], "a number or 'auto'")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--sharded", "true", *data], "needs more than one device")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--data_files", json.dumps({"local_lambada": str(broken)})],
