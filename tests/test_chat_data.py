@@ -139,7 +139,7 @@ def _cases(name: str) -> list[tuple[str, list[dict]]]:
 
 
 def _conversation(messages: list[dict]) -> Conversation:
-    return Conversation(tuple((m["role"], m["content"]) for m in messages), "test")
+    return Conversation.of(messages, "test")
 
 
 def _mask(length: int, spans: list[tuple[int, int]]) -> list[int]:
@@ -263,7 +263,8 @@ def test_custom_keys_role_names_and_a_default_system_prompt(qwen, tmp_path):
     data = Chat(json_path=path, format="messages", conversation_key="dialog", role_key="speaker", content_key="text",
                 role_names={"me": "user", "bot": "assistant"}, system_prompt="Be brief.", val_split_fraction=0)
     conversations = data.read_conversations(path, "data file")
-    assert conversations[0].messages == (("system", "Be brief."), ("user", "Say hi."), ("assistant", "Hi!"))
+    assert conversations[0].as_dicts() == [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]
     data.setup(qwen, max_seq_length=256)
     batch = next(iter(data.train_dataloader(micro_batch_size=1, seed=0)))
     text = qwen.decode(batch["input_ids"][0], skip_special_tokens=False)
@@ -336,8 +337,7 @@ def test_a_template_that_refuses_a_conversation_names_the_record(tokenizer_dirs,
         Chat(json_path=path, val_split_fraction=0).setup(gemma, max_seq_length=128)
 
 
-# Templates whose rendering of a turn depends on what follows it: the assistant masks could not be
-# cut from rendered prefixes, so they are refused with the line and what differs.
+# Templates that lose an assistant message or close turns only when last: refused with the line and the cause.
 _REWRITING = (  # drops every assistant turn but the last: earlier prompts are not prefixes of the whole text
     "{%- for m in messages -%}{%- if m['role'] != 'assistant' or loop.last -%}"
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
@@ -353,7 +353,7 @@ _LAST_ONLY = (  # the last assistant turn gets a marker the others lose (as reas
 @pytest.mark.parametrize(
     "template, message",
     [
-        (_REWRITING, "line 1: the chat template renders the conversation before message 1 differently"),
+        (_REWRITING, "line 1: assistant message 1's content is not in its turn as the chat template renders"),
         (_LAST_ONLY, "line 1: the chat template renders an assistant turn differently when it is the last"),
     ],
     ids=["rewrites earlier turns", "renders the last turn differently"],
