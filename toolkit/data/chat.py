@@ -61,7 +61,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
-from toolkit.data.chat_template import ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files
+from toolkit.data.chat_template import (
+    REASONING_KEYS, ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files,
+)
 from toolkit.data.instruct import (
     IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, read_json_records, sample_stats,
 )
@@ -75,8 +77,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant", "tool")
-# Where a message may carry its reasoning (Qwen3 and DeepSeek templates read the first, gpt-oss the second).
-REASONING_KEYS = ("reasoning_content", "thinking")
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class Conversation:
 
 
 def split_reasoning(message: dict[str, Any]) -> tuple[str, str]:
-    """(reasoning, reply) of an assistant message: the reasoning from `reasoning_content` or `thinking`,
+    """(reasoning, reply) of an assistant message: the reasoning from `reasoning_content`, `thinking` or `reasoning`,
     else from a `<think>...</think>` block at the start of the content (read the way Qwen3's and
     DeepSeek-R1's templates read it); the reply is the content without that block."""
     content = message.get("content") or ""
@@ -234,13 +234,7 @@ def parse_conversation(
             if key in message and message[key] is not None and not isinstance(message[key], str):
                 raise bad(f"message {index} ({role}): {key!r} is a JSON {_json_type(message[key])}, expected a string")
         extra = {k: v for k, v in message.items() if k not in (spec.role_key, spec.content_key)}
-        rendered = {"role": role, "content": content, **extra}
-        # A template reads the reasoning under its own name (Qwen3 and DeepSeek: reasoning_content;
-        # gpt-oss: thinking): the message carries it under both.
-        reasoning = next((message[k] for k in REASONING_KEYS if isinstance(message.get(k), str)), None)
-        if reasoning is not None:
-            rendered.update({k: reasoning for k in REASONING_KEYS})
-        messages.append(rendered)
+        messages.append({"role": role, "content": content, **extra})  # rendered as `template_messages` says
     if messages[-1]["role"] != final_role:
         why = "the turn the model learns to write" if final_role == "assistant" else "the message to answer"
         raise bad(f"the last message's role is {messages[-1]['role']!r}; a conversation must end with {final_role!r} ({why})")
@@ -406,6 +400,14 @@ def spans_from_encodings(
             after = found + len(reasoning)
             if found >= 0 and (not reply or text.find(reply, after, bound_char) >= 0):
                 reasoning_end, position = after, after
+            elif train_reasoning and i == len(conversation.messages) - 1:
+                # Templates drop the reasoning of earlier turns (as they do at inference), never of the
+                # turn being written, unless they cannot render reasoning at all.
+                raise UserError(
+                    f"{where}: the chat template does not render the reasoning of the last assistant message "
+                    f"({i}), so it cannot be trained; set --data.train_reasoning false to train the reply alone, "
+                    "or pass a template that renders reasoning (--data.chat_template)"
+                )
             else:
                 stats.reasoning_not_rendered += 1
         if reply:

@@ -174,12 +174,31 @@ class ChatTemplate:
         try:
             return self._compiled.render(
                 **{"documents": None, **self.variables},
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                messages=template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools,
             )
         except jinja2.TemplateError as err:
             raise TemplateRenderError(str(err) or type(err).__name__) from err
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
             raise TemplateRenderError(f"{type(err).__name__}: {err}") from err
+
+
+# Names a message's reasoning may come under; transformers passes it to templates under the first
+# two (Qwen3 and DeepSeek read reasoning_content, gpt-oss reads thinking).
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as transformers (5.x) hands them to a template: keys whose value is None dropped
+    (templates test a key's presence: `"content" in message`), and the reasoning under both names
+    templates read."""
+    out = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
 
 
 class TemplateRenderError(Exception):
