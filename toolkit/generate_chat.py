@@ -88,7 +88,7 @@ class ChatSession:
         """(text of the reply, tokens generated, seconds) for a prompt from `prompt_ids`."""
         import torch
 
-        from toolkit.generate import generate_tokens
+        from toolkit.sampling import generate_tokens
 
         encoded = torch.tensor(prompt, dtype=torch.int64, device=self.device)
         start = time.perf_counter()

@@ -405,7 +405,7 @@ class ToolkitLM(TemplateLM):
         return answers
 
     def _generate(self, context: str, gen_kwargs: dict, eos_text: Optional[str], seed: int) -> str:
-        from toolkit.generate import generate_tokens
+        from toolkit.sampling import generate_tokens
 
         kwargs = normalize_gen_kwargs(gen_kwargs, self.max_gen_toks)
         until = handle_stop_sequences(kwargs.pop("until", None), eos=eos_text)

@@ -3,8 +3,13 @@
 Records (a JSON array or JSON Lines, one conversation each) come in two formats, told apart from
 the first record or chosen with `format`:
 
-    messages:  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-    sharegpt:  {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
+    messages:  {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}
+    sharegpt:  {"conversations": [{"from": "system"|"human"|"gpt"|"tool", "value": "..."}, ...]}
+
+A record may also carry "tools" (function definitions, passed to the template), and its messages
+what the template reads besides: assistant "tool_calls" ([{"function": {"name", "arguments"}}];
+the content may then be empty), reasoning ("reasoning_content", "thinking" or "reasoning"),
+"name", "tool_call_id".
 
 A conversation is rendered with the chat template (`toolkit.data.chat_template`: the checkpoint's
 own, or a named one) and tokenized as `transformers` `apply_chat_template` tokenizes it, so the
@@ -12,28 +17,31 @@ model trains on exactly the tokens it is later prompted with.
 
 How the loss mask is found (exact for any template, no `{% generation %}` markers needed)
 ------------------------------------------------------------------------------------------
-For a conversation m_0 .. m_{n-1}, the full text is rendered once and tokenized: ids(full). For
-each assistant message m_i, two prefixes are rendered and tokenized on their own:
+The whole conversation is rendered once and tokenized with character offsets: ids(full). Each
+assistant message m_i is then located inside that one rendering, so templates that render history
+differently from the last turn (Qwen3 drops earlier <think> blocks, gpt-oss closes earlier turns
+with <|end|> and the last with <|return|>, DeepSeek-R1 prompts with "<think>\n") train exactly
+what the full rendering holds:
 
-    prompt_i = render(m_0 .. m_{i-1}, add_generation_prompt=True)   what a model is given to answer m_i
-    turn_i   = render(m_0 .. m_i)                                    the conversation up to m_i's end
+- start_i: where ids(prompt_i) stops agreeing with ids(full), prompt_i = render(m_0 .. m_{i-1},
+  add_generation_prompt=True). The generation prompt's header is not trained; a token merging the
+  header's end with the answer's start is (the model has to write it).
+- the message's parts are searched for, in order, after start_i and before the next assistant
+  message starts: its reasoning (`reasoning_content`, `thinking`, or a leading <think> block of the
+  content; optional: templates drop it from earlier turns), its reply (the content, stripped), each
+  tool call's name and arguments. **The reply and every tool call name must be found**, or the record
+  is refused with one line: no message is ever trained with part of it silently missing.
+- stop_i: just after the first special token that follows those parts and does not open a turn
+  (the openers are the special tokens of the generation prompt: <|im_start|>, <|start|>, ...):
+  <|im_end|>, <|eot_id|>, <|end|>, <|return|>, </s>. Separators after it are not trained. A template
+  that closes turns with no special token gets the turn trained up to its last part (and a warning:
+  nothing teaches the model to stop); one that closes only the last turn is refused.
 
-`start_i` is the length of the common prefix of ids(prompt_i) and ids(full), `end_i` that of
-ids(turn_i) and ids(full) (for the last message, len(ids(full))). Tokens start_i .. end_i-1 are what
-the template writes for m_i beyond the prompt: the content, the end-of-turn token, and separators
-such as the newline after ChatML's <|im_end|>. The trained span stops at the last special token of
-that range (a control token of the tokenizer, or EOS: <|im_end|>, <|eot_id|>, <end_of_turn>, </s>),
-so separators that the template writes between turns are not trained. A template that closes turns
-with no special token gets the whole range trained (and a warning: nothing teaches the model to
-stop). Everything else (system, user turns, the assistant header of the generation prompt) has its
-labels set to IGNORE_INDEX. With mask_prompt=False every token is trained.
-
-Comparing token ids, not characters, keeps this exact whatever the tokenizer merges: when the last
-token of a prompt merges with the first of the answer, start_i falls on the merged token, which is
-trained (the model has to produce it). The method needs a template that renders a conversation's
-beginning the same whether or not more turns follow ("prefix-stable"); a prompt whose tokens are
-not a prefix of the full conversation (apart from such a merged last token) is an error that
-names the record. Costs: 2 renders and tokenizations per assistant turn, done once at setup.
+Trained: tokens start_i .. stop_i-1 of each assistant message; with train_reasoning=False, from the
+end of its reasoning. Everything else (system, user and tool messages, headers) has its labels set
+to IGNORE_INDEX; with mask_prompt=False every token is trained. The reasoning of the last assistant
+message must be rendered when it is trained (a template that strips it, like DeepSeek-R1's, is
+refused unless train_reasoning=False). Costs: 1 + 2 renders per assistant message, once at setup.
 
 Length rule. A sample ends at the last trained token of its last assistant turn. When that is more
 than max_seq_length + 1 tokens, the sample is cut after the last assistant turn that ends within
@@ -573,7 +581,9 @@ class Chat(InstructData, _InstructOptions):
     role_names: Optional[dict[str, str]] = None
     system_prompt: Optional[str] = None
     chat_template: Optional[str] = None
-    template_variables: Optional[dict[str, Any]] = None
+    # A plain dict: jsonargparse keeps JSON/YAML values as written (dict[str, Any] would re-read the
+    # strings "3", "no", "false" as a number and booleans).
+    template_variables: Optional[dict] = None
     train_reasoning: bool = True
 
     def record_format(self, name: str) -> RecordFormat:
