@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ import torch
 from conftest import ASSETS, data_from_cli
 from toolkit.data.chat import Chat, Conversation, assistant_spans
 from toolkit.data.chat_template import CHAT_TEMPLATES, resolve_chat_template
-from toolkit.data.instruct import IGNORE_INDEX
+from toolkit.data.instruct import IGNORE_INDEX, InstructData
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer
 
@@ -139,7 +140,7 @@ def _cases(name: str) -> list[tuple[str, list[dict]]]:
 
 
 def _conversation(messages: list[dict]) -> Conversation:
-    return Conversation(tuple((m["role"], m["content"]) for m in messages), "test")
+    return Conversation.of(messages, "test")
 
 
 def _mask(length: int, spans: list[tuple[int, int]]) -> list[int]:
@@ -263,7 +264,8 @@ def test_custom_keys_role_names_and_a_default_system_prompt(qwen, tmp_path):
     data = Chat(json_path=path, format="messages", conversation_key="dialog", role_key="speaker", content_key="text",
                 role_names={"me": "user", "bot": "assistant"}, system_prompt="Be brief.", val_split_fraction=0)
     conversations = data.read_conversations(path, "data file")
-    assert conversations[0].messages == (("system", "Be brief."), ("user", "Say hi."), ("assistant", "Hi!"))
+    assert conversations[0].as_dicts() == [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "Hi!"}]
     data.setup(qwen, max_seq_length=256)
     batch = next(iter(data.train_dataloader(micro_batch_size=1, seed=0)))
     text = qwen.decode(batch["input_ids"][0], skip_special_tokens=False)
@@ -336,8 +338,7 @@ def test_a_template_that_refuses_a_conversation_names_the_record(tokenizer_dirs,
         Chat(json_path=path, val_split_fraction=0).setup(gemma, max_seq_length=128)
 
 
-# Templates whose rendering of a turn depends on what follows it: the assistant masks could not be
-# cut from rendered prefixes, so they are refused with the line and what differs.
+# Templates that lose an assistant message or close turns only when last: refused with the line and the cause.
 _REWRITING = (  # drops every assistant turn but the last: earlier prompts are not prefixes of the whole text
     "{%- for m in messages -%}{%- if m['role'] != 'assistant' or loop.last -%}"
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}{%- endif -%}{%- endfor -%}"
@@ -353,7 +354,7 @@ _LAST_ONLY = (  # the last assistant turn gets a marker the others lose (as reas
 @pytest.mark.parametrize(
     "template, message",
     [
-        (_REWRITING, "line 1: the chat template renders the conversation before message 1 differently"),
+        (_REWRITING, "line 1: assistant message 1's content is not in its turn as the chat template renders"),
         (_LAST_ONLY, "line 1: the chat template renders an assistant turn differently when it is the last"),
     ],
     ids=["rewrites earlier turns", "renders the last turn differently"],
@@ -439,3 +440,83 @@ def test_generation_stops_at_the_template_end_of_turn_token(tokenizer_dirs):
         tokenizer = Tokenizer(tokenizer_dirs[name])
         stops = end_of_turn_ids(resolve_chat_template(tokenizer), tokenizer)
         assert stops == {tokenizer.token_to_id(token), tokenizer.eos_id}, name
+
+
+# ---------------------------------------------------------------------------------------------------
+# Typed template variables, from the command line, YAML and `generate`
+
+
+def test_template_variables_are_typed_from_the_command_line_and_yaml(tmp_path):
+    from jsonargparse import ArgumentParser
+
+    value = ('{"enable_thinking": false, "depth": 3, "effort": "high", "names": ["a"], "extra": {"k": 1.5}, '
+             '"text": "3", "answer": "no"}')
+    data = data_from_cli(["--data", "Chat", "--data.json_path", str(FASTCHAT), "--data.template_variables", value])
+    # Values as written: strings that look like numbers or YAML booleans stay strings.
+    assert data.template_variables == {"enable_thinking": False, "depth": 3, "effort": "high", "names": ["a"],
+                                       "extra": {"k": 1.5}, "text": "3", "answer": "no"}
+    config = tmp_path / "config.yaml"
+    config.write_text(f"data:\n  class_path: Chat\n  init_args:\n    json_path: {FASTCHAT}\n"
+                      "    template_variables:\n      enable_thinking: false\n      reasoning_effort: high\n")
+
+    def finetune(data: Optional[InstructData] = None) -> None:
+        """Stand-in for a fine-tuning entry point."""
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_function_arguments(finetune)
+    parser.add_argument("--config", action="config")
+    data = parser.instantiate(parser.parse_args(["--config", str(config)])).data
+    assert data.template_variables == {"enable_thinking": False, "reasoning_effort": "high"}
+
+
+def test_a_boolean_variable_reaches_the_template_as_a_boolean_and_a_quoted_one_is_refused(qwen, tmp_path):
+    template_file = tmp_path / "t.jinja"
+    template_file.write_text(
+        "{%- for m in messages -%}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+        "{%- endfor -%}{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
+        "{%- if flag is false -%}{{- 'OFF' -}}{%- elif flag -%}{{- 'ON' -}}{%- endif -%}{%- endif -%}"
+    )
+    messages = [{"role": "user", "content": "hi"}]
+    off = resolve_chat_template(qwen, str(template_file), variables={"flag": False})
+    assert off.render(messages, add_generation_prompt=True).endswith("assistant\nOFF")
+    with pytest.raises(UserError, match=r"flag is the string 'false', which a template reads as true; write the "
+                                        r"boolean without quotes") as caught:
+        resolve_chat_template(qwen, str(template_file), variables={"flag": "false"})
+    assert "\n" not in str(caught.value)
+    with pytest.raises(UserError, match="'messages' comes from each conversation"):
+        resolve_chat_template(qwen, str(template_file), variables={"messages": []})
+
+
+def test_generate_passes_typed_template_variables(base, tmp_path, capsys):
+    """`generate --messages` with --template_variables from the command line: a template that refuses
+    to render unless `flag` is the boolean false renders, and a quoted "false" is one line."""
+    from toolkit.cli import run
+
+    template_file = tmp_path / "strict.jinja"
+    template_file.write_text(
+        "{%- if flag is not false -%}{{- raise_exception('flag must be the boolean false') -}}{%- endif -%}"
+        + CHAT_TEMPLATES["zephyr"]
+    )
+    conversation = tmp_path / "c.json"
+    conversation.write_text(json.dumps([{"role": "user", "content": "Hi"}]))
+    common = ["generate", str(base["checkpoint"]), "--messages", str(conversation), "--chat_template",
+              str(template_file), "--max_new_tokens", "2", "--temperature", "0"]
+    assert run([*common, "--template_variables", '{"flag": false}']) == 0
+    assert "tokens/s" in capsys.readouterr().out
+    assert run([*common, "--template_variables", '{"flag": "false"}']) != 0
+    err = capsys.readouterr().err
+    assert "--template_variables: flag is the string 'false'" in err
+    assert run(common) != 0
+    assert "flag must be the boolean false" in capsys.readouterr().err
+
+
+def test_generate_imports_go_one_way():
+    """generate -> generate_chat -> sampling: neither of the last two imports the entry point."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "toolkit"
+    for name in ("generate_chat.py", "sampling.py"):
+        tree = ast.parse((root / name).read_text())
+        imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+        imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        assert "toolkit.generate" not in imported, name

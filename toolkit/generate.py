@@ -1,14 +1,19 @@
-"""`toolkit generate`: sample text from a checkpoint, with a KV cache."""
+"""`toolkit generate`: sample text from a checkpoint, with a KV cache.
+
+Imports go one way: this entry point uses `toolkit.generate_chat` (chat mode) and `toolkit.sampling`
+(the decoding loop); neither imports this module.
+"""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Callable, Collection, Optional
+from typing import Optional
 
 import torch
 
 from toolkit.errors import UserError
+from toolkit.sampling import generate_tokens, sample  # noqa: F401  (re-exported: `toolkit.generate.generate_tokens`)
 
 # Precisions for inference: weights and compute in one dtype (no mixed precision without training).
 INFERENCE_DTYPES = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}
@@ -23,66 +28,6 @@ def inference_dtype(precision: Optional[str], device: str) -> torch.dtype:
     if precision not in INFERENCE_DTYPES:
         raise UserError(f"--precision must be one of {', '.join(INFERENCE_DTYPES)} for inference, got {precision!r}.")
     return INFERENCE_DTYPES[precision]
-
-
-@torch.inference_mode()
-def generate_tokens(
-    model,
-    prompt: torch.Tensor,
-    max_new_tokens: int,
-    temperature: float = 0.8,
-    top_k: Optional[int] = 50,
-    top_p: Optional[float] = None,
-    eos_id: Optional[int] | Collection[int] = None,
-    generator: Optional[torch.Generator] = None,
-    stop: Optional[Callable[[torch.Tensor], bool]] = None,
-) -> torch.Tensor:
-    """Prompt (T,) followed by up to `max_new_tokens` sampled tokens (greedy when temperature is 0).
-
-    Generation stops after `eos_id` (one id, or several: a chat template's end-of-turn token and EOS).
-
-    The prompt is processed in one forward pass that fills the KV cache; each new token then costs
-    one forward pass over a single position. `stop`, when given, is called with the new tokens so
-    far (N,) after each one; returning True ends generation there (stop strings).
-    """
-    stop_ids = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    total = min(prompt.numel() + max_new_tokens, model.config.block_size)
-    model.set_kv_cache(batch_size=1, max_seq_length=total, device=prompt.device)
-    try:
-        tokens = [prompt]
-        logits = model(prompt[None], input_pos=0, logits_to_keep=1)[0, -1]  # (V,)
-        position = prompt.numel()
-        while position < total:
-            next_token = sample(logits, temperature, top_k, top_p, generator)
-            tokens.append(next_token[None])
-            if int(next_token) in stop_ids:
-                break
-            if stop is not None and stop(torch.cat(tokens[1:])):
-                break
-            if position + 1 >= total:
-                break
-            logits = model(next_token.view(1, 1), input_pos=position)[0, -1]
-            position += 1
-        return torch.cat(tokens)
-    finally:
-        model.clear_kv_cache()
-
-
-def sample(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: Optional[float], generator=None) -> torch.Tensor:
-    """One token id from logits (V,)."""
-    if temperature <= 0:
-        return logits.argmax()
-    logits = logits.float() / temperature
-    if top_k is not None and top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cumulative - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
-        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator)[0]
 
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], num_samples: int, seed: int) -> None:
@@ -116,6 +61,7 @@ def generate(
     chat: bool = False,
     system: Optional[str] = None,
     chat_template: Optional[str] = None,
+    template_variables: Optional[dict] = None,  # plain dict: values stay as written (see Chat)
 ) -> list[str]:
     """Sample text from a toolkit checkpoint, or chat with it through its chat template.
 
@@ -138,6 +84,9 @@ def generate(
         system: A system message for --messages or --chat (unless the conversation has one).
         chat_template: For --messages and --chat: a built-in template (chatml, llama-3, llama-2, gemma,
             zephyr) or a .jinja file; default: the checkpoint's own (see `toolkit.data.chat_template`).
+        template_variables: For --messages and --chat: extra template variables as JSON values, the
+            same as fine-tuning's --data.template_variables, e.g. '{"enable_thinking": false}' (Qwen3)
+            or '{"reasoning_effort": "high"}' (gpt-oss).
     """
     from toolkit.model_dir import load_model, require_checkpoint_dir
     from toolkit.tokenizer import Tokenizer
@@ -151,6 +100,12 @@ def generate(
     dtype = inference_dtype(precision, device)
     if (chat or messages is not None) and (prompt or prompt_style is not None):
         raise UserError("--prompt and --prompt_style are for plain text; --messages and --chat use the chat template.")
+    if template_variables is not None or chat_template is not None:
+        if not (chat or messages is not None):
+            raise UserError("--chat_template and --template_variables apply to --messages and --chat only.")
+        from toolkit.data.chat_template import check_template_variables
+
+        template_variables = check_template_variables(template_variables, "--template_variables")
     if messages is not None:
         from toolkit.generate_chat import read_messages
 
@@ -161,7 +116,7 @@ def generate(
         from toolkit.data.chat_template import resolve_chat_template
         from toolkit.generate_chat import ChatSession, answer_messages, interactive
 
-        template = resolve_chat_template(tokenizer, chat_template, model.config)
+        template = resolve_chat_template(tokenizer, chat_template, model.config, template_variables)
         generator = torch.Generator(device=device).manual_seed(seed)
         session = ChatSession(model, tokenizer, template, device, max_new_tokens, temperature, top_k, top_p, generator)
         if messages is not None:

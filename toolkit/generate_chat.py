@@ -49,7 +49,7 @@ def read_messages(path: Path, system: Optional[str] = None) -> list[dict[str, st
 def end_of_turn_ids(template: ChatTemplate, tokenizer: "Tokenizer") -> set[int]:
     """EOS and the special token that closes an assistant turn in this template (if it has one)."""
     stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
-    probe = Conversation((("user", "Hello."), ("assistant", "Hi.")), "probe")
+    probe = Conversation.of([{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}], "probe")
     try:
         ids, spans, unclosed = assistant_spans(probe, template, tokenizer)
     except UserError:  # a template with stricter rules (e.g. a required system message): EOS only
@@ -88,7 +88,7 @@ class ChatSession:
         """(text of the reply, tokens generated, seconds) for a prompt from `prompt_ids`."""
         import torch
 
-        from toolkit.generate import generate_tokens
+        from toolkit.sampling import generate_tokens
 
         encoded = torch.tensor(prompt, dtype=torch.int64, device=self.device)
         start = time.perf_counter()

@@ -201,6 +201,12 @@ class Tokenizer:
         encodings = self._tok.encode_batch_fast(list(texts), add_special_tokens=False)
         return [head + enc.ids + tail for enc in encodings]
 
+    def encode_batch_offsets(self, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+        """(ids, character offsets) of many texts, no special tokens added: offsets[t] = (start, end)
+        of token t in its text, as the Rust tokenizer reports them."""
+        encodings = self._tok.encode_batch(list(texts), add_special_tokens=False)
+        return [(enc.ids, enc.offsets) for enc in encodings]
+
     def decode(self, ids: "torch.Tensor | Iterable[int]", skip_special_tokens: bool = True) -> str:
         if hasattr(ids, "tolist"):  # a tensor or numpy array, any shape
             ids = ids.reshape(-1).tolist()

@@ -561,7 +561,7 @@ class ToolkitLM(TemplateLM):
         """The new tokens of each job. Decode B requests together: left-padded prompts (B, P) fill the KV cache in one pass, then
         one pass per new token (B, 1). A row ends at EOS (or the chat template's end of turn), at one
         of its stop strings, or after its max_gen_toks; the batch ends when all rows have."""
-        from toolkit.generate import sample
+        from toolkit.sampling import sample
 
         model, B = self.model, len(jobs)
         P = max(len(job.prompt) for job in jobs)

@@ -3,8 +3,13 @@
 Records (a JSON array or JSON Lines, one conversation each) come in two formats, told apart from
 the first record or chosen with `format`:
 
-    messages:  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
-    sharegpt:  {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
+    messages:  {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}
+    sharegpt:  {"conversations": [{"from": "system"|"human"|"gpt"|"tool", "value": "..."}, ...]}
+
+A record may also carry "tools" (function definitions, passed to the template), and its messages
+what the template reads besides: assistant "tool_calls" ([{"function": {"name", "arguments"}}];
+the content may then be empty), reasoning ("reasoning_content", "thinking" or "reasoning"),
+"name", "tool_call_id".
 
 A conversation is rendered with the chat template (`toolkit.data.chat_template`: the checkpoint's
 own, or a named one) and tokenized as `transformers` `apply_chat_template` tokenizes it, so the
@@ -12,28 +17,31 @@ model trains on exactly the tokens it is later prompted with.
 
 How the loss mask is found (exact for any template, no `{% generation %}` markers needed)
 ------------------------------------------------------------------------------------------
-For a conversation m_0 .. m_{n-1}, the full text is rendered once and tokenized: ids(full). For
-each assistant message m_i, two prefixes are rendered and tokenized on their own:
+The whole conversation is rendered once and tokenized with character offsets: ids(full). Each
+assistant message m_i is then located inside that one rendering, so templates that render history
+differently from the last turn (Qwen3 drops earlier <think> blocks, gpt-oss closes earlier turns
+with <|end|> and the last with <|return|>, DeepSeek-R1 prompts with "<think>\n") train exactly
+what the full rendering holds:
 
-    prompt_i = render(m_0 .. m_{i-1}, add_generation_prompt=True)   what a model is given to answer m_i
-    turn_i   = render(m_0 .. m_i)                                    the conversation up to m_i's end
+- start_i: where ids(prompt_i) stops agreeing with ids(full), prompt_i = render(m_0 .. m_{i-1},
+  add_generation_prompt=True). The generation prompt's header is not trained; a token merging the
+  header's end with the answer's start is (the model has to write it).
+- the message's parts are searched for, in order, after start_i and before the next assistant
+  message starts: its reasoning (`reasoning_content`, `thinking`, or a leading <think> block of the
+  content; optional: templates drop it from earlier turns), its reply (the content, stripped), each
+  tool call's name and arguments. **The reply and every tool call name must be found**, or the record
+  is refused with one line: no message is ever trained with part of it silently missing.
+- stop_i: just after the first special token that follows those parts and does not open a turn
+  (the openers are the special tokens of the generation prompt: <|im_start|>, <|start|>, ...):
+  <|im_end|>, <|eot_id|>, <|end|>, <|return|>, </s>. Separators after it are not trained. A template
+  that closes turns with no special token gets the turn trained up to its last part (and a warning:
+  nothing teaches the model to stop); one that closes only the last turn is refused.
 
-`start_i` is the length of the common prefix of ids(prompt_i) and ids(full), `end_i` that of
-ids(turn_i) and ids(full) (for the last message, len(ids(full))). Tokens start_i .. end_i-1 are what
-the template writes for m_i beyond the prompt: the content, the end-of-turn token, and separators
-such as the newline after ChatML's <|im_end|>. The trained span stops at the last special token of
-that range (a control token of the tokenizer, or EOS: <|im_end|>, <|eot_id|>, <end_of_turn>, </s>),
-so separators that the template writes between turns are not trained. A template that closes turns
-with no special token gets the whole range trained (and a warning: nothing teaches the model to
-stop). Everything else (system, user turns, the assistant header of the generation prompt) has its
-labels set to IGNORE_INDEX. With mask_prompt=False every token is trained.
-
-Comparing token ids, not characters, keeps this exact whatever the tokenizer merges: when the last
-token of a prompt merges with the first of the answer, start_i falls on the merged token, which is
-trained (the model has to produce it). The method needs a template that renders a conversation's
-beginning the same whether or not more turns follow ("prefix-stable"); a prompt whose tokens are
-not a prefix of the full conversation (apart from such a merged last token) is an error that
-names the record. Costs: 2 renders and tokenizations per assistant turn, done once at setup.
+Trained: tokens start_i .. stop_i-1 of each assistant message; with train_reasoning=False, from the
+end of its reasoning. Everything else (system, user and tool messages, headers) has its labels set
+to IGNORE_INDEX; with mask_prompt=False every token is trained. The reasoning of the last assistant
+message must be rendered when it is trained (a template that strips it, like DeepSeek-R1's, is
+refused unless train_reasoning=False). Costs: 1 + 2 renders per assistant message, once at setup.
 
 Length rule. A sample ends at the last trained token of its last assistant turn. When that is more
 than max_seq_length + 1 tokens, the sample is cut after the last assistant turn that ends within
@@ -53,13 +61,17 @@ the template refuses to render.
 
 from __future__ import annotations
 
+import bisect
+import json
 import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Optional
 
-from toolkit.data.chat_template import ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files
+from toolkit.data.chat_template import (
+    REASONING_KEYS, ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files,
+)
 from toolkit.data.instruct import (
     IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, read_json_records, sample_stats,
 )
@@ -72,7 +84,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -86,10 +98,13 @@ class RecordFormat:
 
 
 FORMATS: dict[str, RecordFormat] = {
-    "messages": RecordFormat("messages", "role", "content", {"system": "system", "user": "user", "assistant": "assistant"}),
+    "messages": RecordFormat(
+        "messages", "role", "content", {"system": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+    ),
     "sharegpt": RecordFormat(
         "conversations", "from", "value",
-        {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"},
+        {"system": "system", "human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+         "tool": "tool"},
     ),
 }
 
@@ -99,14 +114,51 @@ _CHUNK = 2_000
 
 @dataclass(frozen=True)
 class Conversation:
-    """One record: (role, content) pairs with roles among ROLES. `where` locates it for messages."""
+    """One record: its messages as the chat template takes them, and the tools it may call.
 
-    messages: tuple[tuple[str, str], ...]
+    Each message is a dict with "role" (one of ROLES) and "content", plus what the record's message
+    carried besides (`tool_calls`, `reasoning_content` / `thinking`, `name`, `tool_call_id`, ...).
+    `where` locates the record for messages.
+    """
+
+    messages: tuple[dict[str, Any], ...]
     where: str = ""
+    tools: Optional[tuple[Any, ...]] = None
 
-    def as_dicts(self) -> list[dict[str, str]]:
+    @classmethod
+    def of(cls, messages: list[dict[str, Any]], where: str = "", tools: Optional[list] = None) -> "Conversation":
+        return cls(tuple(dict(m) for m in messages), where, None if tools is None else tuple(tools))
+
+    def as_dicts(self) -> list[dict[str, Any]]:
         """The messages as a chat template (and transformers' apply_chat_template) takes them."""
-        return [{"role": role, "content": content} for role, content in self.messages]
+        return [dict(m) for m in self.messages]
+
+    @property
+    def roles(self) -> list[str]:
+        return [m["role"] for m in self.messages]
+
+
+def split_reasoning(message: dict[str, Any]) -> tuple[str, str]:
+    """(reasoning, reply) of an assistant message: the reasoning from `reasoning_content`, `thinking` or `reasoning`,
+    else from a `<think>...</think>` block at the start of the content (read the way Qwen3's and
+    DeepSeek-R1's templates read it); the reply is the content without that block."""
+    content = message.get("content") or ""
+    for key in REASONING_KEYS:
+        if isinstance(message.get(key), str):
+            return message[key], content
+    if "</think>" in content:
+        head, _, reply = content.partition("</think>")
+        return head.split("<think>")[-1], reply
+    return "", content
+
+
+def _tool_call_parts(call: Any) -> tuple[Any, Any]:
+    """(name, arguments) of a tool call, in OpenAI's {"function": {...}} form or flat {"name", "arguments"}."""
+    if isinstance(call, dict) and isinstance(call.get("function"), dict):
+        call = call["function"]
+    if not isinstance(call, dict):
+        return None, None
+    return call.get("name"), call.get("arguments")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -150,33 +202,53 @@ def parse_conversation(
         raise bad(f"no messages: {spec.conversation_key!r} is a JSON {_json_type(raw)}, expected an array of messages")
     if not raw:
         raise bad(f"no messages: {spec.conversation_key!r} is empty")
-    messages = []
+    tools = record.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise bad(f"'tools' is a JSON {_json_type(tools)}; expected an array of tool (function) definitions")
+    messages: list[dict[str, Any]] = []
     for index, message in enumerate(raw):
         if not isinstance(message, dict):
             raise bad(f"message {index} is a JSON {_json_type(message)}; expected an object with "
                       f"{spec.role_key!r} and {spec.content_key!r}")
-        for key, option in ((spec.role_key, "role_key"), (spec.content_key, "content_key")):
-            if key not in message:
-                fields = ", ".join(repr(k) for k in list(message)[:8]) or "none"
-                raise bad(f"message {index} has no {key!r} field (its fields: {fields}); set --data.{option}")
+        if spec.role_key not in message:
+            fields = ", ".join(repr(k) for k in list(message)[:8]) or "none"
+            raise bad(f"message {index} has no {spec.role_key!r} field (its fields: {fields}); set --data.role_key")
         name = message[spec.role_key]
         role = spec.roles.get(name) if isinstance(name, str) else None
         if role is None:
             known = ", ".join(sorted(spec.roles))
             raise bad(f"message {index} has an unknown role {name!r} (known: {known}); map it with "
                       f"--data.role_names '{{\"{name}\": \"assistant\"}}'")
-        content = message[spec.content_key]
-        if not isinstance(content, str):
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if role != "assistant" or not isinstance(calls, list) or not calls:
+                raise bad(f"message {index} ({role}): 'tool_calls' must be a non-empty array on an assistant message")
+            for number, call in enumerate(calls):
+                call_name, arguments = _tool_call_parts(call)
+                if not isinstance(call_name, str) or not call_name or not isinstance(arguments, (str, dict)):
+                    raise bad(f"message {index} (assistant): tool call {number} needs a 'name' and 'arguments' "
+                              "(an object or a JSON string), alone or under 'function'")
+        if spec.content_key not in message and not calls:
+            fields = ", ".join(repr(k) for k in list(message)[:8]) or "none"
+            raise bad(f"message {index} has no {spec.content_key!r} field (its fields: {fields}); set --data.content_key")
+        content = message.get(spec.content_key)
+        if calls and content is None:
+            pass  # a message that only calls tools
+        elif not isinstance(content, str):
             raise bad(f"message {index} ({role}): {spec.content_key!r} is a JSON {_json_type(content)}, expected a string")
-        if not content.strip():
+        elif not content.strip() and not calls:
             raise bad(f"message {index} ({role}) has empty content")
-        messages.append((role, content))
-    if messages[-1][0] != final_role:
+        for key in REASONING_KEYS:
+            if key in message and message[key] is not None and not isinstance(message[key], str):
+                raise bad(f"message {index} ({role}): {key!r} is a JSON {_json_type(message[key])}, expected a string")
+        extra = {k: v for k, v in message.items() if k not in (spec.role_key, spec.content_key)}
+        messages.append({"role": role, "content": content, **extra})  # rendered as `template_messages` says
+    if messages[-1]["role"] != final_role:
         why = "the turn the model learns to write" if final_role == "assistant" else "the message to answer"
-        raise bad(f"the last message's role is {messages[-1][0]!r}; a conversation must end with {final_role!r} ({why})")
-    if system_prompt and messages[0][0] != "system":
-        messages.insert(0, ("system", system_prompt))
-    return Conversation(tuple(messages), where)
+        raise bad(f"the last message's role is {messages[-1]['role']!r}; a conversation must end with {final_role!r} ({why})")
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return Conversation.of(messages, where, tools)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -228,73 +300,173 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+@dataclass
+class SpanStats:
+    """What locating the assistant spans of some conversations found, for the run's log."""
+
+    unclosed_turns: int = 0  # turns the template ends with no special token
+    reasoning_not_rendered: int = 0  # messages whose reasoning the template leaves out (earlier turns)
+
+
 def assistant_spans(
-    conversation: Conversation, template: ChatTemplate, tokenizer: "Tokenizer", path: Path | str = ""
+    conversation: Conversation, template: ChatTemplate, tokenizer: "Tokenizer", path: Path | str = "",
+    train_reasoning: bool = True,
 ) -> tuple[list[int], list[tuple[int, int]], int]:
-    """(ids of the whole conversation, [(start, stop)] trained span per assistant turn, turns without a special end).
+    """(ids of the whole conversation, [(start, stop)] trained span per assistant message, turns without a special end).
 
     One conversation at a time; `tokenize_conversations` does the same over batches.
     """
     texts = conversation_texts(conversation, template, path)
-    return spans_from_ids(conversation, tokenizer.encode_batch(texts, bos=False), tokenizer.special_ids, path)
+    stats = SpanStats()
+    ids, spans = spans_from_encodings(conversation, texts, _encode(tokenizer, texts), tokenizer.special_ids, path,
+                                      train_reasoning, stats)
+    return ids, spans, stats.unclosed_turns
 
 
-def conversation_texts(conversation: Conversation, template: ChatTemplate, path: Path | str = "") -> list[str]:
-    """[full, prompt_i, turn_i for each assistant turn but the last (whose turn_i is the full text)]."""
+def conversation_texts(conversation: Conversation, template: ChatTemplate, path: Path | str = "") -> list[Optional[str]]:
+    """[full, then per assistant message: prompt_i, history_i].
+
+    prompt_i = render(m_0 .. m_{i-1}, add_generation_prompt=True): what the model is given to write m_i;
+    history_i = the same without the generation prompt (None when the template refuses it), to tell
+    the tokens that open a turn (the generation prompt's special tokens) from those that close one.
+    """
     messages = conversation.as_dicts()
-    assistants = [i for i, (role, _) in enumerate(conversation.messages) if role == "assistant"]
+    tools = list(conversation.tools) if conversation.tools is not None else None
     where = f"{path} {conversation.where}".strip()
     try:
-        texts = [template.render(messages)]
-        for i in assistants:
-            texts.append(template.render(messages[:i], add_generation_prompt=True))
-            if i != len(messages) - 1:
-                texts.append(template.render(messages[: i + 1]))
+        texts: list[Optional[str]] = [template.render(messages, tools=tools)]
+        for i, role in enumerate(conversation.roles):
+            if role != "assistant":
+                continue
+            texts.append(template.render(messages[:i], add_generation_prompt=True, tools=tools))
+            try:
+                texts.append(template.render(messages[:i], tools=tools) if i else None)
+            except TemplateRenderError:
+                texts.append(None)
     except TemplateRenderError as err:
         raise UserError(f"{where}: the chat template ({template.origin}) fails to render it: {err}") from None
     return texts
 
 
-def spans_from_ids(
-    conversation: Conversation, ids: list[list[int]], special_ids: frozenset[int], path: Path | str = ""
-) -> tuple[list[int], list[tuple[int, int]], int]:
-    """The trained span of each assistant turn, from the token ids of `conversation_texts`."""
-    full, rest = ids[0], iter(ids[1:])
+def _encode(tokenizer: "Tokenizer", texts: list[Optional[str]]) -> list:
+    """Encodings of `conversation_texts`: the full text with offsets, the others ids only (None stays None)."""
+    present = [t for t in texts[1:] if t is not None]
+    (full,) = tokenizer.encode_batch_offsets([texts[0]])
+    others = iter(tokenizer.encode_batch(present, bos=False))
+    return [full] + [next(others) if t is not None else None for t in texts[1:]]
+
+
+def spans_from_encodings(
+    conversation: Conversation, texts: list[Optional[str]], encodings: list, special_ids: frozenset[int],
+    path: Path | str = "", train_reasoning: bool = True, stats: Optional[SpanStats] = None,
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The trained token span of each assistant message inside the whole rendered conversation.
+
+    See the module docstring. `encodings[0]` is (ids, offsets) of the full text; then ids of prompt_i
+    and history_i (or None) per assistant message.
+    """
+    stats = stats if stats is not None else SpanStats()
     where = f"{path} {conversation.where}".strip()
-    spans, unclosed = [], 0
-    last = len(conversation.messages) - 1
-    for i, (role, _) in enumerate(conversation.messages):
-        if role != "assistant":
-            continue
-        prompt = next(rest)
-        turn = full if i == last else next(rest)
-        start = _common_prefix(prompt, full)
-        if start < len(prompt) - 1:
+    text = texts[0]
+    full, offsets = encodings[0]
+    starts_char = [s for s, _ in offsets]
+    ends_char = [max(e, s + 1) for s, e in offsets]  # no empty token ranges (trimmed offsets)
+    assistants = [i for i, role in enumerate(conversation.roles) if role == "assistant"]
+
+    def token_at(char: int) -> int:
+        """The first token that ends after `char` (the token holding it)."""
+        return bisect.bisect_right(ends_char, char)
+
+    # Pass 1: where each assistant message starts (its generation prompt's tokens end) and what opens a turn.
+    starts, openers = [], []
+    for k in range(len(assistants)):
+        prompt, history = encodings[1 + 2 * k], encodings[2 + 2 * k]
+        starts.append(_common_prefix(prompt, full))
+        header = prompt[_common_prefix(prompt, history):] if history is not None else []
+        openers.append({t for t in header if t in special_ids})
+    spans: list[tuple[int, int]] = []
+    closed_flags = []
+    previous_end = 0
+    for k, i in enumerate(assistants):
+        message = conversation.messages[i]
+        start = starts[k]
+        if start < previous_end or start >= len(full):
             raise UserError(
                 f"{where}: the chat template renders the conversation before message {i} differently when later "
-                f"turns follow (tokens differ from position {start} of {len(prompt)}), so its assistant tokens "
-                "cannot be told apart exactly; use a template that keeps earlier turns as they are "
-                "(--data.chat_template)"
+                "turns follow, so its assistant tokens cannot be told apart exactly; use a template that keeps "
+                "earlier turns as they are (--data.chat_template)"
             )
-        stop = len(full) if i == last else _common_prefix(turn, full)
-        if stop <= start:
-            raise UserError(f"{where}: the chat template writes nothing for assistant message {i}")
-        closing = [t for t in range(start, stop) if full[t] in special_ids]
-        if closing:
-            stop = closing[-1] + 1
-        else:
-            unclosed += 1
-        spans.append((max(start, 1), stop))  # token 0 is never a label
+        start_char = starts_char[start]
+        bound_char = starts_char[starts[k + 1]] if k + 1 < len(assistants) and starts[k + 1] < len(full) else len(text)
+        reasoning, reply = split_reasoning(message)
+        reasoning, reply = reasoning.strip(), reply.strip()
+
+        position = start_char
+        reasoning_end = None
+        if reasoning:
+            found = text.find(reasoning, start_char, bound_char)
+            after = found + len(reasoning)
+            if found >= 0 and (not reply or text.find(reply, after, bound_char) >= 0):
+                reasoning_end, position = after, after
+            elif train_reasoning and i == len(conversation.messages) - 1:
+                # Templates drop the reasoning of earlier turns (as they do at inference), never of the
+                # turn being written, unless they cannot render reasoning at all.
+                raise UserError(
+                    f"{where}: the chat template does not render the reasoning of the last assistant message "
+                    f"({i}), so it cannot be trained; set --data.train_reasoning false to train the reply alone, "
+                    "or pass a template that renders reasoning (--data.chat_template)"
+                )
+            else:
+                stats.reasoning_not_rendered += 1
+        if reply:
+            found = text.find(reply, position, bound_char)
+            if found < 0:
+                raise UserError(
+                    f"{where}: assistant message {i}'s content is not in its turn as the chat template renders the "
+                    "conversation: the template drops or rewrites it (e.g. a <think> block it strips, or a turn it renders only when last), so the message cannot "
+                    "be trained as given"
+                )
+            position = found + len(reply)
+        for number, call in enumerate(message.get("tool_calls") or ()):
+            name, arguments = _tool_call_parts(call)
+            found = text.find(name, position, bound_char)
+            if found < 0:
+                raise UserError(
+                    f"{where}: assistant message {i}'s tool call {number} ({name!r}) is not in its turn as the chat "
+                    "template renders the conversation; the template does not render tool calls this way (or at "
+                    "all): pass a template that does (--data.chat_template)"
+                )
+            position = found + len(name)
+            rendered = arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+            found = text.find(rendered, position, bound_char)
+            if found >= 0 and not any(t in openers[k] for t in full[token_at(position):token_at(found)]):
+                position = found + len(rendered)
+        # The turn ends at the first special token after what the message wrote that does not open
+        # a turn (<|im_end|>, <|eot_id|>, <|end|>, <|return|>, </s>); none before the next opener: unclosed.
+        last = token_at(position - 1) + 1
+        stop_limit = starts[k + 1] if k + 1 < len(assistants) else len(full)
+        end, closed = last, False
+        for t in range(last, stop_limit):
+            if full[t] in openers[k]:
+                break
+            if full[t] in special_ids:
+                end, closed = t + 1, True
+                break
+        closed_flags.append(closed)
+        first = token_at(reasoning_end - 1) + 1 if (reasoning_end is not None and not train_reasoning) else start
+        spans.append((max(first, 1), end))  # token 0 is never a label
+        previous_end = end
+    unclosed = closed_flags.count(False)
     if 0 < unclosed < len(spans):
         # Some turns end with a special token and others not: the template renders a turn differently
-        # when it is the conversation's last (e.g. adds or strips a reasoning block), so the end of
-        # the other turns cannot be found from prefixes.
+        # when it is the conversation's last (e.g. closes only that one).
         raise UserError(
             f"{where}: the chat template renders an assistant turn differently when it is the last message, so "
             "the end of its other turns cannot be told apart exactly; use a template that keeps earlier turns "
             "as they are (--data.chat_template)"
         )
-    return full, spans, unclosed
+    stats.unclosed_turns += unclosed
+    return full, spans
 
 
 def tokenize_conversations(
@@ -305,25 +477,26 @@ def tokenize_conversations(
     mask_prompt: bool,
     path: Path | str = "",
     what: str = "",
+    train_reasoning: bool = True,
 ) -> tuple[ChatSamples, dict[str, int]]:
     """Render, tokenize and mask every conversation; cut long ones at turn boundaries (module docstring)."""
     limit = max_seq_length + 1
     special_ids = tokenizer.special_ids
     sequences: list[list[int]] = []
     trained: list[list[bool]] = []
-    stats = {"dropped": 0, "truncated": 0, "unclosed_turns": 0}
+    stats = {"dropped": 0, "truncated": 0, "unclosed_turns": 0, "reasoning_not_rendered": 0}
+    span_stats = SpanStats()
     first_dropped = ""
     chunks = range(0, len(conversations), _CHUNK)
     for start in chunks:
         part = conversations[start : start + _CHUNK]
         texts = [conversation_texts(c, template, path) for c in part]
-        flat = tokenizer.encode_batch([t for group in texts for t in group], bos=False)
-        offset = 0
-        for conversation, group in zip(part, texts):
-            ids = flat[offset : offset + len(group)]
-            offset += len(group)
-            full, spans, unclosed = spans_from_ids(conversation, ids, special_ids, path)
-            stats["unclosed_turns"] += unclosed
+        fulls = tokenizer.encode_batch_offsets([group[0] for group in texts])
+        rest = iter(tokenizer.encode_batch([t for group in texts for t in group[1:] if t is not None], bos=False))
+        for conversation, group, full_encoding in zip(part, texts, fulls):
+            encodings = [full_encoding] + [next(rest) if t is not None else None for t in group[1:]]
+            full, spans = spans_from_encodings(conversation, group, encodings, special_ids, path, train_reasoning,
+                                               span_stats)
             kept = [span for span in spans if span[1] <= limit]  # spans grow: a prefix of the turns
             end = kept[-1][1] if kept else 0
             flags = [False] * end
@@ -342,6 +515,14 @@ def tokenize_conversations(
             trained.append(flags)
         if len(chunks) > 1:
             log.info("tokenized %s conversations: %d/%d", what, min(start + _CHUNK, len(conversations)), len(conversations))
+    stats["unclosed_turns"] = span_stats.unclosed_turns
+    stats["reasoning_not_rendered"] = span_stats.reasoning_not_rendered
+    if stats["reasoning_not_rendered"]:
+        log.info(
+            "%d assistant messages of the %s data carry reasoning that the chat template does not render (it keeps "
+            "reasoning only in the latest turns): that reasoning is not trained",
+            stats["reasoning_not_rendered"], what,
+        )
     if stats["dropped"]:
         log.warning(
             "dropped %d of %d %s conversations (the first: %s): their first assistant turn does not end within "
@@ -379,8 +560,13 @@ class Chat(InstructData, _InstructOptions):
         chat_template: a built-in template (chatml, llama-3, llama-2, gemma, zephyr) or a .jinja file.
             Default: the checkpoint's own; when it has none, the built-in one for the model. A template
             that is not the checkpoint's is written into the output's tokenizer_config.json.
-        template_variables: extra variables for the template, e.g. {"date_string": "26 Jul 2024"} for
-            Llama 3's system header (otherwise the date of the run).
+        template_variables: extra variables for the template, typed as JSON/YAML values: e.g.
+            {"enable_thinking": false} for Qwen3, {"reasoning_effort": "high"} for gpt-oss,
+            {"date_string": "26 Jul 2024"} for Llama 3's system header (otherwise the date of the run).
+            A quoted "true"/"false" is refused: a template would read the string "false" as true.
+        train_reasoning: whether the reasoning of assistant messages (`reasoning_content`, `thinking`, or
+            a leading <think>...</think> block of the content) is trained where the template renders it
+            (true), or only the reply after it (false; the reasoning stays in the input).
 
     Shared options (see `InstructData`): mask_prompt (true: loss on assistant turns only; false: on
     every token), val_split_fraction, val_path, seed, group_by_length. prompt_style does
@@ -395,7 +581,10 @@ class Chat(InstructData, _InstructOptions):
     role_names: Optional[dict[str, str]] = None
     system_prompt: Optional[str] = None
     chat_template: Optional[str] = None
-    template_variables: Optional[dict[str, str]] = None
+    # A plain dict: jsonargparse keeps JSON/YAML values as written (dict[str, Any] would re-read the
+    # strings "3", "no", "false" as a number and booleans).
+    template_variables: Optional[dict] = None
+    train_reasoning: bool = True
 
     def record_format(self, name: str) -> RecordFormat:
         """The format `name` with this module's key and role-name options applied."""
@@ -445,12 +634,13 @@ class Chat(InstructData, _InstructOptions):
         self.max_seq_length = max_seq_length
         self.pad_id = pad_id_for(tokenizer)
         self._train, train_stats = tokenize_conversations(
-            train, tokenizer, template, max_seq_length, self.mask_prompt, self.json_path, "training"
+            train, tokenizer, template, max_seq_length, self.mask_prompt, self.json_path, "training",
+            self.train_reasoning,
         )
-        no_val = {"dropped": 0, "truncated": 0, "unclosed_turns": 0}
+        no_val = {"dropped": 0, "truncated": 0, "unclosed_turns": 0, "reasoning_not_rendered": 0}
         self._val, val_stats = (
             tokenize_conversations(val, tokenizer, template, max_seq_length, self.mask_prompt,
-                                   self.val_path or self.json_path, "validation")
+                                   self.val_path or self.json_path, "validation", self.train_reasoning)
             if val else (None, no_val)
         )
         if len(self._train) == 0:

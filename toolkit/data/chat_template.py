@@ -5,9 +5,11 @@ a model is fine-tuned on are the tokens `transformers`, vLLM or llama.cpp give i
 
 - Jinja's immutable sandbox (a template is code from a model repository), with `trim_blocks`,
   `lstrip_blocks` and the loop-control extension (`{% break %}`, `{% continue %}`);
-- variables: `messages` (a list of {"role", "content"}), `add_generation_prompt`, `tools` and
-  `documents` (None), the tokenizer's special tokens as text (`bos_token`, `eos_token`, ...), and any
-  extra variables given (e.g. Llama 3's `date_string`);
+- variables: `messages` (a list of {"role", "content", ...}: also `tool_calls`, `reasoning_content`
+  / `thinking` where a message has them), `add_generation_prompt`, `tools` (the conversation's
+  function definitions, or None) and `documents` (None), the tokenizer's special tokens as text
+  (`bos_token`, `eos_token`, ...), and any extra variables given, typed as JSON values (Qwen3's
+  `enable_thinking`: false, gpt-oss's `reasoning_effort`, Llama 3's `date_string`);
 - helpers: `raise_exception(message)`, `strftime_now(format)` (read once per template, so every
   conversation of a run sees the same date), a `tojson` filter that keeps non-ASCII text, and the
   `{% generation %}` tag of templates patched for assistant masks (rendered as its body);
@@ -163,19 +165,40 @@ class ChatTemplate:
                 f"the chat template ({self.origin}) is not valid Jinja: {err.message} (line {err.lineno})"
             ) from err
 
-    def render(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
-        """The conversation as text. Raises `TemplateRenderError` with the template's own message."""
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+               tools: Optional[list[dict[str, Any]]] = None) -> str:
+        """The conversation as text (`tools`: the function definitions the conversation may call).
+        Raises `TemplateRenderError` with the template's own message."""
         import jinja2
 
         try:
             return self._compiled.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, tools=None, documents=None,
-                **self.variables,
+                **{"documents": None, **self.variables},
+                messages=template_messages(messages), add_generation_prompt=add_generation_prompt, tools=tools,
             )
         except jinja2.TemplateError as err:
             raise TemplateRenderError(str(err) or type(err).__name__) from err
         except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
             raise TemplateRenderError(f"{type(err).__name__}: {err}") from err
+
+
+# Names a message's reasoning may come under; transformers passes it to templates under the first
+# two (Qwen3 and DeepSeek read reasoning_content, gpt-oss reads thinking).
+REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
+
+
+def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages as transformers (5.x) hands them to a template: keys whose value is None dropped
+    (templates test a key's presence: `"content" in message`), and the reasoning under both names
+    templates read."""
+    out = []
+    for message in messages:
+        message = {k: v for k, v in message.items() if v is not None}
+        reasoning = next((message[k] for k in REASONING_KEYS if k in message), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        out.append(message)
+    return out
 
 
 class TemplateRenderError(Exception):
@@ -281,8 +304,38 @@ def resolve_chat_template(
             default = default_template_name(model)
             source = CHAT_TEMPLATES[default]
             origin = f"built-in {default!r} (the tokenizer in {directory} has no chat template)"
-    all_variables = {**special_token_variables(tokenizer), **(variables or {})}
+    all_variables = {**special_token_variables(tokenizer), **check_template_variables(variables)}
     return ChatTemplate(source, origin, all_variables, from_checkpoint)
+
+
+# Variables a template gets from the conversation itself; passing them as template variables is a mistake.
+_RESERVED_VARIABLES = ("messages", "add_generation_prompt", "tools")
+
+
+def check_template_variables(variables: Optional[dict[str, Any]], option: str = "--data.template_variables") -> dict[str, Any]:
+    """The extra template variables, checked: JSON values (strings, numbers, booleans, null, lists,
+    mappings) under names that are not the conversation's own. A quoted "true"/"false" is refused: a
+    template tests it for truth (`{% if enable_thinking %}`), and any non-empty string is true."""
+    if variables is None:
+        return {}
+    if not isinstance(variables, dict):
+        raise UserError(f"{option} must be a mapping of names to values, e.g. '{{\"enable_thinking\": false}}'")
+    for name, value in variables.items():
+        if not isinstance(name, str) or not name.isidentifier():
+            raise UserError(f"{option}: {name!r} is not a template variable name (letters, digits and _)")
+        if name in _RESERVED_VARIABLES:
+            raise UserError(f"{option}: {name!r} comes from each conversation; it cannot be set as a template variable")
+        if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+            raise UserError(
+                f"{option}: {name} is the string {value!r}, which a template reads as true; "
+                f"write the boolean without quotes: '{{\"{name}\": {value.strip().lower()}}}'"
+            )
+        try:
+            json.dumps(value)
+        except (TypeError, ValueError):
+            raise UserError(f"{option}: {name} is a {type(value).__name__}; give a JSON value "
+                            "(string, number, boolean, null, list or mapping)") from None
+    return dict(variables)
 
 
 def write_tokenizer_files(src_dir: Path, dst_dir: Path, template: ChatTemplate) -> Path:
@@ -320,6 +373,7 @@ __all__ = [
     "ChatTemplate",
     "FALLBACK_TEMPLATE",
     "TemplateRenderError",
+    "check_template_variables",
     "checkpoint_template",
     "default_template_name",
     "resolve_chat_template",
