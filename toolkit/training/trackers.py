@@ -177,7 +177,7 @@ def run_config(function: Callable, arguments: dict[str, Any]) -> dict[str, Any]:
 
 def plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if not f.name.startswith("_")}
+        fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init and not f.name.startswith("_")}
         return {"class": type(value).__name__, **fields} if _is_data_module(value) else fields
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
