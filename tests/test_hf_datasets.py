@@ -25,6 +25,16 @@ LLAMA2 = ASSETS / "tokenizers" / "llama2"
 MAX_SEQ = 96
 
 
+@pytest.fixture(scope="module", autouse=True)
+def hf_home(tmp_path_factory):
+    """`datasets` keeps its Arrow cache under HF_HOME: here, a folder of the test, not the user's cache."""
+    home = tmp_path_factory.mktemp("hf_home")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HF_HOME", str(home))  # for the subprocesses
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", home / "datasets")  # read once, at import
+        yield home
+
+
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
     return Tokenizer(LLAMA2)

@@ -40,9 +40,13 @@ def _cmd(out_dir: Path, db: Path) -> list[str]:
 def run(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("trackers")
     out, db = root / "run", root / "mlflow.db"
-    kill_group_at_step([sys.executable, "-m", "toolkit", *_cmd(out, db)], KILL_AT)
-    first_ids = json.loads((out / "trackers.json").read_text())
-    stdout = run_toolkit(_cmd(out, db))
+    with pytest.MonkeyPatch.context() as patch:  # wandb's settings and caches: in the test's folder, not ~
+        for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            patch.setenv(name, str(root / "wandb_home"))
+        patch.delenv("WANDB_MODE", raising=False)  # --log.offline must do it alone
+        kill_group_at_step([sys.executable, "-m", "toolkit", *_cmd(out, db)], KILL_AT)
+        first_ids = json.loads((out / "trackers.json").read_text())
+        stdout = run_toolkit(_cmd(out, db))
     assert "Resumed from" in stdout and "Continuing mlflow run" in stdout
     csv_losses = {int(float(r["step"])): float(r["train/loss"]) for r in logged_metrics(out) if r.get("train/loss")}
     return {"out": out, "db": db, "first_ids": first_ids, "ids": json.loads((out / "trackers.json").read_text()),
