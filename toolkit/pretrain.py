@@ -67,7 +67,9 @@ def pretrain(
             under mixed precision).
     """
     from toolkit.training.session import Session
+    from toolkit.training.trackers import run_config
 
+    hparams = run_config(pretrain, locals())
     check_seed(seed)
     if initial_checkpoint_dir is not None:
         from toolkit.model_dir import require_checkpoint_dir
@@ -91,7 +93,7 @@ def pretrain(
     session = Session.start(
         kind="pretrain", out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
-        max_seq_length=max_seq_length,
+        max_seq_length=max_seq_length, hparams=hparams,
     )
     fabric = session.fabric
     block_size = max_seq_length + 1  # inputs and their next-token targets

@@ -73,7 +73,7 @@ from toolkit.data.chat_template import (
     REASONING_KEYS, ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files,
 )
 from toolkit.data.instruct import (
-    IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, read_json_records, sample_stats,
+    IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, sample_stats,
 )
 from toolkit.errors import UserError
 
@@ -601,7 +601,7 @@ class Chat(InstructData, _InstructOptions):
         )
 
     def read_conversations(self, path: Path, what: str) -> list[Conversation]:
-        records = read_json_records(path, what)
+        records = self.read_records(path, what)
         name = self.format
         if name == "auto":
             if self.conversation_key is not None:

@@ -500,6 +500,11 @@ class InstructData:
     def read_examples(self, path: Path, what: str) -> list[Example]:
         raise NotImplementedError
 
+    def read_records(self, path: Path, what: str) -> list[tuple[str, Any]]:
+        """(location, record) of every record of `path`: a JSON array or JSON Lines file here; the
+        rows of a dataset split for the Hugging Face modules (`toolkit.data.hf_datasets`)."""
+        return read_json_records(path, what)
+
     # ------------------------------------------------------------------ setup
     def _check_options(self, max_seq_length: int) -> None:
         if max_seq_length < 1:
@@ -749,7 +754,7 @@ class JSON(InstructData, _InstructOptions):
     def read_examples(self, path: Path, what: str) -> list[Example]:
         examples = []
         seen_input = False
-        records = read_json_records(path, what)
+        records = self.read_records(path, what)
         for where, record in records:
             instruction = _text_field(path, where, record, self.prompt_key, self._hint("prompt"), True)
             response = _text_field(path, where, record, self.response_key, self._hint("response"), True)
@@ -780,7 +785,7 @@ class Alpaca(InstructData, _InstructOptions):
     def read_examples(self, path: Path, what: str) -> list[Example]:
         hint = "Alpaca records have instruction, input and output; for other field names use --data JSON"
         examples = []
-        for where, record in read_json_records(path, what):
+        for where, record in self.read_records(path, what):
             instruction = _text_field(path, where, record, "instruction", hint, True)
             response = _text_field(path, where, record, "output", hint, True)
             text_input = _text_field(path, where, record, "input", hint, False)

@@ -43,6 +43,7 @@ def run_finetune(
     check_args: Optional[Callable] = None,
     export_dtype: Optional[str] = None,
     startup_notes: Sequence[str] = (),
+    hparams: Optional[dict] = None,
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model)."""
     from toolkit.model_dir import export_dtype as resolve_export_dtype
@@ -50,6 +51,7 @@ def run_finetune(
     from toolkit.models.config import Config
     from toolkit.tokenizer import Tokenizer
     from toolkit.training.session import Session
+    from toolkit.training.trackers import plain
 
     check_seed(seed)
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
@@ -64,10 +66,11 @@ def run_finetune(
     if not (train.max_steps or train.max_tokens or train.max_time or train.epochs):
         train = dataclasses.replace(train, epochs=1)
 
+    hparams = dict(hparams or {}, train=plain(train))  # with the epochs default resolved
     session = Session.start(
         kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
-        max_seq_length=max_seq_length,
+        max_seq_length=max_seq_length, hparams=hparams,
     )
     for note in startup_notes:  # what the entry point decided before launch, e.g. the QLoRA scheme
         session.fabric.print(note)

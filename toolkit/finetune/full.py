@@ -49,7 +49,9 @@ def finetune_full(
             under mixed precision either way.
     """
     from toolkit.errors import UserError
+    from toolkit.training.trackers import run_config
 
+    hparams = run_config(finetune_full, locals())
     if quantize is not None:
         raise UserError(
             f"--quantize {quantize} needs frozen base weights, but full fine-tuning trains every weight: "
@@ -59,6 +61,6 @@ def finetune_full(
         raise UserError("No training data given: pass --data Alpaca --data.json_path <file.json> (or --data JSON ...).")
     _, model = run_finetune(
         "finetune_full", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
-        precision, seed, resume, export_dtype=export_dtype,
+        precision, seed, resume, export_dtype=export_dtype, hparams=hparams,
     )
     return model

@@ -183,6 +183,9 @@ def finetune_lora(
     """
     import torch
 
+    from toolkit.training.trackers import run_config
+
+    hparams = run_config(finetune_lora, locals())
     if data is None:
         raise UserError("No training data given: pass --data Alpaca --data.json_path <file.json> (or --data JSON ...).")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
@@ -217,7 +220,7 @@ def finetune_lora(
     _, model = run_finetune(
         "finetune_lora", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
         precision, seed, resume, prepare_model=prepare, checkpoint_filter=is_adapter_weight, export=export,
-        check_args=check_args, startup_notes=startup_notes,
+        check_args=check_args, startup_notes=startup_notes, hparams=hparams,
     )
     return model
 

@@ -94,19 +94,32 @@ class EvalArgs:
                 raise UserError(f"--eval.{name} must be at least 1, got {getattr(self, name)}")
 
 
+LoggerName = Literal["csv", "tensorboard", "wandb", "mlflow"]
+
+
 @dataclass
 class LogArgs:
-    """Where metrics go: CSV and TensorBoard files under <out_dir>/logs, and a progress line."""
+    """Where metrics go: a progress line, and any of CSV and TensorBoard files under <out_dir>/logs,
+    Weights & Biases and MLflow (see `toolkit.training.trackers`)."""
 
     interval: int = 1  # optimizer steps between log lines (the only points where the loop syncs with the device)
-    loggers: tuple[Literal["csv", "tensorboard"], ...] = ("csv", "tensorboard")
+    loggers: tuple[LoggerName, ...] = ("csv", "tensorboard")
     device_peak_flops: Optional[float] = None  # for MFU on devices without a known peak (CPU), FLOP/s
+    # W&B project / MLflow experiment; default: WANDB_PROJECT / MLFLOW_EXPERIMENT_NAME, else "toolkit"
+    project: Optional[str] = None
+    run_name: Optional[str] = None  # W&B / MLflow run name; default: WANDB_NAME (W&B), else the out_dir's name
+    tags: tuple[str, ...] = ()  # W&B tags; MLflow tags ("key=value", or a plain name with an empty value)
+    offline: bool = False  # W&B only: write the run locally (`wandb sync` uploads it later); WANDB_MODE=offline does the same
+    # MLflow store; default: MLFLOW_TRACKING_URI, else sqlite:///<out_dir>/logs/mlflow.db
+    tracking_uri: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise UserError(f"--log.interval must be at least 1, got {self.interval}")
         if self.device_peak_flops is not None and not self.device_peak_flops > 0:
             raise UserError(f"--log.device_peak_flops must be positive, got {self.device_peak_flops}")
+        if len(set(self.loggers)) != len(self.loggers):
+            raise UserError(f"--log.loggers names a logger twice: {list(self.loggers)}")
 
 
 # torch and numpy take seeds in this range; Lightning raises a ValueError outside it.

@@ -23,6 +23,7 @@ from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.training.distributed import DistributedArgs, build_fabric, check_launcher, plan_batches, plan_strategy, run_on_rank_zero
 from toolkit.training.loop import LoopHooks, TrainState, fit
+from toolkit.training.trackers import finish_tracker_runs, make_loggers, plain, start_tracker_runs
 
 if TYPE_CHECKING:
     from toolkit.tokenizer import Tokenizer
@@ -72,9 +73,13 @@ class Session:
     def start(
         cls, kind: str, out_dir: Path, config: Config, train: TrainArgs, eval: EvalArgs, log: LogArgs,
         distributed: DistributedArgs, devices: Union[int, str], num_nodes: int, precision: Optional[str],
-        seed: int, resume: Union[bool, str, Path], max_seq_length: int,
+        seed: int, resume: Union[bool, str, Path], max_seq_length: int, hparams: Optional[dict] = None,
     ) -> "Session":
-        """Validate what can be validated before any process starts, then launch Fabric."""
+        """Validate what can be validated before any process starts, then launch Fabric.
+
+        `hparams`: the command's resolved arguments (`trackers.run_config`), logged as
+        hyperparameters with the model config and the batch plan.
+        """
         from toolkit.models.gpt import Block
 
         from toolkit.training.checkpoint import list_checkpoints
@@ -88,9 +93,13 @@ class Session:
         check_launcher(num_nodes, strategy.devices)  # before Lightning is imported (seconds)
         plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         created_out_dir = not out_dir.exists()
+        # A start that resumes from a checkpoint of out_dir continues its W&B / MLflow runs.
+        continue_runs = resume not in (False, "false", "False") and (
+            bool(list_checkpoints(out_dir)) or resume not in (True, "true", "True", "auto")
+        )
         fabric = build_fabric(
             devices=devices, num_nodes=num_nodes, precision=precision, dist=distributed, block_cls=Block,
-            loggers=_make_loggers(out_dir, log),
+            loggers=make_loggers(out_dir, log, continue_runs),
         )
         fabric.launch()
         fabric.print(strategy.describe())
@@ -98,6 +107,8 @@ class Session:
         plan = plan_batches(devices_per_node, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         fabric.print(plan.table())
         run_on_rank_zero(fabric, lambda: _make_out_dir(out_dir))
+        all_hparams = {"command": kind, **(hparams or {}), "model_config": config.to_dict(), "batch_plan": plain(plan)}
+        start_tracker_runs(fabric, out_dir, all_hparams, continue_runs)
         fabric.seed_everything(seed)
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
                    plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision)
@@ -263,8 +274,7 @@ class Session:
         )
         if self.state.step not in saved_steps and self.state.step > 0:
             save(self.state)
-        for logger in self.fabric.loggers:
-            logger.finalize("success")  # flushes buffered metrics to disk
+        finish_tracker_runs(self.fabric, "success")  # flushes buffered metrics to disk
         if self.fabric.global_rank == 0:
             (self.out_dir / "summary.json").write_text(json.dumps(self.state.to_dict(), indent=2) + "\n")
         return self.state
@@ -313,16 +323,3 @@ def _trainable_fraction(model) -> float:
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     return sum(p.numel() for p in params if p.requires_grad) / max(total, 1)
-
-
-def _make_loggers(out_dir: Path, log: LogArgs) -> list:
-    from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
-
-    loggers = []
-    # Each start (fresh or resumed) logs into its own version_N folder, so a resume never
-    # overwrites the metrics of the run it continues.
-    if "csv" in log.loggers:
-        loggers.append(CSVLogger(root_dir=str(out_dir / "logs"), name="csv"))
-    if "tensorboard" in log.loggers:
-        loggers.append(TensorBoardLogger(root_dir=str(out_dir / "logs"), name="tensorboard"))
-    return loggers

@@ -1,0 +1,144 @@
+"""Experiment trackers: W&B (offline) and MLflow (a local SQLite store) through `--log.loggers`.
+
+One pretraining run is killed at step 3 and resumed to the end; both trackers are then read back
+with their own libraries' data (W&B's run files, MLflow's client): the step metrics match the CSV
+log, the resolved config is there once, and the killed and resumed starts are one tracker run.
+"""
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ASSETS, kill_group_at_step, logged_metrics, run_toolkit
+
+pytest.importorskip("wandb", reason="install the trackers extra: pip install -e '.[trackers]'")
+pytest.importorskip("mlflow", reason="install the trackers extra: pip install -e '.[trackers]'")
+
+STEPS = 6
+KILL_AT = 3  # after the checkpoint of step 2
+
+
+def _cmd(out_dir: Path, db: Path) -> list[str]:
+    return [
+        "pretrain", "debug-neox", "--out_dir", str(out_dir),
+        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
+        "--data.cache_dir", str(out_dir.parent / "data_cache"),
+        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
+        "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+        "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.save_interval", "2",
+        "--train.warmup_steps", "2", "--eval.interval", "1000", "--eval.final_validation", "false",
+        "--log.loggers", "[csv, wandb, mlflow]", "--log.offline", "true", "--log.project", "trackers-test",
+        "--log.run_name", "tiny", "--log.tags", "[smoke, team=nlp]", "--log.tracking_uri", f"sqlite:///{db}",
+        "--resume", "auto",
+    ]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("trackers")
+    out, db = root / "run", root / "mlflow.db"
+    with pytest.MonkeyPatch.context() as patch:  # wandb's settings and caches: in the test's folder, not ~
+        for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+            patch.setenv(name, str(root / "wandb_home"))
+        patch.delenv("WANDB_MODE", raising=False)  # --log.offline must do it alone
+        kill_group_at_step([sys.executable, "-m", "toolkit", *_cmd(out, db)], KILL_AT)
+        first_ids = json.loads((out / "trackers.json").read_text())
+        stdout = run_toolkit(_cmd(out, db))
+    assert "Resumed from" in stdout and "Continuing mlflow run" in stdout
+    csv_losses = {int(float(r["step"])): float(r["train/loss"]) for r in logged_metrics(out) if r.get("train/loss")}
+    return {"out": out, "db": db, "first_ids": first_ids, "ids": json.loads((out / "trackers.json").read_text()),
+            "csv_losses": csv_losses}
+
+
+# ------------------------------------------------------------------ W&B's run file, read back
+def _wandb_records(path: Path):
+    """The protobuf records of a W&B transaction log (`run-<id>.wandb`): a 7-byte header, then 32 KiB
+    blocks of chunks (crc32, length, type: full/first/middle/last), as wandb-core writes them."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    pos, block, pending = 7, 32768, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # too little room left in the block for a chunk header: padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        chunk = data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind == 0:  # zero padding at the end of a file
+            break
+        pending = chunk if kind in (1, 2) else pending + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(pending)
+            yield record
+
+
+def _wandb_starts(out: Path) -> list[dict]:
+    """Per start (offline run folder, in order): run id, name, project, tags, history rows and config."""
+    starts = []
+    for folder in sorted((out / "logs" / "wandb").glob("offline-run-*")):
+        log_file = next(folder.glob("run-*.wandb"))
+        start = {"file_id": log_file.stem[len("run-"):], "history": [], "config": {}}
+        for record in _wandb_records(log_file):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                run = record.run
+                start.update(id=run.run_id, name=run.display_name, project=run.project, tags=list(run.tags))
+            elif kind == "history":
+                start["history"].append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                         for item in record.history.item})
+            elif kind == "config":
+                start["config"].update({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                        for item in record.config.update})
+        starts.append(start)
+    return starts
+
+
+def test_wandb_offline_run_holds_the_step_metrics_and_the_config_and_continues_after_a_kill(run):
+    starts = _wandb_starts(run["out"])
+    assert len(starts) == 2, "one offline folder per start"
+    run_id = run["first_ids"]["wandb"]["id"]
+    # The killed start's wandb service died with it before writing its records (only the file header
+    # is left); its file still names the run, which the resumed start continued.
+    assert [s["file_id"] for s in starts] == [run_id, run_id], "the resumed start continues the same W&B run"
+    assert run["ids"]["wandb"]["id"] == run_id
+    resumed = starts[1]
+    assert resumed["id"] == run_id and resumed["name"] == "tiny" and resumed["project"] == "trackers-test"
+    assert resumed["tags"] == ["smoke", "team=nlp"]
+    # The resolved config, nested as given.
+    config = resumed["config"]
+    assert config["command"] == "pretrain"
+    assert config["train"]["max_steps"] == STEPS and config["train"]["micro_batch_size"] == 2
+    assert config["data"]["class"] == "TextFiles" and config["data"]["train_path"].endswith("tinyshakespeare.txt")
+    assert config["model_config"]["name"] == "debug-neox" and config["batch_plan"]["gradient_accumulation_iters"] == 2
+    assert config["log"]["loggers"] == ["csv", "wandb", "mlflow"]
+    # The resumed start logged every step from the checkpoint on, equal to the CSV log.
+    losses = {row["trainer/global_step"]: row["train/loss"] for row in resumed["history"] if "train/loss" in row}
+    assert sorted(losses) == list(range(KILL_AT, STEPS + 1))
+    assert all(losses[s] == pytest.approx(run["csv_losses"][s], rel=1e-6) for s in losses)
+
+
+def test_mlflow_killed_and_resumed_run_is_one_run_with_the_metrics_and_the_params(run):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run['db']}")
+    experiment = client.get_experiment_by_name("trackers-test")
+    runs = client.search_runs([experiment.experiment_id])
+    assert len(runs) == 1, "the resumed start continues the run instead of starting another"
+    mlrun = runs[0]
+    assert mlrun.info.run_id == run["first_ids"]["mlflow"]["run_id"] == run["ids"]["mlflow"]["run_id"]
+    assert mlrun.info.run_name == "tiny" and mlrun.info.status == "FINISHED"
+    assert mlrun.data.tags["team"] == "nlp" and "smoke" in mlrun.data.tags
+    params = mlrun.data.params
+    assert params["command"] == "pretrain" and params["train/max_steps"] == str(STEPS)
+    assert params["data/class"] == "TextFiles" and params["model_config/name"] == "debug-neox"
+    history = client.get_metric_history(mlrun.info.run_id, "train/loss")
+    steps = sorted({m.step for m in history})
+    assert steps == list(range(1, STEPS + 1)), "steps before the kill and after the resume, in one run"
+    last = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # the resumed value wins
+    assert all(last[s] == pytest.approx(run["csv_losses"][s], rel=1e-6) for s in range(KILL_AT, STEPS + 1))
