@@ -22,12 +22,9 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.training.distributed import (
-    DistributedArgs,
-    plan_batches,
-    plan_strategy,
-    resolve_precision,
-)
+from toolkit.training.args import DistributedArgs
+from toolkit.training.batches import plan_batches
+from toolkit.training.strategy import plan_strategy, resolve_precision
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_train.py"
 TIMEOUT = 180  # seconds per multi-process run; they take ~10 s
@@ -145,16 +142,17 @@ def test_invalid_names_and_counts_are_user_errors():
 def test_plan_strategy_choices():
     single = plan_strategy(1, 1, None, DistributedArgs(strategy="fsdp", cpu_offload=True), "cpu")
     assert (single.kind, single.precision, single.process_group_backend) == ("single", "bf16-mixed", None)
+    assert single.mesh is None
 
     one_node = plan_strategy("2", 1, "32-true", DistributedArgs(), "cpu")  # default HYBRID_SHARD
-    assert (one_node.kind, one_node.sharding, one_node.device_mesh) == ("fsdp", "FULL_SHARD", None)
+    assert (one_node.kind, one_node.sharding, one_node.mesh) == ("fsdp", "FULL_SHARD", ((2,), ("shard",)))
     assert one_node.process_group_backend == "gloo"
 
     hybrid = plan_strategy(4, 2, None, DistributedArgs(sharding="HYBRID_SHARD"), "cpu")
-    assert (hybrid.sharding, hybrid.device_mesh, hybrid.world_size) == ("HYBRID_SHARD", (2, 4), 8)
+    assert (hybrid.sharding, hybrid.mesh, hybrid.world_size) == ("HYBRID_SHARD", ((2, 4), ("replicate", "shard")), 8)
 
     one_per_node = plan_strategy(1, 4, None, DistributedArgs(sharding="HYBRID_SHARD"), "cpu")
-    assert (one_per_node.sharding, one_per_node.device_mesh) == ("FULL_SHARD", None)
+    assert (one_per_node.sharding, one_per_node.mesh) == ("FULL_SHARD", ((4,), ("shard",)))
     assert any(level == logging.WARNING and "FULL_SHARD" in text for level, text in one_per_node.notes)
 
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
@@ -171,11 +169,14 @@ def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     from lightning.fabric.plugins import MixedPrecision
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from toolkit.training.distributed import build_fabric, is_fsdp, mesh_layout
+    from toolkit.training.strategy import build_fabric, is_fsdp, mesh_layout
+
+    def build(devices, nodes, precision, dist, block):
+        return build_fabric(plan_strategy(devices, nodes, precision, dist, "cpu"), block_cls=block)
 
     block = _script().TinyBlock
     dist = DistributedArgs(sharding="SHARD_GRAD_OP", activation_checkpointing=True, state_dict_type="full", timeout=42)
-    fabric = build_fabric(2, 1, None, dist, block_cls=block, accelerator="cpu")  # not launched
+    fabric = build(2, 1, None, dist, block)  # not launched
     strategy = fabric.strategy
     assert is_fsdp(fabric) and isinstance(strategy, ModelParallelStrategy)  # FSDP2 through Fabric
     assert strategy.sharding == "SHARD_GRAD_OP" and strategy.plan.activation_checkpointing
@@ -189,7 +190,7 @@ def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     # Two nodes need a launcher's environment (the pre-flight check refuses without one).
     for name, value in (("NODE_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
-    hybrid = build_fabric(2, 2, "32-true", DistributedArgs(sharding="HYBRID_SHARD"), block, accelerator="cpu")
+    hybrid = build(2, 2, "32-true", DistributedArgs(sharding="HYBRID_SHARD"), block)
     assert hybrid.strategy.sharding == "HYBRID_SHARD"
     assert mesh_layout("HYBRID_SHARD", 2, 2) == ((2, 2), ("replicate", "shard"))
     assert mesh_layout("FULL_SHARD", 2, 2) == ((4,), ("shard",))
@@ -197,9 +198,9 @@ def test_build_fabric_configures_fsdp_strategy(monkeypatch):
 
     from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 
-    ddp = build_fabric(2, 1, "32-true", DistributedArgs(strategy="ddp"), block, accelerator="cpu")
+    ddp = build(2, 1, "32-true", DistributedArgs(strategy="ddp"), block)
     assert isinstance(ddp.strategy, DDPStrategy) and ddp.strategy._process_group_backend == "gloo"
-    single = build_fabric(1, 1, "32-true", DistributedArgs(), block, accelerator="cpu")
+    single = build(1, 1, "32-true", DistributedArgs(), block)
     assert isinstance(single.strategy, SingleDeviceStrategy)
 
 
@@ -293,11 +294,12 @@ def _script():
 @functools.lru_cache(maxsize=None)
 def _reference(micro: int, global_batch: int, steps: int = 3, checkpointing: bool = False):
     """One process, one device, float32: (weights, losses, number of checkpointed blocks)."""
-    from toolkit.training.distributed import build_fabric, full_state_dict
+    from toolkit.training.checkpoint_io import full_state_dict
+    from toolkit.training.strategy import build_fabric
 
     script = _script()
     dist = DistributedArgs(activation_checkpointing=checkpointing)
-    fabric = build_fabric(1, 1, "32-true", dist, block_cls=script.TinyBlock, accelerator="cpu")
+    fabric = build_fabric(plan_strategy(1, 1, "32-true", dist, "cpu"), block_cls=script.TinyBlock)
     plan = plan_batches(1, 1, micro, global_batch, script.SEQ)
     model, _, losses = script.train(fabric, plan, steps)
     return full_state_dict(fabric, model), losses, script.describe(fabric, model)["checkpointed_blocks"]
@@ -396,11 +398,12 @@ def test_one_process_checkpoint_save_streams_to_the_file(tmp_path, checkpointing
     default CheckpointIO buffers the whole file before writing it). Measured: peak RSS growth."""
     import torch
 
-    from toolkit.training.distributed import build_fabric, host_memory_growth, start_host_memory_window
+    from toolkit.training.model_setup import host_memory_growth, start_host_memory_window
+    from toolkit.training.strategy import build_fabric
 
     script = _script()
-    fabric = build_fabric(1, 1, "32-true", DistributedArgs(activation_checkpointing=checkpointing),
-                          block_cls=script.TinyBlock, accelerator="cpu")
+    dist = DistributedArgs(activation_checkpointing=checkpointing)
+    fabric = build_fabric(plan_strategy(1, 1, "32-true", dist, "cpu"), block_cls=script.TinyBlock)
     state = {"weights": torch.randn(32, 1 << 20)}  # 128 MiB
     size = state["weights"].numel() * 4
     start = start_host_memory_window()

@@ -85,7 +85,8 @@ def evaluate(
     from toolkit.models.config import Config
     from toolkit.models.gpt import Block
     from toolkit.tokenizer import Tokenizer
-    from toolkit.training.distributed import DistributedArgs, build_fabric, resolve_accelerator, resolve_devices
+    from toolkit.training.args import DistributedArgs
+    from toolkit.training.strategy import build_fabric, plan_strategy, resolve_accelerator, resolve_devices
 
     logging.getLogger("lm_eval.api.task").addFilter(_drop_metadata_hint)
     names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
@@ -100,7 +101,8 @@ def evaluate(
 
     # Every process holds the whole model (DDP's layout; nothing is trained, so nothing is synchronised).
     several = resolve_devices(devices, resolve_accelerator()) * num_nodes > 1
-    fabric = build_fabric(devices, num_nodes, "32-true", DistributedArgs(strategy="ddp" if several else "auto"), block_cls=Block)
+    strategy = plan_strategy(devices, num_nodes, "32-true", DistributedArgs(strategy="ddp" if several else "auto"))
+    fabric = build_fabric(strategy, block_cls=Block)
     fabric.launch()
     logging.getLogger("lm_eval").setLevel(logging.WARNING if fabric.global_rank == 0 else logging.ERROR)
     lm = ToolkitLM(

@@ -20,9 +20,11 @@ import torch
 from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.models.param_names import unwrapped_name
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.training.distributed import DistributedArgs, build_fabric, check_launcher, plan_batches, plan_strategy, run_on_rank_zero
+from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
+from toolkit.training.batches import plan_batches
+from toolkit.training.failures import run_on_rank_zero
 from toolkit.training.loop import LoopHooks, TrainState, fit
+from toolkit.training.strategy import build_fabric, plan_strategy
 
 if TYPE_CHECKING:
     from toolkit.tokenizer import Tokenizer
@@ -83,19 +85,15 @@ class Session:
         check_out_dir(out_dir, resume)
         if resume in (True, "true", "True") and not list_checkpoints(out_dir):
             raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
-        # The batch arithmetic is checked once, here, before any process starts.
+        # Strategy and batch arithmetic are planned once, here, before any process starts; every
+        # process (the launched ones re-run this) plans the same and uses that plan throughout.
         strategy = plan_strategy(devices, num_nodes, precision, distributed)
-        check_launcher(num_nodes, strategy.devices)  # before Lightning is imported (seconds)
-        plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
+        plan = plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         created_out_dir = not out_dir.exists()
-        fabric = build_fabric(
-            devices=devices, num_nodes=num_nodes, precision=precision, dist=distributed, block_cls=Block,
-            loggers=_make_loggers(out_dir, log),
-        )
+        # build_fabric checks the launcher of a multi-node run first, before Lightning is imported.
+        fabric = build_fabric(strategy, block_cls=Block, loggers=_make_loggers(out_dir, log))
         fabric.launch()
         fabric.print(strategy.describe())
-        devices_per_node = fabric.world_size // num_nodes
-        plan = plan_batches(devices_per_node, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         fabric.print(plan.table())
         run_on_rank_zero(fabric, lambda: _make_out_dir(out_dir))
         fabric.seed_everything(seed)
@@ -148,14 +146,9 @@ class Session:
         anything is allocated.
         """
         from toolkit.models.gpt import GPT
-        from toolkit.training.distributed import (
-            apply_precision_policy,
-            host_memory_growth,
-            is_fsdp,
-            materialize,
-            setup_model,
-            start_host_memory_window,
-        )
+        from toolkit.training.model_setup import host_memory_growth, materialize, setup_model, start_host_memory_window
+        from toolkit.training.precision import apply_precision_policy
+        from toolkit.training.strategy import is_fsdp
 
         memory_start = start_host_memory_window()
         with torch.device("meta"):
@@ -279,7 +272,7 @@ class Session:
     def export_final(self, model, name: str = "final") -> Path:
         """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
         from toolkit.model_dir import atomic_directory, save_checkpoint_files
-        from toolkit.training.distributed import full_state_dict
+        from toolkit.training.checkpoint_io import full_state_dict
 
         start = time.perf_counter()
         state_dict = full_state_dict(self.fabric, model)
