@@ -108,15 +108,21 @@ def init_adapters(model, seed: int) -> None:
                     module.reset_lora_parameters(adapter, True)
 
 
-def quantize_linears(model, mode: str, compute_dtype):
+def quantize_linears(model, mode: str, precision: str):
     """Replace every Linear inside the blocks by a bitsandbytes layer holding the same weights.
 
     Quantization happens here, on the CPU copy, before the model is moved (it is never sharded). The output
     head and embeddings stay in full precision (they are small next to the blocks and quantizing
-    them costs quality).
+    them costs quality). The 4-bit layers compute in the compute dtype of the resolved Fabric
+    `precision` (`precision_dtypes`): float16 under 16-mixed (GPUs without native bfloat16, where
+    bfloat16 is emulated and slow), bfloat16 under bf16-*, float32 under 32-true.
     """
     import bitsandbytes as bnb
     import torch.nn as nn
+
+    from toolkit.training.precision import precision_dtypes
+
+    compute_dtype = precision_dtypes(precision)[1]
 
     for block in model.blocks:
         for parent in list(block.modules()):
@@ -180,8 +186,6 @@ def finetune_lora(
         seed: Random seed for data order and adapter initialisation.
         resume: false; "auto", true, or a training checkpoint path (see `toolkit pretrain --help`).
     """
-    import torch
-
     if data is None:
         raise UserError("No training data given: pass --data Alpaca --data.json_path <file.json> (or --data JSON ...).")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
@@ -189,7 +193,10 @@ def finetune_lora(
 
     startup_notes: list[str] = []
     if quantize is not None:
-        from toolkit.training.strategy import plan_quantized_base
+        from toolkit.training.strategy import plan_quantized_base, resolve_precision
+
+        # The precision Session.start resolves (the same call): the 4-bit layers compute in its dtype.
+        resolved_precision = resolve_precision(precision, "auto")
 
         # On more than one device the quantized base is replicated and DDP synchronises the adapters.
         scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
@@ -204,7 +211,7 @@ def finetune_lora(
         from peft import get_peft_model
 
         if quantize is not None:
-            model = quantize_linears(model, quantize, compute_dtype=torch.bfloat16)
+            model = quantize_linears(model, quantize, resolved_precision)
         # peft freezes every weight that is not an adapter.
         model = get_peft_model(model, lora.peft_config())
         init_adapters(model, seed)
