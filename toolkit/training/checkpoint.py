@@ -140,9 +140,11 @@ def _writer_rank(rel: str) -> int:
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's RNG states. On GPUs only the state of this rank's own device is kept: a rank
+    draws on no other, and a checkpoint must resume on a host that shows fewer GPUs (8 -> 4)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's
     return state
 
 
@@ -150,7 +152,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved = state["cuda"]
+        if isinstance(saved, (list, tuple)):
+            # Older checkpoints kept every visible device's state; this rank's device is the current one.
+            current = torch.cuda.current_device()
+            saved = saved[current] if current < len(saved) else saved[0]
+        torch.cuda.set_rng_state(saved)  # the current device's
 
 
 def save(
