@@ -412,3 +412,56 @@ def test_one_process_checkpoint_save_streams_to_the_file(tmp_path, checkpointing
     assert growth < 0.25 * size, f"saving {size / 2**20:.0f} MiB grew the peak RSS by {growth / 2**20:.0f} MiB"
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     assert torch.equal(loaded["weights"], state["weights"])
+
+
+_BUFFER_SETUP = r"""
+import dataclasses, json, sys
+import torch
+from torch import nn
+from toolkit.training.args import DistributedArgs
+from toolkit.training.model_setup import setup_model
+from toolkit.training.strategy import build_fabric, is_fsdp, plan_strategy
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((64, 1024), 7.0, device="cpu"))  # a real buffer
+        if sys.argv[1] == "meta":
+            self.register_buffer("table", torch.zeros(8))  # built under torch.device("meta") below
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+# FSDP (ShardedStrategy) on one gloo process: a two-device plan run on one.
+plan = dataclasses.replace(plan_strategy(2, 1, "32-true", DistributedArgs(), "cpu"), devices=1)
+fabric = build_fabric(plan, block_cls=Block)
+fabric.launch()
+assert is_fsdp(fabric)
+with torch.device("meta"):
+    model = Model()
+def read_rows(name, start, stop, out=None):
+    return out.fill_(1.0)
+try:
+    model = setup_model(fabric, model, read_rows)
+    scales = [b.scale for b in model.module.blocks] if hasattr(model, "module") else [b.scale for b in model.blocks]
+    print(json.dumps({"scale_is_seven": all(bool((s == 7.0).all()) for s in scales)}))
+except RuntimeError as error:
+    print(json.dumps({"error": str(error)}))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kind", ["real", "meta"])
+def test_fsdp_setup_keeps_real_buffers_and_refuses_meta_buffers(kind):
+    """`to_empty` gives every buffer uninitialised memory: set-up must refill it or say why it cannot."""
+    result = subprocess.run([sys.executable, "-c", _BUFFER_SETUP, kind], env=_clean_env() | {"PYTHONPATH": str(Path(__file__).parents[1])},
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    if kind == "real":
+        assert outcome == {"scale_is_seven": True}
+    else:
+        assert "blocks.0.table" in outcome["error"] and "meta device" in outcome["error"]

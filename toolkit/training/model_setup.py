@@ -36,22 +36,29 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
     Under FSDP the model is sharded first, still on the meta device; then each rank allocates and
     reads only its own rows of each parameter, so no rank ever holds the whole model.
 
+    Buffers have no `read_rows`: real ones keep their values, and a buffer still on the meta device
+    is refused (RuntimeError naming it) rather than left holding whatever memory `to_empty` gave it.
+
     Returns Fabric's wrapped model.
     """
     import torch
 
+    _refuse_meta_buffers(model)
     if not is_fsdp(fabric):
         materialize(model, read_rows)
         module = fabric.setup_module(model)
         return module
     preset = {unwrapped_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    buffers = {unwrapped_name(n): b.detach().clone() for n, b in model.named_buffers()}
     module = fabric.setup_module(model)
     inner = module.module if hasattr(module, "module") else module
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    inner.to_empty(device=fabric.device)
+    inner.to_empty(device=fabric.device)  # every parameter and buffer: allocated, not initialised
     with torch.no_grad():
+        for name, buffer in inner.named_buffers():
+            buffer.copy_(buffers[unwrapped_name(name)])
         for name, param in inner.named_parameters():
             name = unwrapped_name(name)
             if isinstance(param, DTensor):
@@ -69,6 +76,16 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
             else:
                 read_rows(name, start, stop, out=local)
     return module
+
+
+def _refuse_meta_buffers(model: nn.Module) -> None:
+    """Raise if a buffer is on the meta device: set-up fills parameters only, so it would hold garbage."""
+    meta = [unwrapped_name(name) for name, buffer in model.named_buffers() if buffer.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"buffer(s) {', '.join(meta)} on the meta device: model set-up fills parameters only, so they would "
+            "hold uninitialised memory; create buffers on a real device (`device=` in register_buffer) or in forward."
+        )
 
 
 def materialize(model: nn.Module, read_rows: ReadRows) -> None:
