@@ -165,6 +165,20 @@ def test_plan_strategy_choices():
     assert offload.cpu_offload is False and any("cpu_offload" in text for _, text in offload.notes)
 
 
+def test_cpu_offload_on_gpus_uses_a_process_group_with_a_cpu_backend():
+    """Offloaded gradients are clipped on the CPU: a plain "nccl" group has no backend for them and
+    crashed at the first optimizer step; the group must map cpu to gloo (cuda stays on nccl)."""
+    offload = plan_strategy(2, 1, "32-true", DistributedArgs(cpu_offload=True), "cuda")
+    assert offload.cpu_offload and offload.process_group_backend == "cuda:nccl,cpu:gloo"
+    plain = plan_strategy(2, 1, "32-true", DistributedArgs(), "cuda")
+    assert plain.process_group_backend == "nccl"
+    # torch parses the string into one backend per device type, the CPU's included.
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    assert BackendConfig(offload.process_group_backend).get_device_backend_map() == {"cuda": "nccl", "cpu": "gloo"}
+    assert "cpu" not in BackendConfig(plain.process_group_backend).get_device_backend_map()
+
+
 def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     from lightning.fabric.plugins import MixedPrecision
     from lightning.fabric.strategies import ModelParallelStrategy

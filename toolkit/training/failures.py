@@ -107,7 +107,7 @@ def prepare_failure_handling(plan: StrategyPlan, fabric: Fabric) -> None:
     """
     _FAILURE_CONTEXT.timeout, _FAILURE_CONTEXT.num_nodes, _FAILURE_CONTEXT.devices = plan.timeout, plan.num_nodes, plan.devices
     _FAILURE_CONTEXT.peer_failures.clear()
-    if plan.process_group_backend == "nccl" and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
+    if "nccl" in (plan.process_group_backend or "") and os.environ.get("TORCH_NCCL_ASYNC_ERROR_HANDLING") == "0":
         log.warning(
             "TORCH_NCCL_ASYNC_ERROR_HANDLING=0: a collective that times out will not stop this process, so a dead "
             "rank hangs the job; unset it to let --distributed.timeout end the run."

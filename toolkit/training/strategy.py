@@ -134,7 +134,8 @@ class StrategyPlan:
     activation_checkpointing: bool
     cpu_offload: bool
     state_dict_type: StateDictTypeName
-    process_group_backend: str | None  # "gloo" on CPU, "nccl" on CUDA; None for one device
+    # "gloo" on CPU, "nccl" on CUDA, "cuda:nccl,cpu:gloo" on CUDA with cpu_offload; None for one device
+    process_group_backend: str | None
     timeout: int  # seconds a collective waits
     notes: tuple[tuple[int, str], ...] = ()  # (logging level, one-line message) to log on rank 0
 
@@ -191,6 +192,10 @@ def plan_strategy(
         if kind != "single":
             fields["process_group_backend"] = "gloo" if accelerator == "cpu" else "nccl"
         fields.update(fsdp_fields)
+        if fields["cpu_offload"]:
+            # Offloaded gradients stay on the CPU, and gradient clipping (on by default) all-reduces
+            # their norm there: NCCL has no CPU tensors, so the group needs gloo for the CPU too.
+            fields["process_group_backend"] = f"{accelerator}:nccl,cpu:gloo"
         return StrategyPlan(
             kind=kind,
             accelerator=accelerator,
