@@ -479,3 +479,19 @@ def test_fsdp_setup_keeps_real_buffers_and_refuses_meta_buffers(kind):
         assert outcome == {"scale_is_seven": True}
     else:
         assert "blocks.0.table" in outcome["error"] and "meta device" in outcome["error"]
+
+
+def test_ranks_draw_their_own_dropout_masks_from_equal_initial_weights(tmp_path):
+    """Two ranks set up by Session: same initial weights (base and LoRA adapters), different LoRA
+    dropout masks on the same input (one seed for all ranks repeated every mask on every rank)."""
+    env = _clean_env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "rank_seeds.py"), str(tmp_path / "run"), str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert reports[0]["lora_params"] > 0
+    assert reports[0]["digest"] == reports[1]["digest"]  # every weight, adapters included
+    masks = [reports[rank]["mask"] for rank in (0, 1)]
+    assert len(masks[0]) > 100 and 0.3 < sum(masks[0]) / len(masks[0]) < 0.7  # dropout 0.5 really drew
+    differing = sum(a != b for a, b in zip(*masks)) / len(masks[0])
+    assert differing > 0.3, f"only {differing:.0%} of the mask differs between ranks"

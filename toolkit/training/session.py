@@ -96,7 +96,7 @@ class Session:
         fabric.print(strategy.describe())
         fabric.print(plan.table())
         run_on_rank_zero(fabric, lambda: _make_out_dir(out_dir))
-        fabric.seed_everything(seed)
+        fabric.seed_everything(rank_seed(seed, fabric.global_rank))
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
                    plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision)
 
@@ -287,6 +287,16 @@ class Session:
 
         run_on_rank_zero(self.fabric, write)
         return target
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of `rank`'s global RNG: `seed` on rank 0 (one process runs as before), another on each other rank.
+
+    Only what must differ per rank draws from it: dropout masks (LoRA dropout), which would otherwise
+    repeat on every rank. What must be equal on every rank has its own generators, seeded with
+    `seed` alone: initial weights (`initial_value`, `init_adapters`) and the data order.
+    """
+    return (seed + rank * 1_000_003) % 2**32
 
 
 def _make_out_dir(out_dir: Path) -> None:
