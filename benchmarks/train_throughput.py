@@ -596,14 +596,14 @@ def synthetic_worker(argv: list[str]) -> None:
 
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, Block, init_weights
-    from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-    from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches
+    from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
+    from toolkit.training.batches import plan_batches
     from toolkit.training.loop import LoopHooks, TrainState, fit
+    from toolkit.training.strategy import build_fabric, plan_strategy
     from toolkit.training.throughput import device_peak_flops
 
     config = Config.from_name(a.preset)
-    fabric = build_fabric(devices=1, num_nodes=1, precision=a.precision, dist=DistributedArgs(), block_cls=Block,
-                          accelerator=a.device)
+    fabric = build_fabric(plan_strategy(1, 1, a.precision, DistributedArgs(), accelerator=a.device), block_cls=Block)
     fabric.launch()
     fabric.seed_everything(a.seed)
     plan = plan_batches(1, 1, a.micro_batch, a.global_batch, a.seq)

@@ -75,7 +75,8 @@ def test_the_expected_recipes_exist():
 def test_recipe_parses_and_is_consistent(relative):
     from toolkit.models.config import Config
     from toolkit.models.presets import find_preset
-    from toolkit.training.distributed import plan_batches, plan_quantized_base, plan_strategy, resolve_devices
+    from toolkit.training.batches import plan_batches
+    from toolkit.training.strategy import plan_quantized_base, plan_strategy, resolve_devices
 
     name, raw, args = parse(relative)
     if name == "pretrain":

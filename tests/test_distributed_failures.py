@@ -5,6 +5,7 @@ Real processes on CPU (gloo, 127.0.0.1), started the way a user starts them: `to
 timeout, never by asserting a duration.
 """
 
+import json
 import os
 import signal
 import socket
@@ -117,3 +118,19 @@ def test_ranks_agree_on_the_end_of_data(tmp_path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "rank 0 stopped at step 2" in result.stdout and "rank 1 stopped at step 2" in result.stdout
     assert "end of data after 1 epoch(s) on 1 of 2 ranks" in result.stdout
+
+
+def test_a_step_costs_one_all_reduce_and_one_host_sync(tmp_path):
+    """Two ranks, 3 steps, padded batches (real tokens counted by the loop) and --train.max_time set:
+    the token count, the end-of-data flag and the time flag travel in one all-reduce per step (plus
+    the one that finds the data ended), with no barrier and no pickled broadcast of a tensor."""
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "count_syncs.py")], capture_output=True,
+                            text=True, env=env, timeout=90)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert sorted(r["rank"] for r in reports) == [0, 1]
+    for report in reports:
+        assert report["steps"] == 3
+        assert report["tokens_seen"] == report["expected_tokens"]  # padding excluded, both ranks summed
+        assert report["calls"] == {"all_reduce": 4, "host_sync": 4}, report["calls"]

@@ -22,12 +22,9 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.training.distributed import (
-    DistributedArgs,
-    plan_batches,
-    plan_strategy,
-    resolve_precision,
-)
+from toolkit.training.args import DistributedArgs
+from toolkit.training.batches import plan_batches
+from toolkit.training.strategy import plan_strategy, resolve_precision
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_train.py"
 TIMEOUT = 180  # seconds per multi-process run; they take ~10 s
@@ -145,16 +142,17 @@ def test_invalid_names_and_counts_are_user_errors():
 def test_plan_strategy_choices():
     single = plan_strategy(1, 1, None, DistributedArgs(strategy="fsdp", cpu_offload=True), "cpu")
     assert (single.kind, single.precision, single.process_group_backend) == ("single", "bf16-mixed", None)
+    assert single.mesh is None
 
     one_node = plan_strategy("2", 1, "32-true", DistributedArgs(), "cpu")  # default HYBRID_SHARD
-    assert (one_node.kind, one_node.sharding, one_node.device_mesh) == ("fsdp", "FULL_SHARD", None)
+    assert (one_node.kind, one_node.sharding, one_node.mesh) == ("fsdp", "FULL_SHARD", ((2,), ("shard",)))
     assert one_node.process_group_backend == "gloo"
 
     hybrid = plan_strategy(4, 2, None, DistributedArgs(sharding="HYBRID_SHARD"), "cpu")
-    assert (hybrid.sharding, hybrid.device_mesh, hybrid.world_size) == ("HYBRID_SHARD", (2, 4), 8)
+    assert (hybrid.sharding, hybrid.mesh, hybrid.world_size) == ("HYBRID_SHARD", ((2, 4), ("replicate", "shard")), 8)
 
     one_per_node = plan_strategy(1, 4, None, DistributedArgs(sharding="HYBRID_SHARD"), "cpu")
-    assert (one_per_node.sharding, one_per_node.device_mesh) == ("FULL_SHARD", None)
+    assert (one_per_node.sharding, one_per_node.mesh) == ("FULL_SHARD", ((4,), ("shard",)))
     assert any(level == logging.WARNING and "FULL_SHARD" in text for level, text in one_per_node.notes)
 
     for sharding in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
@@ -167,15 +165,32 @@ def test_plan_strategy_choices():
     assert offload.cpu_offload is False and any("cpu_offload" in text for _, text in offload.notes)
 
 
+def test_cpu_offload_on_gpus_uses_a_process_group_with_a_cpu_backend():
+    """Offloaded gradients are clipped on the CPU: a plain "nccl" group has no backend for them and
+    crashed at the first optimizer step; the group must map cpu to gloo (cuda stays on nccl)."""
+    offload = plan_strategy(2, 1, "32-true", DistributedArgs(cpu_offload=True), "cuda")
+    assert offload.cpu_offload and offload.process_group_backend == "cuda:nccl,cpu:gloo"
+    plain = plan_strategy(2, 1, "32-true", DistributedArgs(), "cuda")
+    assert plain.process_group_backend == "nccl"
+    # torch parses the string into one backend per device type, the CPU's included.
+    from torch.distributed.distributed_c10d import BackendConfig
+
+    assert BackendConfig(offload.process_group_backend).get_device_backend_map() == {"cuda": "nccl", "cpu": "gloo"}
+    assert "cpu" not in BackendConfig(plain.process_group_backend).get_device_backend_map()
+
+
 def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     from lightning.fabric.plugins import MixedPrecision
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from toolkit.training.distributed import build_fabric, is_fsdp, mesh_layout
+    from toolkit.training.strategy import build_fabric, is_fsdp, mesh_layout
+
+    def build(devices, nodes, precision, dist, block):
+        return build_fabric(plan_strategy(devices, nodes, precision, dist, "cpu"), block_cls=block)
 
     block = _script().TinyBlock
     dist = DistributedArgs(sharding="SHARD_GRAD_OP", activation_checkpointing=True, state_dict_type="full", timeout=42)
-    fabric = build_fabric(2, 1, None, dist, block_cls=block, accelerator="cpu")  # not launched
+    fabric = build(2, 1, None, dist, block)  # not launched
     strategy = fabric.strategy
     assert is_fsdp(fabric) and isinstance(strategy, ModelParallelStrategy)  # FSDP2 through Fabric
     assert strategy.sharding == "SHARD_GRAD_OP" and strategy.plan.activation_checkpointing
@@ -189,7 +204,7 @@ def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     # Two nodes need a launcher's environment (the pre-flight check refuses without one).
     for name, value in (("NODE_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
         monkeypatch.setenv(name, value)
-    hybrid = build_fabric(2, 2, "32-true", DistributedArgs(sharding="HYBRID_SHARD"), block, accelerator="cpu")
+    hybrid = build(2, 2, "32-true", DistributedArgs(sharding="HYBRID_SHARD"), block)
     assert hybrid.strategy.sharding == "HYBRID_SHARD"
     assert mesh_layout("HYBRID_SHARD", 2, 2) == ((2, 2), ("replicate", "shard"))
     assert mesh_layout("FULL_SHARD", 2, 2) == ((4,), ("shard",))
@@ -197,9 +212,9 @@ def test_build_fabric_configures_fsdp_strategy(monkeypatch):
 
     from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
 
-    ddp = build_fabric(2, 1, "32-true", DistributedArgs(strategy="ddp"), block, accelerator="cpu")
+    ddp = build(2, 1, "32-true", DistributedArgs(strategy="ddp"), block)
     assert isinstance(ddp.strategy, DDPStrategy) and ddp.strategy._process_group_backend == "gloo"
-    single = build_fabric(1, 1, "32-true", DistributedArgs(), block, accelerator="cpu")
+    single = build(1, 1, "32-true", DistributedArgs(), block)
     assert isinstance(single.strategy, SingleDeviceStrategy)
 
 
@@ -293,11 +308,12 @@ def _script():
 @functools.lru_cache(maxsize=None)
 def _reference(micro: int, global_batch: int, steps: int = 3, checkpointing: bool = False):
     """One process, one device, float32: (weights, losses, number of checkpointed blocks)."""
-    from toolkit.training.distributed import build_fabric, full_state_dict
+    from toolkit.training.checkpoint_io import full_state_dict
+    from toolkit.training.strategy import build_fabric
 
     script = _script()
     dist = DistributedArgs(activation_checkpointing=checkpointing)
-    fabric = build_fabric(1, 1, "32-true", dist, block_cls=script.TinyBlock, accelerator="cpu")
+    fabric = build_fabric(plan_strategy(1, 1, "32-true", dist, "cpu"), block_cls=script.TinyBlock)
     plan = plan_batches(1, 1, micro, global_batch, script.SEQ)
     model, _, losses = script.train(fabric, plan, steps)
     return full_state_dict(fabric, model), losses, script.describe(fabric, model)["checkpointed_blocks"]
@@ -396,11 +412,12 @@ def test_one_process_checkpoint_save_streams_to_the_file(tmp_path, checkpointing
     default CheckpointIO buffers the whole file before writing it). Measured: peak RSS growth."""
     import torch
 
-    from toolkit.training.distributed import build_fabric, host_memory_growth, start_host_memory_window
+    from toolkit.training.model_setup import host_memory_growth, start_host_memory_window
+    from toolkit.training.strategy import build_fabric
 
     script = _script()
-    fabric = build_fabric(1, 1, "32-true", DistributedArgs(activation_checkpointing=checkpointing),
-                          block_cls=script.TinyBlock, accelerator="cpu")
+    dist = DistributedArgs(activation_checkpointing=checkpointing)
+    fabric = build_fabric(plan_strategy(1, 1, "32-true", dist, "cpu"), block_cls=script.TinyBlock)
     state = {"weights": torch.randn(32, 1 << 20)}  # 128 MiB
     size = state["weights"].numel() * 4
     start = start_host_memory_window()
@@ -409,3 +426,72 @@ def test_one_process_checkpoint_save_streams_to_the_file(tmp_path, checkpointing
     assert growth < 0.25 * size, f"saving {size / 2**20:.0f} MiB grew the peak RSS by {growth / 2**20:.0f} MiB"
     loaded = torch.load(tmp_path / "state.pt", weights_only=True)
     assert torch.equal(loaded["weights"], state["weights"])
+
+
+_BUFFER_SETUP = r"""
+import dataclasses, json, sys
+import torch
+from torch import nn
+from toolkit.training.args import DistributedArgs
+from toolkit.training.model_setup import setup_model
+from toolkit.training.strategy import build_fabric, is_fsdp, plan_strategy
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((64, 1024), 7.0, device="cpu"))  # a real buffer
+        if sys.argv[1] == "meta":
+            self.register_buffer("table", torch.zeros(8))  # built under torch.device("meta") below
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+# FSDP (ShardedStrategy) on one gloo process: a two-device plan run on one.
+plan = dataclasses.replace(plan_strategy(2, 1, "32-true", DistributedArgs(), "cpu"), devices=1)
+fabric = build_fabric(plan, block_cls=Block)
+fabric.launch()
+assert is_fsdp(fabric)
+with torch.device("meta"):
+    model = Model()
+def read_rows(name, start, stop, out=None):
+    return out.fill_(1.0)
+try:
+    model = setup_model(fabric, model, read_rows)
+    scales = [b.scale for b in model.module.blocks] if hasattr(model, "module") else [b.scale for b in model.blocks]
+    print(json.dumps({"scale_is_seven": all(bool((s == 7.0).all()) for s in scales)}))
+except RuntimeError as error:
+    print(json.dumps({"error": str(error)}))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("kind", ["real", "meta"])
+def test_fsdp_setup_keeps_real_buffers_and_refuses_meta_buffers(kind):
+    """`to_empty` gives every buffer uninitialised memory: set-up must refill it or say why it cannot."""
+    result = subprocess.run([sys.executable, "-c", _BUFFER_SETUP, kind], env=_clean_env() | {"PYTHONPATH": str(Path(__file__).parents[1])},
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    if kind == "real":
+        assert outcome == {"scale_is_seven": True}
+    else:
+        assert "blocks.0.table" in outcome["error"] and "meta device" in outcome["error"]
+
+
+def test_ranks_draw_their_own_dropout_masks_from_equal_initial_weights(tmp_path):
+    """Two ranks set up by Session: same initial weights (base and LoRA adapters), different LoRA
+    dropout masks on the same input (one seed for all ranks repeated every mask on every rank)."""
+    env = _clean_env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    result = subprocess.run([sys.executable, str(SCRIPT.parent / "rank_seeds.py"), str(tmp_path / "run"), str(tmp_path)],
+                            env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    reports = {rank: json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert reports[0]["lora_params"] > 0
+    assert reports[0]["digest"] == reports[1]["digest"]  # every weight, adapters included
+    masks = [reports[rank]["mask"] for rank in (0, 1)]
+    assert len(masks[0]) > 100 and 0.3 < sum(masks[0]) / len(masks[0]) < 0.7  # dropout 0.5 really drew
+    differing = sum(a != b for a, b in zip(*masks)) / len(masks[0])
+    assert differing > 0.3, f"only {differing:.0%} of the mask differs between ranks"

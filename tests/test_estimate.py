@@ -39,7 +39,7 @@ from toolkit.estimate import GiB, estimate
 from toolkit.models.config import Config
 from toolkit.models import gpt
 from toolkit.models.gpt import GPT
-from toolkit.training.distributed import PRECISIONS, apply_precision_policy, precision_dtypes
+from toolkit.training.precision import PRECISIONS, apply_precision_policy, precision_dtypes
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 300
@@ -291,7 +291,7 @@ def test_qlora_model_bytes_match(kind):
     torch.manual_seed(0)
     config = Config.from_name("debug-phi")
     lora = LoRAArgs(r=4, targets=("query", "value"))  # finetune_lora's defaults otherwise: dropout 0.05
-    model = get_peft_model(quantize_linears(GPT(config), kind, compute_dtype=torch.bfloat16), lora.peft_config())
+    model = get_peft_model(quantize_linears(GPT(config), kind, "bf16-mixed"), lora.peft_config())
     apply_precision_policy(model, "bf16-mixed")  # as Session.build_model: the frozen rest in bf16
     measured = _saved_bytes(model, config, B=2, T=32, autocast=True)
     assert measured == _traced_bytes(config, "bf16-mixed", ("q_proj", "v_proj"), 4, kind, B=2, T=32,

@@ -172,7 +172,7 @@ def test_quantized_layers_keep_passing_gradients_after_an_evaluation_pass():
     torch.manual_seed(0)
     model = GPT(Config.from_name("debug", n_layer=1, vocab_size=512))
     init_weights(model, 1)
-    quantize_linears(model, "bnb.nf4", compute_dtype=torch.bfloat16)
+    quantize_linears(model, "bnb.nf4", "bf16-mixed")
     layer = model.blocks[0].mlp.down_proj
     x = torch.randn(2, 8, layer.in_features)
 
@@ -253,7 +253,7 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     from toolkit.models.gpt import GPT, init_weights
     from toolkit.tokenizer import Tokenizer
     from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-    from toolkit.training.distributed import plan_batches
+    from toolkit.training.batches import plan_batches
     from toolkit.training.loop import LoopHooks, TrainState, fit
 
     data = Alpaca(json_path=ALPACA, val_split_fraction=0, group_by_length=False)  # unsorted: much padding
@@ -278,3 +278,21 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
                 LogArgs(interval=1, loggers=()), LoopHooks(), total_steps=steps, tokens_per_step=None)
     assert state.step == steps
     assert state.tokens_seen == real
+
+
+@pytest.mark.parametrize("precision, dtype", [("16-mixed", "float16"), ("bf16-mixed", "bfloat16"),
+                                              ("bf16-true", "bfloat16"), ("32-true", "float32")])
+def test_quantized_layers_compute_in_the_dtype_of_the_precision(precision, dtype):
+    """QLoRA's 4-bit layers follow the precision: float16 under 16-mixed (V100, T4), not emulated bfloat16."""
+    import bitsandbytes as bnb
+
+    from toolkit.finetune.lora import quantize_linears
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, init_weights
+
+    torch.manual_seed(0)
+    model = GPT(Config.from_name("debug", n_layer=1, vocab_size=512))
+    init_weights(model, 1)
+    quantize_linears(model, "bnb.nf4", precision)
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert layers and {m.compute_dtype for m in layers} == {getattr(torch, dtype)}

@@ -6,7 +6,6 @@ column fills the litdata cache and pretrains; bad input is one line.
 """
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from conftest import ASSETS, REPO, data_from_cli, launch_env
-from toolkit.data import Alpaca, Chat, HFChat, HFInstruct, HFText
+from toolkit.data import Alpaca, Chat, HFChat, HFInstruct
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer
 

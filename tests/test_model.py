@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from toolkit.errors import UserError
-from toolkit.generate import generate_tokens
+from toolkit.sampling import generate_tokens
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, IGNORE_INDEX, init_weights
 from toolkit.models.presets import PRESETS, find_preset

@@ -1,7 +1,7 @@
 """QLoRA (a bitsandbytes-quantized frozen base) on several processes and simulated nodes, on CPU.
 
 On more than one device the toolkit replicates the quantized base and synchronises only the LoRA
-adapters (`toolkit.training.distributed.plan_quantized_base` says why FSDP2 does not shard it).
+adapters (`toolkit.training.strategy.plan_quantized_base` says why FSDP2 does not shard it).
 These runs check the result numerically: the adapter of two processes, and of torchrun's 2 nodes x
 2 processes, equals one process's at the same global batch, and a multi-process run killed in the
 middle and resumed ends with the weights of the uninterrupted run. Real bitsandbytes, real peft,
@@ -22,7 +22,7 @@ from conftest import kill_group_at_step, run_toolkit, torchrun_nodes
 from toolkit.cli import run
 from toolkit.errors import UserError
 from toolkit.training.args import DistributedArgs
-from toolkit.training.distributed import plan_quantized_base
+from toolkit.training.strategy import plan_quantized_base
 
 STEPS = 6
 # Each micro-batch is computed the same way in every run (the same quantized bytes, the same

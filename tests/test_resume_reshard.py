@@ -194,3 +194,56 @@ def test_instruction_position_moves_between_world_sizes_exactly():
         for x in then:
             x.load_state_dict(first[0].state_dict())
         assert step_samples(then, 5) == whole[3:], (saved_world, resumed_world)
+
+
+class _EmulatedCudaRng:
+    """torch.cuda's RNG functions on a host that shows `visible` GPUs, this rank on `current`.
+
+    Each device holds its own state; naming a device that is not visible raises as CUDA does.
+    Only torch.cuda is replaced (availability, device count and the RNG get/set functions)."""
+
+    def __init__(self, monkeypatch, visible: int, current: int) -> None:
+        import torch.cuda.random as cuda_random
+
+        self.visible, self.current = visible, current
+        self.states = {i: torch.full((16,), i, dtype=torch.uint8) for i in range(visible)}
+        self.set_calls: list[int] = []
+        for module in (torch.cuda, cuda_random):
+            monkeypatch.setattr(module, "get_rng_state", self.get, raising=False)
+            monkeypatch.setattr(module, "set_rng_state", self.set, raising=False)
+            monkeypatch.setattr(module, "device_count", lambda: visible, raising=False)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+    def _index(self, device) -> int:
+        index = self.current if device in ("cuda", None) else int(str(device).removeprefix("cuda:"))
+        if index >= self.visible:
+            raise IndexError(f"CUDA device {index} is not visible ({self.visible} devices)")
+        return index
+
+    def get(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def set(self, state, device="cuda"):
+        index = self._index(device)
+        self.set_calls.append(index)
+        self.states[index] = state.clone()
+
+
+def test_cuda_rng_state_is_this_devices_and_resumes_on_a_host_with_fewer_gpus(monkeypatch):
+    """Saved on rank 5 of an 8-GPU host, resumed as rank 1 of a 4-GPU host (the 8 -> 4 reshard)."""
+    from toolkit.training.checkpoint import rng_state, set_rng_state
+
+    on_eight = _EmulatedCudaRng(monkeypatch, visible=8, current=5)
+    saved = rng_state()
+    assert torch.is_tensor(saved["cuda"]) and torch.equal(saved["cuda"], on_eight.states[5])  # one state, not 8
+
+    on_four = _EmulatedCudaRng(monkeypatch, visible=4, current=1)
+    set_rng_state(saved)
+    assert on_four.set_calls == [1] and torch.equal(on_four.states[1], on_eight.states[5])
+
+    # A checkpoint of the former format: every visible device's state, 8 of them.
+    on_four = _EmulatedCudaRng(monkeypatch, visible=4, current=1)
+    old = dict(saved, cuda=[torch.full((16,), 100 + i, dtype=torch.uint8) for i in range(8)])
+    set_rng_state(old)
+    assert on_four.set_calls == [1] and torch.equal(on_four.states[1], old["cuda"][1])

@@ -247,7 +247,7 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
 
 def _release_process_group() -> None:
     if "torch.distributed" in sys.modules:  # a distributed run happened in this process
-        from toolkit.training.distributed import release_process_group
+        from toolkit.training.failures import release_process_group
 
         release_process_group()
 
@@ -256,7 +256,7 @@ def _peer_failure_line(error: Exception) -> Optional[str]:
     """One line when `error` came from another process of a distributed run failing (else None)."""
     if "torch.distributed" not in sys.modules:  # no process group: not a distributed failure
         return None
-    from toolkit.training.distributed import explain_peer_failure
+    from toolkit.training.failures import explain_peer_failure
 
     return explain_peer_failure(error)
 

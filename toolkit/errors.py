@@ -42,5 +42,5 @@ class PeerFailure(Exception):
 
     Not the user's input, but reported the same way: one line on stderr, naming the process and
     what happened, and a non-zero exit code, instead of a traceback from every rank or a hang.
-    See `toolkit.training.distributed.run_on_rank_zero` and `explain_peer_failure`.
+    See `toolkit.training.failures.run_on_rank_zero` and `explain_peer_failure`.
     """

@@ -34,7 +34,7 @@ AdamW's step. Gradients are counted throughout because with gradient accumulatio
 through every micro-batch (without it they grow while activations shrink, so this is an upper bound).
 
 What is assumed, and where it comes from:
-- Precision: the toolkit's one policy (`toolkit.training.distributed.precision_dtypes`). Under
+- Precision: the toolkit's one policy (`toolkit.training.precision.precision_dtypes`). Under
   "*-mixed" and "32-true", trainable weights, their gradients and AdamW state are float32 and frozen
   weights (the LoRA and QLoRA base) are stored in the compute dtype (bf16 under "bf16-mixed");
   under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. On one
@@ -60,10 +60,10 @@ What is assumed, and where it comes from:
   64 weights (double quantization: one byte per 64, plus a float32 per 256 of those); int8 = one
   byte per weight + a float32 scale per row. No LoRA head, as in finetune_lora. On more than one
   device finetune_lora replicates the quantized base and synchronises only the adapters with DDP
-  (`toolkit.training.distributed.plan_quantized_base`), so that is the one column shown: the whole
+  (`toolkit.training.strategy.plan_quantized_base`), so that is the one column shown: the whole
   quantized base on every device, and DDP's bucket copy of the adapters' gradients.
 - FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block plus the root unit with embedding, final
-  norm and head, on the mesh of `toolkit.training.distributed.mesh_layout`): every parameter is
+  norm and head, on the mesh of `toolkit.training.strategy.mesh_layout`): every parameter is
   split along dim 0 and each rank's shard is padded to ceil(rows / shard group) rows; a gradient
   shard is as large (a view into the unit's padded reduce-scatter output) and exists only for
   trainable parameters; AdamW's state follows the unpadded local shard. Gradients accumulate in
@@ -705,7 +705,7 @@ def make_column(name: str, devices: int, num_nodes: int) -> Column:
         return Column(name, "single", 1)
     if name == "DDP":
         return Column(name, "ddp", 1)
-    from toolkit.training.distributed import mesh_layout  # the mesh training builds (no torch import)
+    from toolkit.training.strategy import mesh_layout  # the mesh training builds (no torch import)
 
     shape, dims = mesh_layout(name, num_nodes, devices)
     return Column(name, "fsdp", shape[dims.index("shard")])
@@ -746,7 +746,7 @@ class Options:
     def gathered_bytes(self, s: ParamSpec, column: "Column") -> int:
         """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
         FSDP with "*-mixed" a block's weights are cast to the compute dtype before the all-gather
-        (the blocks' MixedPrecisionPolicy in toolkit.training.distributed); the root unit
+        (the blocks' MixedPrecisionPolicy in toolkit.training.strategy); the root unit
         (embedding, final norm, head) is gathered as stored."""
         if column.kind == "fsdp" and self.autocast and s.unit >= 0:
             return self.compute_bytes
@@ -950,7 +950,7 @@ def _resolve(
     lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
 ):  # fmt: skip
     """Validate the arguments (UserError) and decide the columns to show."""
-    from toolkit.training.distributed import _PRECISION_ALIASES, PRECISIONS
+    from toolkit.training.precision import PRECISION_ALIASES, PRECISIONS
 
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -970,7 +970,7 @@ def _resolve(
             f"max_seq_length {max_seq_length} is larger than the context of {config.name} "
             f"({config.block_size} tokens); use at most {config.block_size}."
         )
-    name = _PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
+    name = PRECISION_ALIASES.get(str(precision).lower(), str(precision).lower())
     check_choice("precision", precision if name not in PRECISIONS else name, PRECISIONS)
     check_choice("strategy", strategy, get_args(StrategyName))
     if sharding is not None:
@@ -1015,7 +1015,7 @@ def _resolve(
             notes.append("One device in total: a single device is used whatever the strategy.")
     else:
         if quantize is not None:
-            from toolkit.training.distributed import QUANTIZED_BASE_NOT_SHARDED
+            from toolkit.training.strategy import QUANTIZED_BASE_NOT_SHARDED
 
             if strategy == "fsdp" or sharding is not None:
                 raise UserError(
@@ -1035,7 +1035,7 @@ def _resolve(
                 for s in wanted:
                     if s == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
                         why = "one node" if num_nodes == 1 else "one device per node"
-                        notes.append(f"HYBRID_SHARD with {why} runs as FULL_SHARD (see toolkit.training.distributed).")
+                        notes.append(f"HYBRID_SHARD with {why} runs as FULL_SHARD (see toolkit.training.strategy).")
                         if sharding:
                             columns.append(make_column("FULL_SHARD", devices, num_nodes))
                         continue

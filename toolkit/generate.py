@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from toolkit.errors import UserError
-from toolkit.sampling import generate_tokens, sample  # noqa: F401  (re-exported: `toolkit.generate.generate_tokens`)
+from toolkit.sampling import generate_tokens
 
 # Precisions for inference: weights and compute in one dtype (no mixed precision without training).
 INFERENCE_DTYPES = {"bf16-true": torch.bfloat16, "32-true": torch.float32, "16-true": torch.float16}

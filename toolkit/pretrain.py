@@ -9,8 +9,8 @@ from toolkit.data.streams import PretrainData
 from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.tokenizer import MIN_BPE_VOCAB
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
-from toolkit.training.distributed import DistributedArgs, run_on_rank_zero
+from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs, check_seed
+from toolkit.training.failures import run_on_rank_zero
 
 NO_DATA_HELP = (
     "No training data given. For text, pass --data TextFiles --data.train_path <file or folder of .txt/.jsonl>; "

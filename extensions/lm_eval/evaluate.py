@@ -104,7 +104,8 @@ def evaluate(
     from toolkit.models.config import Config
     from toolkit.models.gpt import Block
     from toolkit.tokenizer import Tokenizer
-    from toolkit.training.distributed import DistributedArgs, build_fabric, resolve_accelerator, resolve_devices
+    from toolkit.training.args import DistributedArgs
+    from toolkit.training.strategy import build_fabric, plan_strategy, resolve_accelerator, resolve_devices
 
     logging.getLogger("lm_eval.api.task").addFilter(_drop_metadata_hint)
     names = [name.strip() for name in (tasks or "").split(",") if name.strip()]
@@ -133,7 +134,7 @@ def evaluate(
     dtype = inference_dtype(precision, accelerator)
     strategy = "fsdp" if sharded else ("ddp" if several else "auto")
     flag = next(name for name, value in INFERENCE_DTYPES.items() if value == dtype)  # e.g. "bf16-true"
-    fabric = build_fabric(devices, num_nodes, flag, DistributedArgs(strategy=strategy), block_cls=Block)
+    fabric = build_fabric(plan_strategy(devices, num_nodes, flag, DistributedArgs(strategy=strategy)), block_cls=Block)
     fabric.launch()
     logging.getLogger("lm_eval").setLevel(logging.WARNING if fabric.global_rank == 0 else logging.ERROR)
     try:

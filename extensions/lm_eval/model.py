@@ -79,7 +79,7 @@ def load_sharded_model(checkpoint: Path, fabric: Any, dtype: torch.dtype) -> tor
     from toolkit.model_dir import checkpoint_row_reader
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT
-    from toolkit.training.distributed import setup_model
+    from toolkit.training.model_setup import setup_model
 
     with torch.device("meta"):
         model = GPT(Config.from_file(checkpoint)).to(dtype)
@@ -207,7 +207,7 @@ class ToolkitLM(TemplateLM):
             self._device = torch.device(fabric.device)
         else:
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        from toolkit.training.distributed import is_fsdp
+        from toolkit.training.strategy import is_fsdp
 
         self.sharded = fabric is not None and is_fsdp(fabric)
         dtype = inference_dtype(precision, self._device.type)
@@ -216,7 +216,7 @@ class ToolkitLM(TemplateLM):
             if adapter_dir is not None:
                 raise UserError("A LoRA adapter cannot be evaluated sharded yet: merge it first (`toolkit merge_lora`).")
             self.model, tokenizer_dir = load_sharded_model(checkpoint, fabric, dtype), checkpoint
-            from toolkit.training.distributed import gather_objects
+            from toolkit.training.checkpoint_io import gather_objects
 
             # What each process holds: its shard of every weight (the harness asks process 0 only).
             self.parameters_per_process = gather_objects(fabric, sum(p.to_local().numel() for p in self.model.parameters()))
@@ -327,7 +327,7 @@ class ToolkitLM(TemplateLM):
 
         size = largest_batch_that_fits(run, largest)
         if self.fabric is not None and self.fabric.world_size > 1:
-            from toolkit.training.distributed import gather_objects
+            from toolkit.training.checkpoint_io import gather_objects
 
             size = min(gather_objects(self.fabric, size))
         if self.fabric is None or self.fabric.global_rank == 0:

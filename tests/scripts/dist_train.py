@@ -1,10 +1,10 @@
-"""Train a tiny block model with `toolkit.training.distributed` and write what came out.
+"""Train a tiny block model with `toolkit.training.strategy` and write what came out.
 
 Used by tests/test_distributed_setup.py, both as a script (one process per rank, started by
 Fabric's own launcher, torchrun, or the test setting LOCAL_RANK/NODE_RANK itself) and as a module
 (the test imports `train` for the single-process reference). Every rank writes to --out:
 
-    weights_rank{R}.safetensors   full (gathered) weights after training
+    weights_rank{R}.safetensors   full weights after training, as this rank's replica holds them
     result_rank{R}.json           per-micro-batch losses and what set-up was actually used
 """
 
@@ -23,14 +23,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.training.distributed import (  # noqa: E402
-    BatchPlan,
-    DistributedArgs,
-    build_fabric,
-    full_state_dict,
-    is_fsdp,
-    plan_batches,
-)
+from toolkit.training.args import DistributedArgs  # noqa: E402
+from toolkit.training.batches import BatchPlan, plan_batches  # noqa: E402
+from toolkit.training.strategy import build_fabric, is_fsdp, plan_strategy  # noqa: E402
 
 WIDTH = 16  # hidden size
 FEATURES = 4  # input/output features per position
@@ -150,10 +145,25 @@ def describe(fabric, model) -> dict:
     return info
 
 
+def replica_weights(model) -> dict[str, torch.Tensor]:
+    """This rank's replica of the full weights: its shards gathered over the mesh's shard dimension.
+
+    Test-only (tiny model): every rank gathers, so that the test can check that all replicas agree
+    (under HYBRID_SHARD each node holds one). The toolkit's own export gathers on rank 0 only.
+    """
+    from lightning.fabric.wrappers import _unwrap_objects
+    from torch.distributed.tensor import DTensor
+
+    from toolkit.models.param_names import unwrapped_name
+
+    state = _unwrap_objects(model).state_dict()
+    return {unwrapped_name(k): (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone() for k, v in state.items()}
+
+
 def check_saves(fabric, plan: BatchPlan, model, optimizer, out: Path, steps: int) -> dict:
     """fabric.save full and sharded, load each into a fresh model; one more step must match."""
     results = {}
-    saved = full_state_dict(fabric, model, rank0_only=False)
+    saved = replica_weights(model)
     for kind in ("full", "sharded"):
         fabric.strategy._save_distributed_checkpoint = kind == "sharded"  # test only: both formats in one run
         path = out / f"ckpt_{kind}"
@@ -163,16 +173,16 @@ def check_saves(fabric, plan: BatchPlan, model, optimizer, out: Path, steps: int
         optimizer2 = fabric.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=LR, weight_decay=0.1))
         state = {"model": model2, "optimizer": optimizer2, "step": 0}
         fabric.load(path, state)
-        loaded = full_state_dict(fabric, model2, rank0_only=False)
+        loaded = replica_weights(model2)
         same_weights = all(torch.equal(saved[k], loaded[k]) for k in saved) and saved.keys() == loaded.keys()
         # The optimizer state came back too: one more step from both gives the same weights.
         train_step(fabric, plan, model2, optimizer2, steps)
         results[kind] = {"same_weights": same_weights, "step": state["step"], "after_step": model2}
     # compare the two continuations (full-loaded vs sharded-loaded) with the original continued
     train_step(fabric, plan, model, optimizer, steps)
-    reference = full_state_dict(fabric, model, rank0_only=False)
+    reference = replica_weights(model)
     for kind in ("full", "sharded"):
-        cont = full_state_dict(fabric, results[kind].pop("after_step"), rank0_only=False)
+        cont = replica_weights(results[kind].pop("after_step"))
         results[kind]["same_next_step"] = all(torch.allclose(reference[k], cont[k], atol=1e-6) for k in reference)
     results["is_file_full"] = (out / "ckpt_full").is_file()
     results["is_dir_sharded"] = (out / "ckpt_sharded").is_dir()
@@ -197,17 +207,18 @@ def main() -> None:
     dist = DistributedArgs(
         strategy=args.strategy, sharding=args.sharding, activation_checkpointing=args.activation_checkpointing
     )
-    fabric = build_fabric(args.devices, args.num_nodes, args.precision, dist, block_cls=TinyBlock, accelerator="cpu")
+    strategy = plan_strategy(args.devices, args.num_nodes, args.precision, dist, accelerator="cpu")
+    fabric = build_fabric(strategy, block_cls=TinyBlock)
     fabric.launch()
-    plan = plan_batches(args.devices, args.num_nodes, args.micro_batch, args.global_batch, SEQ)
+    plan = plan_batches(strategy.devices, strategy.num_nodes, args.micro_batch, args.global_batch, SEQ)
     model, optimizer, losses = train(fabric, plan, args.steps)
 
     from safetensors.torch import save_file
 
     rank = fabric.global_rank
     result = {"losses": losses, **describe(fabric, model)}
-    # Every rank gathers the full weights, so the test can check all ranks agree.
-    save_file(full_state_dict(fabric, model, rank0_only=False), str(args.out / f"weights_rank{rank}.safetensors"))
+    # Every rank writes its replica's full weights, so the test can check all ranks agree.
+    save_file(replica_weights(model), str(args.out / f"weights_rank{rank}.safetensors"))
     if args.check_saves:
         result["saves"] = check_saves(fabric, plan, model, optimizer, args.out, args.steps)
     (args.out / f"result_rank{rank}.json").write_text(json.dumps(result))

@@ -53,9 +53,9 @@ from toolkit.finetune.lora import LoRAArgs, init_adapters  # noqa: E402
 from toolkit.models import gpt  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import Block  # noqa: E402
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs  # noqa: E402
-from toolkit.training.distributed import DistributedArgs, build_fabric  # noqa: E402
+from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
 from toolkit.training.session import Session  # noqa: E402
+from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
 
 MARK = "measured step"
 MEASURED_STEPS = 3
@@ -137,7 +137,7 @@ def add_lora(lora: LoRAArgs):
 def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int, lora_r: int, out_dir: Path) -> dict:
     precision, finetune, *rest = setup.split(":")
     dist = DistributedArgs(sharding="FULL_SHARD", activation_checkpointing=rest == ["checkpointing"])
-    fabric = build_fabric(devices, 1, precision, dist, block_cls=Block, accelerator="cpu")
+    fabric = build_fabric(plan_strategy(devices, 1, precision, dist, accelerator="cpu"), block_cls=Block)
     fabric.launch()
     train = TrainArgs(micro_batch_size=micro_batch, global_batch_size=micro_batch * devices, max_seq_length=seq)
     session = Session(kind=f"finetune_{finetune}", fabric=fabric, out_dir=out_dir, config=config, train=train,

@@ -19,16 +19,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import GPT, Block  # noqa: E402
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs  # noqa: E402
-from toolkit.training.distributed import DistributedArgs, build_fabric, plan_batches  # noqa: E402
+from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
+from toolkit.training.batches import plan_batches  # noqa: E402
 from toolkit.training.loop import LoopHooks, TrainState, fit  # noqa: E402
+from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
 
 SEQ = 8
 ACCUMULATION = 2
 
 
 def main() -> None:
-    fabric = build_fabric(2, 1, "32-true", DistributedArgs(strategy="ddp", timeout=30), block_cls=Block, accelerator="cpu")
+    strategy = plan_strategy(2, 1, "32-true", DistributedArgs(strategy="ddp", timeout=30), accelerator="cpu")
+    fabric = build_fabric(strategy, block_cls=Block)
     fabric.launch()
     config = Config.from_name("debug-neox")
     torch.manual_seed(0)

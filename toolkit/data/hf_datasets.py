@@ -20,7 +20,6 @@ Offline (`HF_HUB_OFFLINE=1` / `HF_DATASETS_OFFLINE=1`), Hub datasets are read fr
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
@@ -29,7 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from toolkit.data.chat import Chat
 from toolkit.data.instruct import Example, InstructData, _InstructOptions, _text_field

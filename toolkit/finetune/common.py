@@ -12,8 +12,7 @@ from typing import Callable, Optional, Sequence, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs, check_seed
-from toolkit.training.distributed import DistributedArgs
+from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs, check_seed
 
 # Defaults that suit fine-tuning rather than pretraining: one epoch, short warmup.
 FINETUNE_TRAIN = TrainArgs(

@@ -4,7 +4,7 @@ LoRA comes from `peft`, applied to the toolkit's own model: peft swaps the chose
 its LoRA layers; the base weights are frozen. With --quantize, the frozen base Linear layers are
 first replaced by bitsandbytes 4-bit or 8-bit layers, on the CPU, before the model is moved to its
 device. On more than one device every rank quantizes the whole base in the same way and only the
-adapters are synchronised (`toolkit.training.distributed.plan_quantized_base` says why).
+adapters are synchronised (`toolkit.training.strategy.plan_quantized_base` says why).
 
 A finished run writes `<out_dir>/final/`:
     lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
@@ -27,8 +27,7 @@ from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
 from toolkit.models.param_names import unwrapped_name
-from toolkit.training.args import QUANTIZE_CHOICES, EvalArgs, LogArgs, QuantizeName, TrainArgs
-from toolkit.training.distributed import DistributedArgs
+from toolkit.training.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
 
 LORA_TRAIN = TrainArgs(
     global_batch_size=16, micro_batch_size=1, learning_rate=3e-4, min_lr=0.0, warmup_steps=10,
@@ -109,15 +108,21 @@ def init_adapters(model, seed: int) -> None:
                     module.reset_lora_parameters(adapter, True)
 
 
-def quantize_linears(model, mode: str, compute_dtype):
+def quantize_linears(model, mode: str, precision: str):
     """Replace every Linear inside the blocks by a bitsandbytes layer holding the same weights.
 
     Quantization happens here, on the CPU copy, before the model is moved (it is never sharded). The output
     head and embeddings stay in full precision (they are small next to the blocks and quantizing
-    them costs quality).
+    them costs quality). The 4-bit layers compute in the compute dtype of the resolved Fabric
+    `precision` (`precision_dtypes`): float16 under 16-mixed (GPUs without native bfloat16, where
+    bfloat16 is emulated and slow), bfloat16 under bf16-*, float32 under 32-true.
     """
     import bitsandbytes as bnb
     import torch.nn as nn
+
+    from toolkit.training.precision import precision_dtypes
+
+    compute_dtype = precision_dtypes(precision)[1]
 
     for block in model.blocks:
         for parent in list(block.modules()):
@@ -181,8 +186,6 @@ def finetune_lora(
         seed: Random seed for data order and adapter initialisation.
         resume: false; "auto", true, or a training checkpoint path (see `toolkit pretrain --help`).
     """
-    import torch
-
     from toolkit.training.trackers import run_config
 
     hparams = run_config(finetune_lora, locals())
@@ -193,7 +196,10 @@ def finetune_lora(
 
     startup_notes: list[str] = []
     if quantize is not None:
-        from toolkit.training.distributed import plan_quantized_base
+        from toolkit.training.strategy import plan_quantized_base, resolve_precision
+
+        # The precision Session.start resolves (the same call): the 4-bit layers compute in its dtype.
+        resolved_precision = resolve_precision(precision, "auto")
 
         # On more than one device the quantized base is replicated and DDP synchronises the adapters.
         scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
@@ -208,7 +214,7 @@ def finetune_lora(
         from peft import get_peft_model
 
         if quantize is not None:
-            model = quantize_linears(model, quantize, compute_dtype=torch.bfloat16)
+            model = quantize_linears(model, quantize, resolved_precision)
         # peft freezes every weight that is not an adapter.
         model = get_peft_model(model, lora.peft_config())
         init_adapters(model, seed)
@@ -230,7 +236,8 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     from safetensors.torch import save_file
 
     from toolkit.model_dir import atomic_directory, save_checkpoint_files
-    from toolkit.training.distributed import full_state_dict, run_on_rank_zero
+    from toolkit.training.checkpoint_io import full_state_dict
+    from toolkit.training.failures import run_on_rank_zero
 
     fabric = session.fabric
     # Gathered in full on rank 0 (under FSDP the adapters are sharded with everything else).

@@ -1,1 +1,1 @@
-"""Distributed set-up and batch math for training (see `toolkit.training.distributed`)."""
+"""Training: the one loop and its session; strategy, precision, model set-up, batch math, failure handling and checkpoint I/O each in its own module."""

@@ -22,7 +22,7 @@ class TrainArgs:
     max_seq_length: Optional[int] = None  # tokens per sequence; None: the model's context (pretraining: min(context, 2048))
     max_steps: Optional[int] = None  # stop after this many optimizer steps
     max_tokens: Optional[int] = None  # stop before the step that would exceed this many input tokens
-    max_time: Optional[str] = None  # stop at the first step boundary after this long: "90s", "45m", "2h", "1d2h", "HH:MM:SS"
+    max_time: Optional[str] = None  # the step that starts after this long is the last: "90s", "45m", "2h", "1d2h", "HH:MM:SS"
     epochs: Optional[int] = None  # passes over the data (fine-tuning); pretraining streams until another limit
     learning_rate: float = 3e-4
     min_lr: float = 3e-5  # cosine decay ends here

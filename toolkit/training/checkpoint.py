@@ -18,7 +18,7 @@ verdict. No rank reads the whole checkpoint.
 
 A checkpoint resumes on another number of processes (resharding) when the data loader says its
 position does not depend on it (`loader.world_size_independent`, true for TextFiles and instruction
-data): model and optimizer are resharded (`distributed.load_resharded`), the data position and the
+data): model and optimizer are resharded (`checkpoint_io.load_resharded`), the data position and the
 per-rank counters are converted, and rank r takes the RNG state of saved rank r mod N.
 """
 
@@ -99,7 +99,7 @@ def _check_file(checkpoint: Path, rel: str, expected: dict) -> Optional[str]:
 def _verify_together(fabric, checkpoint: Path) -> Optional[str]:
     """None if every file matches meta.json, else what is wrong. Collective: the files are split among
     the ranks by size, each checks its share, and every rank gets the same answer."""
-    from toolkit.training.distributed import gather_objects
+    from toolkit.training.checkpoint_io import gather_objects
 
     meta = _read_meta(checkpoint)
     found: Optional[tuple[str, str]] = ("", _MISSING_META) if meta is None else None
@@ -140,9 +140,11 @@ def _writer_rank(rel: str) -> int:
 
 
 def rng_state() -> dict[str, Any]:
+    """This rank's RNG states. On GPUs only the state of this rank's own device is kept: a rank
+    draws on no other, and a checkpoint must resume on a host that shows fewer GPUs (8 -> 4)."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device's
     return state
 
 
@@ -150,7 +152,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        saved = state["cuda"]
+        if isinstance(saved, (list, tuple)):
+            # Older checkpoints kept every visible device's state; this rank's device is the current one.
+            current = torch.cuda.current_device()
+            saved = saved[current] if current < len(saved) else saved[0]
+        torch.cuda.set_rng_state(saved)  # the current device's
 
 
 def save(
@@ -169,7 +176,8 @@ def save(
     tmp = root / (step_dir_name(step) + ".tmp")
     # Rank-0 work runs through run_on_rank_zero: if it fails (a full disk), every rank stops with
     # its message instead of waiting at a barrier.
-    from toolkit.training.distributed import gather_objects, run_on_rank_zero
+    from toolkit.training.checkpoint_io import gather_objects
+    from toolkit.training.failures import run_on_rank_zero
 
     def start_folder() -> None:
         for leftover in root.glob("step-*.tmp") if root.is_dir() else []:
@@ -346,7 +354,7 @@ def load(fabric, checkpoint: Path, model, optimizer, loader) -> dict:
                 "position is kept per process (as with StreamMix, whose streams litdata shards per process), so it "
                 f"cannot continue exactly on another number. Resume on {saved_world} process(es), or start a new --out_dir."
             )
-        from toolkit.training.distributed import load_resharded
+        from toolkit.training.checkpoint_io import load_resharded
 
         train_state = dict(load_resharded(fabric, state_path, model, optimizer, strict=strict)["train_state"])
         for key in _PER_RANK_COUNTERS:

@@ -101,26 +101,33 @@ def fit(
     model.train()
 
     while True:
-        stop_reason = _should_stop(fabric, state, train, step_limit, max_seconds, run_start)
+        stop_reason = _limit_reached(state, train, step_limit)
         if stop_reason:
             break
+        # Rank 0's clock decides for every rank. It is read as the step starts and travels in the
+        # step's all-reduce: past max_time, this step (whose data is already taken) is the last.
+        out_of_time = max_seconds is not None and fabric.global_rank == 0 and time.perf_counter() - run_start >= max_seconds
         group = _take(batches, accumulation)
         if group is None and world_size == 1:
             stop_reason = f"end of data after {state.epoch} epoch(s)"
             break
         group = [fabric.to_device(b) for b in group or []]
         # Target tokens of this optimizer step over every micro-batch and rank: the loss divisor.
-        targets = sum(((b["labels"] != IGNORE_INDEX).sum() for b in group), torch.zeros((), dtype=torch.long, device=fabric.device))
-        global_targets = targets
+        zero = torch.zeros((), dtype=torch.long, device=fabric.device)
+        targets = sum(((b["labels"] != IGNORE_INDEX).sum() for b in group), zero)
+        # Input tokens without padding (throughput, tokens_seen), unless every batch has the same shape.
+        real_tokens = sum((_real_tokens(b["labels"]) for b in group), zero) if tokens_per_step is None else zero
+        global_targets, global_real_tokens = targets, None
         if world_size > 1:
-            # Ranks read their own data and may run out at different steps (a weighted StreamMix,
-            # sharded per rank, can end one step earlier on one rank): the same all-reduce carries
-            # the loss divisor and how many ranks have no whole step left, and all stop together.
-            # Reading the flag costs one host sync per step, before this step's compute is queued.
-            out_of_data = torch.tensor(int(group == []), dtype=torch.long, device=fabric.device)
-            reduced = fabric.all_reduce(torch.stack([targets, out_of_data]), reduce_op="sum")
-            global_targets = reduced[0]
-            ranks_out_of_data = int(reduced[1].item())
+            # The step's one all-reduce and its one host sync, before the step's work is queued. Ranks
+            # read their own data and may run out at different steps (a weighted StreamMix, sharded
+            # per rank, can end one step earlier on one rank), so it carries, summed over ranks:
+            # the loss divisor, the real tokens, the ranks with no whole step left, rank 0's time flag.
+            counts = torch.stack([targets, real_tokens, zero + int(group == []), zero + int(out_of_time)])
+            torch.distributed.all_reduce(counts)  # not fabric.all_reduce: it adds a barrier
+            global_targets = counts[0]
+            _, global_real_tokens, ranks_out_of_data, ranks_out_of_time = counts.tolist()
+            out_of_time = ranks_out_of_time > 0
             if ranks_out_of_data:
                 stop_reason = f"end of data after {state.epoch} epoch(s) on {ranks_out_of_data} of {world_size} ranks"
                 break
@@ -143,7 +150,10 @@ def fit(
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
-        step_tokens = tokens_per_step if tokens_per_step is not None else _global_tokens(fabric, group)
+        if tokens_per_step is not None:
+            step_tokens = tokens_per_step
+        else:  # one process: read after the step's work is queued
+            step_tokens = global_real_tokens if global_real_tokens is not None else int(real_tokens.item())
         state.tokens_seen += step_tokens
         window_steps += 1
         window_tokens += step_tokens
@@ -161,6 +171,9 @@ def fit(
             _run_validation(fabric, model, val_loader, eval, state)
         if hooks.save_checkpoint is not None and train.save_interval and state.step % train.save_interval == 0:
             hooks.save_checkpoint(state)
+        if out_of_time:
+            stop_reason = f"reached max_time={train.max_time}"
+            break
 
     state.train_seconds = time.perf_counter() - run_start
     fabric.print(f"Stopped: {stop_reason}. {state.step} optimizer steps, {state.tokens_seen:,} tokens, {state.train_seconds:.1f} s.")
@@ -177,18 +190,13 @@ def _step_limit(train: TrainArgs, tokens_per_step: Optional[int], total_steps: O
     return min(limits) if limits else None
 
 
-def _should_stop(fabric, state: TrainState, train: TrainArgs, step_limit, max_seconds, run_start) -> Optional[str]:
+def _limit_reached(state: TrainState, train: TrainArgs, step_limit) -> Optional[str]:
+    """Why to stop before the next step by steps or tokens (the same on every rank), or None."""
     if step_limit is not None and state.step >= step_limit:
         by_tokens = train.max_tokens and (not train.max_steps or step_limit < train.max_steps)
         return f"reached {step_limit} steps" + (f" (the last whole step within max_tokens={train.max_tokens:,})" if by_tokens else "")
     if train.max_tokens and state.tokens_seen >= train.max_tokens:
         return f"reached max_tokens={train.max_tokens:,}"
-    if max_seconds is not None:
-        # Every rank must take the same decision: rank 0's clock decides.
-        out_of_time = torch.tensor(float(time.perf_counter() - run_start >= max_seconds), device=fabric.device)
-        out_of_time = fabric.broadcast(out_of_time, src=0)
-        if out_of_time.item():
-            return f"reached max_time={train.max_time}"
     return None
 
 
@@ -238,18 +246,13 @@ def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
     return None  # not enough data left for a whole optimizer step
 
 
-def _global_tokens(fabric, group: list[dict]) -> int:
-    """Input tokens of a step over all ranks, padding excluded (throughput and MFU count real work).
-
-    A sample's last label is a target (its EOS, or the last response token when cut), and padding
-    only follows it: a row's real tokens end at its last label that is not IGNORE_INDEX.
-    """
-    local = torch.tensor(sum(_real_tokens(b["labels"]) for b in group), device=fabric.device)
-    return int(fabric.all_reduce(local, reduce_op="sum").item()) if fabric.world_size > 1 else int(local.item())
-
-
 def _real_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """(B, T) labels -> tokens before the padding, summed over the rows (a 0-dim tensor)."""
+    """(B, T) labels -> tokens before the padding, summed over the rows (a 0-dim long tensor).
+
+    Throughput and MFU count real work. A sample's last label is a target (its EOS, or the last
+    response token when cut), and padding only follows it: a row's real tokens end at its last
+    label that is not IGNORE_INDEX.
+    """
     counted = labels != IGNORE_INDEX
     length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)  # 1 + index of the last counted label
     return torch.where(counted.any(dim=1), length, 0).sum()

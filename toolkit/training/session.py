@@ -20,10 +20,12 @@ import torch
 from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.models.param_names import unwrapped_name
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.training.distributed import DistributedArgs, build_fabric, check_launcher, plan_batches, plan_strategy, run_on_rank_zero
+from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
+from toolkit.training.batches import plan_batches
+from toolkit.training.failures import run_on_rank_zero
 from toolkit.training.loop import LoopHooks, TrainState, fit
 from toolkit.training.trackers import finish_tracker_runs, make_loggers, plain, start_tracker_runs
+from toolkit.training.strategy import build_fabric, plan_strategy
 
 if TYPE_CHECKING:
     from toolkit.tokenizer import Tokenizer
@@ -88,28 +90,24 @@ class Session:
         check_out_dir(out_dir, resume)
         if resume in (True, "true", "True") and not list_checkpoints(out_dir):
             raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
-        # The batch arithmetic is checked once, here, before any process starts.
+        # Strategy and batch arithmetic are planned once, here, before any process starts; every
+        # process (the launched ones re-run this) plans the same and uses that plan throughout.
         strategy = plan_strategy(devices, num_nodes, precision, distributed)
-        check_launcher(num_nodes, strategy.devices)  # before Lightning is imported (seconds)
-        plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
+        plan = plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         created_out_dir = not out_dir.exists()
         # A start that resumes from a checkpoint of out_dir continues its W&B / MLflow runs.
         continue_runs = resume not in (False, "false", "False") and (
             bool(list_checkpoints(out_dir)) or resume not in (True, "true", "True", "auto")
         )
-        fabric = build_fabric(
-            devices=devices, num_nodes=num_nodes, precision=precision, dist=distributed, block_cls=Block,
-            loggers=make_loggers(out_dir, log, continue_runs),
-        )
+        # build_fabric checks the launcher of a multi-node run first, before Lightning is imported.
+        fabric = build_fabric(strategy, block_cls=Block, loggers=make_loggers(out_dir, log, continue_runs))
         fabric.launch()
         fabric.print(strategy.describe())
-        devices_per_node = fabric.world_size // num_nodes
-        plan = plan_batches(devices_per_node, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         fabric.print(plan.table())
         run_on_rank_zero(fabric, lambda: _make_out_dir(out_dir))
         all_hparams = {"command": kind, **(hparams or {}), "model_config": config.to_dict(), "batch_plan": plain(plan)}
         start_tracker_runs(fabric, out_dir, all_hparams, continue_runs)
-        fabric.seed_everything(seed)
+        fabric.seed_everything(rank_seed(seed, fabric.global_rank))
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
                    plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision)
 
@@ -159,14 +157,9 @@ class Session:
         anything is allocated.
         """
         from toolkit.models.gpt import GPT
-        from toolkit.training.distributed import (
-            apply_precision_policy,
-            host_memory_growth,
-            is_fsdp,
-            materialize,
-            setup_model,
-            start_host_memory_window,
-        )
+        from toolkit.training.model_setup import host_memory_growth, materialize, setup_model, start_host_memory_window
+        from toolkit.training.precision import apply_precision_policy
+        from toolkit.training.strategy import is_fsdp
 
         memory_start = start_host_memory_window()
         with torch.device("meta"):
@@ -289,7 +282,7 @@ class Session:
     def export_final(self, model, name: str = "final") -> Path:
         """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
         from toolkit.model_dir import atomic_directory, save_checkpoint_files
-        from toolkit.training.distributed import full_state_dict
+        from toolkit.training.checkpoint_io import full_state_dict
 
         start = time.perf_counter()
         state_dict = full_state_dict(self.fabric, model)
@@ -304,6 +297,16 @@ class Session:
 
         run_on_rank_zero(self.fabric, write)
         return target
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed of `rank`'s global RNG: `seed` on rank 0 (one process runs as before), another on each other rank.
+
+    Only what must differ per rank draws from it: dropout masks (LoRA dropout), which would otherwise
+    repeat on every rank. What must be equal on every rank has its own generators, seeded with
+    `seed` alone: initial weights (`initial_value`, `init_adapters`) and the data order.
+    """
+    return (seed + rank * 1_000_003) % 2**32
 
 
 def _make_out_dir(out_dir: Path) -> None:

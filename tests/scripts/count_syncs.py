@@ -1,0 +1,86 @@
+"""Count what one optimizer step costs in collectives and host syncs, through the real loop (`fit`).
+
+Used by tests/test_distributed_failures.py: started with `--devices 2` (Fabric's launcher re-runs
+this script for rank 1). Each rank has data for 3 optimizer steps, with padding (so the loop counts
+real tokens itself, as in fine-tuning), and a time limit that is never reached (so the flag is
+carried). Every rank prints one JSON line: the calls made inside `fit` and what it counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+from toolkit.models.config import Config  # noqa: E402
+from toolkit.models.gpt import GPT, IGNORE_INDEX, Block  # noqa: E402
+from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
+from toolkit.training.batches import plan_batches  # noqa: E402
+from toolkit.training.loop import LoopHooks, TrainState, fit  # noqa: E402
+from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
+
+SEQ = 8
+ACCUMULATION = 2
+STEPS = 3
+CALLS: Counter = Counter()
+
+
+def counted(owner, name: str, key: str) -> None:
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        CALLS[key] += 1
+        return original(*args, **kwargs)
+
+    setattr(owner, name, wrapper)
+
+
+def batches_of(rank: int, vocab: int) -> list[dict]:
+    """This rank's micro-batches: (1, SEQ) each, the last `rank + i % 3` labels of batch i padding."""
+    generator = torch.Generator().manual_seed(rank)
+    out = []
+    for i in range(STEPS * ACCUMULATION):
+        tokens = torch.randint(0, vocab, (1, SEQ + 1), generator=generator)
+        labels = tokens[:, 1:].clone()
+        padding = (rank + i) % 3
+        if padding:
+            labels[:, -padding:] = IGNORE_INDEX
+        out.append({"input_ids": tokens[:, :-1], "labels": labels})
+    return out
+
+
+def main() -> None:
+    strategy = plan_strategy(2, 1, "32-true", DistributedArgs(strategy="ddp", timeout=60), accelerator="cpu")
+    fabric = build_fabric(strategy, block_cls=Block)
+    fabric.launch()
+    config = Config.from_name("debug-neox")
+    torch.manual_seed(0)
+    model = fabric.setup_module(GPT(config))
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
+    plan = plan_batches(2, 1, 1, 2 * ACCUMULATION, SEQ)
+    batches = batches_of(fabric.global_rank, config.vocab_size)
+    expected_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for r in range(2) for b in batches_of(r, config.vocab_size))
+    train = TrainArgs(global_batch_size=2 * ACCUMULATION, micro_batch_size=1, max_seq_length=SEQ, epochs=1,
+                      warmup_steps=0, save_interval=None, max_time="1h")
+    for name in ("all_reduce", "barrier", "broadcast", "broadcast_object_list", "all_gather", "all_gather_object"):
+        counted(dist, name, name)
+    for name in ("item", "tolist"):
+        counted(torch.Tensor, name, "host_sync")
+    state = fit(fabric, model, optimizer, batches, None, plan, TrainState(), train, EvalArgs(interval=1000),
+                LogArgs(interval=1000, loggers=()), LoopHooks(), total_steps=None)
+    calls = dict(CALLS)
+    print(json.dumps({"rank": fabric.global_rank, "steps": state.step, "tokens_seen": state.tokens_seen,
+                      "expected_tokens": expected_tokens, "calls": calls}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

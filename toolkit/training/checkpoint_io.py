@@ -1,0 +1,144 @@
+"""Checkpoint I/O under every strategy: what `toolkit.training.checkpoint` reads and writes with.
+
+- `direct_checkpoint_io`: the CheckpointIO plugin of the one-device and DDP strategies (no
+  in-memory copy of the file).
+- `full_state_dict`: the complete weights on rank 0 (the final export).
+- `load_resharded`: a `fabric.save` checkpoint written by another number of processes.
+- `gather_objects`: small per-rank facts (digests) on every rank.
+
+Importing this module is cheap: torch and lightning are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from toolkit.models.param_names import unwrapped_name
+
+if TYPE_CHECKING:
+    from lightning import Fabric
+    from torch import Tensor, nn
+
+
+def direct_checkpoint_io() -> Any:
+    """A CheckpointIO plugin that `torch.save`s straight into the file.
+
+    Lightning's default serializes the whole checkpoint into an in-memory buffer first, so that the
+    file appears complete or not at all: a second copy of the weights and optimizer state in host
+    memory (+3 GiB at 336M parameters, measured; +96 GB for a one-GPU 8B full fine-tune). The
+    toolkit's checkpoints are atomic at the folder level (`toolkit.training.checkpoint.save` writes
+    into a temporary folder and renames it when complete), so the buffer buys nothing.
+    """
+    from pathlib import Path
+
+    import torch
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    class DirectCheckpointIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
+            if storage_options is not None:
+                raise TypeError(f"{type(self).__name__} takes no storage_options, got {storage_options!r}")
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save(checkpoint, path)
+
+    return DirectCheckpointIO()
+
+
+def full_state_dict(fabric: Fabric, model: nn.Module) -> dict[str, Tensor]:
+    """The model's complete (unsharded) weights on rank 0, as CPU tensors with the model's own key names.
+
+    A collective call: every rank must call it; the other ranks get `{}` (a whole model on every
+    rank would not fit where FSDP is needed). This is what the final export writes, whatever
+    `state_dict_type` mid-run checkpoints use. Without FSDP on CPU the tensors share memory with
+    the live parameters (no copy is made).
+    """
+    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
+    from torch.distributed.fsdp import FSDPModule
+
+    root = _unwrap_objects(model)
+    if isinstance(root, FSDPModule):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # cpu_offload with full_state_dict gathers one tensor at a time onto rank 0's CPU only.
+        state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        # The user's module, without DDP or torch.compile wrappers (no "module."/"_orig_mod." in keys).
+        module = _unwrap_compiled(model)[0]
+        if isinstance(module, _FabricModule):
+            module = _unwrap_compiled(module._original_module)[0]
+        state = module.state_dict()
+    if fabric.global_rank != 0:
+        return {}
+    return {unwrapped_name(k): v.detach().cpu() for k, v in state.items()}
+
+
+def gather_objects(fabric: Fabric, obj: Any) -> list[Any]:
+    """`obj` of every rank, in rank order, on every rank. For small picklable things (digests, messages)."""
+    if fabric.world_size == 1:
+        return [obj]
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * fabric.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict: bool = True) -> dict[str, Any]:
+    """Load a `fabric.save` checkpoint written by another number of processes; return its other entries.
+
+    `path` is what `fabric.save` wrote: a folder of torch's distributed checkpoint (FSDP, sharded),
+    or one file (one process, or FSDP with state_dict_type "full"). Every process, sharded or
+    not, reads what it needs through torch's state-dict API, which names parameters and optimizer
+    state by parameter name rather than by position:
+
+        folder -> FSDP or one process   each rank reads the pieces of the saved shards that
+                                        overlap its own shard (the distributed checkpoint reshards)
+        file   -> FSDP or one process   each rank memory-maps the file and keeps its own rows
+
+    A file written by one process keys the optimizer state by position (0, 1, ...). The optimizer
+    is built the same way on every run, so position i of group g is the i-th parameter of group g
+    now: that gives each state its parameter name. Fabric's own conversion assumes the optimizer
+    holds `model.parameters()` in order, which ours (decay and no-decay groups) does not.
+    """
+    from pathlib import Path
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from lightning.fabric.wrappers import _unwrap_objects
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = Path(path)
+    root, optim = _unwrap_objects(model), _unwrap_objects(optimizer)
+    if path.is_dir():
+        # Model first, then the optimizer (whose state is created at its parameters' current shards).
+        model_state = {"model": get_model_state_dict(root)}
+        dcp.load(model_state, checkpoint_id=path)
+        set_model_state_dict(root, model_state["model"], options=StateDictOptions(strict=strict))
+        optim_state = {"optimizer": get_optimizer_state_dict(root, optim)}
+        dcp.load(optim_state, checkpoint_id=path)
+        set_optimizer_state_dict(root, optim, optim_state["optimizer"])
+        from lightning.fabric.utilities.load import _METADATA_FILENAME  # "meta.pt": what is not model or optimizer
+
+        return torch.load(path / _METADATA_FILENAME, weights_only=True)
+
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+    full = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(root, checkpoint.pop("model"), options=full)
+    saved = checkpoint.pop("optimizer")
+    if any(isinstance(key, int) for key in saved["state"]):
+        names = get_optimizer_state_dict(root, optim)["param_groups"]  # the same groups, parameters named
+        if [len(g["params"]) for g in names] != [len(g["params"]) for g in saved["param_groups"]]:
+            raise ValueError(f"{path}: the optimizer's parameter groups differ from the checkpoint's")
+        name_of = {i: n for now, then in zip(names, saved["param_groups"]) for i, n in zip(then["params"], now["params"])}
+        saved = {
+            "state": {name_of[i]: s for i, s in saved["state"].items()},
+            "param_groups": [dict(g, params=[name_of[i] for i in g["params"]]) for g in saved["param_groups"]],
+        }
+    set_optimizer_state_dict(root, optim, saved, options=full)
+    return checkpoint

@@ -1,0 +1,131 @@
+"""Model set-up: a model built on the meta device gets its real values, sharded or not.
+
+`setup_model` shards the meta model (under FSDP) and then fills each rank's own rows of every
+parameter from a `ReadRows` function (the checkpoint, memory-mapped, or the initialiser), so no
+rank ever holds the whole model. `materialize` does the same for one device. The host-memory
+helpers measure what the set-up cost.
+
+Importing this module is cheap: torch and lightning are imported inside the functions.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+from toolkit.models.param_names import unwrapped_name
+from toolkit.training.precision import replace_parameters
+from toolkit.training.strategy import is_fsdp
+
+if TYPE_CHECKING:
+    from lightning import Fabric
+    from torch import Tensor, nn
+
+# Where the initial values of a model's parameters come from: `read_rows(name, start, stop, out=None)`
+# returns rows [start, stop) (dim 0) of the full parameter `name` (toolkit name, no wrapper
+# prefixes), in any dtype; `stop=None` means to the last row. With `out` (a tensor of that shape, in
+# any dtype) it writes the rows into `out` and returns it, so that a rank's shard is filled without
+# a second copy of it. FSDP2 shards every parameter along dim 0.
+ReadRows = Callable[..., "Tensor"]
+
+
+def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
+    """Set up a model built on the meta device and fill its parameters from `read_rows`.
+
+    Parameters that are already real (not meta) keep their values: LoRA adapters are initialised
+    before this call. Without FSDP the full tensors are filled in and then Fabric moves the model.
+    Under FSDP the model is sharded first, still on the meta device; then each rank allocates and
+    reads only its own rows of each parameter, so no rank ever holds the whole model.
+
+    Buffers have no `read_rows`: real ones keep their values, and a buffer still on the meta device
+    is refused (RuntimeError naming it) rather than left holding whatever memory `to_empty` gave it.
+
+    Returns Fabric's wrapped model.
+    """
+    import torch
+
+    _refuse_meta_buffers(model)
+    if not is_fsdp(fabric):
+        materialize(model, read_rows)
+        module = fabric.setup_module(model)
+        return module
+    preset = {unwrapped_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
+    buffers = {unwrapped_name(n): b.detach().clone() for n, b in model.named_buffers()}
+    module = fabric.setup_module(model)
+    inner = module.module if hasattr(module, "module") else module
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    inner.to_empty(device=fabric.device)  # every parameter and buffer: allocated, not initialised
+    with torch.no_grad():
+        for name, buffer in inner.named_buffers():
+            buffer.copy_(buffers[unwrapped_name(name)])
+        for name, param in inner.named_parameters():
+            name = unwrapped_name(name)
+            if isinstance(param, DTensor):
+                local = param.to_local()
+                shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+                assert all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(param.shape[1:]), name
+                start, stop = offset[0], offset[0] + shape[0]
+            else:
+                local, start, stop = param, 0, None
+            if local.numel() == 0:
+                continue
+            full = preset.get(name)
+            if full is not None:
+                local.copy_(full[start:stop].reshape(local.shape))
+            else:
+                read_rows(name, start, stop, out=local)
+    return module
+
+
+def _refuse_meta_buffers(model: nn.Module) -> None:
+    """Raise if a buffer is on the meta device: set-up fills parameters only, so it would hold garbage."""
+    meta = [unwrapped_name(name) for name, buffer in model.named_buffers() if buffer.is_meta]
+    if meta:
+        raise RuntimeError(
+            f"buffer(s) {', '.join(meta)} on the meta device: model set-up fills parameters only, so they would "
+            "hold uninitialised memory; create buffers on a real device (`device=` in register_buffer) or in forward."
+        )
+
+
+def materialize(model: nn.Module, read_rows: ReadRows) -> None:
+    """Give every parameter still on the meta device its full value from `read_rows` (one device)."""
+    names = {}
+    for name, param in model.named_parameters(remove_duplicate=True):
+        names[id(param)] = unwrapped_name(name)
+
+    def fill(param):
+        if not param.is_meta:
+            return None
+        # Kept in the dtype it is stored in: the precision policy, applied next, casts only what it must.
+        return read_rows(names[id(param)], 0, None)
+
+    replace_parameters(model, fill)
+
+
+def start_host_memory_window() -> int:
+    """Reset this process's peak-RSS mark (Linux) and return its current RSS in bytes."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # "5" resets the peak resident set size (VmHWM) to the current RSS
+    except OSError:
+        pass
+    return _status_bytes("VmRSS")
+
+
+def host_memory_growth(start: int) -> int:
+    """Peak RSS since `start_host_memory_window` above the RSS it started from, in bytes."""
+    return max(_status_bytes("VmHWM") - start, 0)
+
+
+def _status_bytes(field: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024  # reported in kB
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # not Linux: the lifetime peak
