@@ -170,7 +170,7 @@ class Session:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable; {policy}")
         # Weight decay is decided by the parameters' shapes (matrices decay, vectors do not).
-        self._decay_names = {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+        self._decay_names = decay_names(model)
         if self.train.compile:
             model = torch.compile(model)
         model = setup_model(self.fabric, model, read_rows)
@@ -203,14 +203,7 @@ class Session:
 
     def build_optimizer(self, model):
         """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-        named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-        decay = [p for n, p in named if n in self._decay_names]
-        no_decay = [p for n, p in named if n not in self._decay_names]
-        groups = [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=self.train.learning_rate, betas=(self.train.beta1, self.train.beta2)
-        )
-        return self.fabric.setup_optimizers(optimizer)
+        return self.fabric.setup_optimizers(make_adamw(model, self._decay_names, self.train))
 
     # ------------------------------------------------------------------ training
     def run_shape(self) -> dict:
@@ -294,6 +287,25 @@ class Session:
 
         run_on_rank_zero(self.fabric, write)
         return target
+
+
+def decay_names(model) -> set[str]:
+    """Weight decay is decided by the parameters' shapes: matrices decay, vectors do not."""
+    return {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+
+
+def make_adamw(model, decay: set[str], train: TrainArgs, foreach: Optional[bool] = None) -> torch.optim.AdamW:
+    """The training AdamW over `model`'s trainable parameters; `decay`: names from `decay_names`
+    (taken before sharding). `foreach` None is torch's choice (on for CUDA tensors); the
+    simulation (`toolkit.simulate`) passes True to count the GPU's step temporaries on the CPU."""
+    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": train.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=train.learning_rate, betas=(train.beta1, train.beta2), foreach=foreach
+    )
 
 
 def _make_out_dir(out_dir: Path) -> None:
