@@ -15,7 +15,7 @@ tensors (shapes and dtypes, no memory, no values) and a fake process group of th
 
 torch's `FSDPMemTracker` records every tensor by category (sharded/unsharded parameters and
 gradients, optimizer state, activations, temporaries, all-gather and reduce-scatter buffers) and
-the moment of the peak; a small dispatch mode (`_CommBytes`) counts the collectives.
+the moment of the peak, and counts the collectives it sees (`_tracker_class`).
 
 What differs from a GPU run, and why:
 - Fake tensors live on the CPU device (a CPU build of torch cannot make CUDA tensors, fake or not):
@@ -158,7 +158,9 @@ def simulate(
         result = _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, micro_batches, forward)
     finally:
         dist.destroy_process_group()
-    peak, persistent, comm, sent = result
+    peak, persistent, comm, sent, attempts = result
+    if attempts > 1:
+        notes.append(f"the step was tracked {attempts} times: FSDPMemTracker lost count of gathered parameters before")
     return Simulation(
         world_size=plan.world_size, shard_size=shape[names.index("shard")], precision=plan.precision,
         peak=peak, peak_total=peak.get("Total", 0), persistent=persistent, comm=comm, sent_bytes=sent,
@@ -192,77 +194,106 @@ def _build(config, plan, finetune, lora, mesh):
 def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, micro_batches, forward):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-
     from toolkit.training.session import make_adamw
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
         optimizer = make_adamw(model, decay, train, foreach=True)
-        # AdamW's state exists from the first step on: create it (a step on zero gradients) so
-        # that the tracked step is a steady-state one.
-        for p in model.parameters():
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
         y = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
-        tracker = FSDPMemTracker(model, optimizer)
-        tracker.track_inputs((x, y))
-        comm = _comm_mode_class()()
         autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
         sync = strategy._backward_sync_control
-        with comm, tracker:  # the tracker on top: it sees DTensor ops as local ops, the counter sees those
-            if forward:
-                for i in range(micro_batches):
-                    tracker.reset_mod_stats()  # per-module stats only; the peak is kept
-                    with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
-                        with autocast:
-                            loss = model(x, labels=y)
-                        (loss * 0.5).backward()  # the loop scales by world_size / target tokens
-                if train.max_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
-            else:
-                for p in model.parameters():
-                    if p.requires_grad:
-                        p.grad = torch.zeros_like(p)
-            optimizer.step()
-            now = tracker.get_tracker_snapshot()
-            optimizer.zero_grad(set_to_none=True)
-        peak = tracker.get_tracker_snapshot("peak")
-    (peak,) = peak.values()
-    (now,) = now.values()
-    peak = {_key(k): v for k, v in peak.items()}
-    now = {_key(k): v for k, v in now.items()}
+        # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
+        # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
+        # backward do; later gathers resize them. Seen by the tracker, that first allocation was
+        # counted as activations that are never freed, torch 2.13).
+        if forward:
+            with autocast:
+                loss = model(x, labels=y)
+            loss.backward()
+        else:
+            _zero_grads(model)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for attempt in range(1, _ATTEMPTS + 1):
+            tracker = _tracker_class()(model, optimizer)
+            tracker.track_inputs((x, y))
+            with tracker:
+                if forward:
+                    for i in range(micro_batches):
+                        tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+                        with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
+                            with autocast:
+                                loss = model(x, labels=y)
+                            (loss * 0.5).backward()  # the loop scales by world_size / target tokens
+                    if train.max_norm is not None:
+                        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+                else:
+                    _zero_grads(model)
+                optimizer.step()
+                now = _snapshot(tracker)
+                optimizer.zero_grad(set_to_none=True)
+            # FSDPMemTracker (torch 2.13, on fake tensors) now and then misses FSDP's gathering of
+            # parameters: it then counts every gathered copy as an activation that stays alive to
+            # the end of the backward pass (the peak had no "Unsharded Param" at all, though the
+            # root unit is gathered throughout). Such a count is discarded and the step tracked again.
+            peak = _snapshot(tracker, "peak")
+            if not forward or peak.get("Unsharded Param", 0) > 0:
+                break
+        else:
+            raise RuntimeError(f"FSDPMemTracker missed FSDP's parameter gathering in {_ATTEMPTS} attempts")
     persistent = {k: now.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")}
-    return peak, persistent, dict(comm.calls), comm.sent
+    return peak, persistent, dict(tracker.calls), tracker.sent, attempt
+
+
+_ATTEMPTS = 6
+
+
+def _snapshot(tracker, kind: str = "current") -> dict[str, int]:
+    (snap,) = tracker.get_tracker_snapshot(kind).values()  # one device: the CPU
+    return {_key(k): v for k, v in snap.items()}
+
+
+def _zero_grads(model) -> None:
+    import torch
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
 
 
 def _key(k: Any) -> str:
     return getattr(k, "value", str(k))
 
 
-def _comm_mode_class():
-    from torch.utils._python_dispatch import TorchDispatchMode
+def _tracker_class():
+    """FSDPMemTracker that also counts the c10d collectives it sees: calls, tensor bytes, and the
+    bytes this rank sends with ring algorithms (all-gather and reduce-scatter: (n-1)/n of the full
+    tensor; all-reduce twice that). One dispatch mode: a second one beside the tracker made it
+    lose track of freed all-gather outputs (torch 2.13)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
-    class _CommBytes(TorchDispatchMode):
-        """Counts c10d collectives: calls, tensor bytes, and the bytes this rank sends with ring
-        algorithms (all-gather and reduce-scatter: (n-1)/n of the full tensor; all-reduce twice that)."""
-
-        def __init__(self) -> None:
-            super().__init__()
+    class _Tracker(FSDPMemTracker):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
             self.calls: dict[str, tuple[int, int]] = {}
             self.sent = 0
+            self._in_collective = False
+
+        def _track(self, reftype: Any, t: Any) -> None:
+            if not self._in_collective:
+                super()._track(reftype, t)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            from torch.distributed.tensor import DTensor
-
-            if any(t is DTensor for t in types):
-                return NotImplemented  # let DTensor run its local ops (and collectives) first
-            kwargs = kwargs or {}
-            out = func(*args, **kwargs)
-            if func.namespace == "c10d":
+            collective = getattr(func, "namespace", None) == "c10d"
+            # What a collective returns under fake tensors is not the buffer it fills (args, which
+            # the tracker follows): tracked, it was counted as a never-freed activation.
+            self._in_collective = collective
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._in_collective = False
+            if out is not NotImplemented and collective:
                 name = func._overloadpacket.__name__.strip("_")
                 size, factor = _collective_size(name, args)
                 if size is not None:
@@ -271,7 +302,7 @@ def _comm_mode_class():
                     self.sent += int(size * factor)
             return out
 
-    return _CommBytes
+    return _Tracker
 
 
 def _tensors(x) -> list:
