@@ -337,3 +337,66 @@ def _collective_size(name: str, args) -> tuple[Optional[int], float]:
     if name.startswith("broadcast"):
         return nbytes, 1.0
     return nbytes, 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up pre-flight: does the step fit in the device's memory?
+# --------------------------------------------------------------------------------------------
+
+
+def preflight(
+    device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
+    precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
+    lora_modules: tuple[str, ...] = (), lora_r: int = 8, headroom: float = 0.95,
+) -> str:
+    """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
+    `device_bytes`; return the line saying it fits otherwise.
+
+    Uses the analytic estimator (`toolkit.estimate.column_memory`, milliseconds; tests hold it to
+    the simulation), because a simulated 70B step takes most of a minute. The refusal names the
+    estimate and the nearest settings that fit: FULL_SHARD instead of HYBRID_SHARD, activation
+    checkpointing, a smaller micro-batch (tried in that order, and combined).
+    """
+    from toolkit.estimate import LORA_TARGETS, Options, column_memory, make_column
+
+    opts = Options(config, precision, finetune, lora_modules, lora_r, None, max_seq_length)
+    budget = int(device_bytes * headroom)
+
+    def need(shard: str, ckpt: bool, micro: int) -> int:
+        figures = column_memory(opts, make_column(shard, devices, num_nodes), micro)
+        return figures["total_checkpointed" if ckpt else "total"]
+
+    world = devices * num_nodes
+    shard = sharding if world > 1 else "single"
+    if shard == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
+        shard = "FULL_SHARD"
+    wanted = need(shard, activation_checkpointing, micro_batch_size)
+    line = (f"memory pre-flight: about {wanted / GiB:.1f} GiB per device at the peak of a step "
+            f"(analytic estimate) of {device_bytes / GiB:.1f} GiB")
+    if wanted <= budget:
+        return line + ": fits."
+    tries = []
+    shards = [shard] + (["FULL_SHARD"] if shard == "HYBRID_SHARD" else [])
+    for s in shards:
+        for ckpt in sorted({activation_checkpointing, True}):
+            micro = micro_batch_size
+            while micro >= 1:
+                if (s, ckpt, micro) != (shard, activation_checkpointing, micro_batch_size):
+                    total = need(s, ckpt, micro)
+                    if total <= budget:
+                        tries.append((s != shard, ckpt != activation_checkpointing, micro_batch_size - micro, s, ckpt, micro, total))
+                        break
+                micro //= 2
+    if tries:
+        *_, s, ckpt, micro, total = min(tries)
+        options = []
+        if s != shard:
+            options.append(f"--distributed.sharding {s}")
+        if ckpt != activation_checkpointing:
+            options.append("--distributed.activation_checkpointing true")
+        if micro != micro_batch_size:
+            options.append(f"--train.micro_batch_size {micro}")
+        advice = f"{' '.join(options)} fits ({total / GiB:.1f} GiB)"
+    else:
+        advice = "no sharding, checkpointing or micro-batch setting fits: use more devices or LoRA (see `toolkit estimate`)"
+    raise UserError(f"{line}: does not fit. {advice}; or skip this check with --distributed.preflight false.")

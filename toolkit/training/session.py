@@ -87,6 +87,8 @@ class Session:
         strategy = plan_strategy(devices, num_nodes, precision, distributed)
         check_launcher(num_nodes, strategy.devices)  # before Lightning is imported (seconds)
         plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
+        if distributed.preflight and strategy.accelerator == "cuda" and torch.cuda.is_available():
+            check_fits_device(kind, config, strategy, train, max_seq_length, distributed)
         created_out_dir = not out_dir.exists()
         fabric = build_fabric(
             devices=devices, num_nodes=num_nodes, precision=precision, dist=distributed, block_cls=Block,
@@ -287,6 +289,23 @@ class Session:
 
         run_on_rank_zero(self.fabric, write)
         return target
+
+
+def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs, max_seq_length: int,
+                      distributed: DistributedArgs) -> None:
+    """Stop before any weight is read when a step will not fit in GPU 0's memory (see
+    `toolkit.simulate.preflight`). LoRA runs are not checked here: their adapters are chosen later."""
+    if kind not in ("pretrain", "finetune_full"):
+        return
+    from toolkit.simulate import preflight
+
+    sharding = distributed.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
+    line = preflight(
+        torch.cuda.get_device_properties(0).total_memory, config, strategy.devices, strategy.num_nodes,
+        train.micro_batch_size, max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
+        finetune=None if kind == "pretrain" else "full",
+    )
+    print(line)
 
 
 def decay_names(model) -> set[str]:
