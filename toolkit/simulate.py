@@ -232,6 +232,7 @@ def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, 
                     _zero_grads(model)
                 optimizer.step()
                 now = _snapshot(tracker)
+                grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
                 optimizer.zero_grad(set_to_none=True)
             # FSDPMemTracker (torch 2.13, on fake tensors) now and then misses FSDP's gathering of
             # parameters: it then counts every gathered copy as an activation that stays alive to
@@ -243,6 +244,8 @@ def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, 
         else:
             raise RuntimeError(f"FSDPMemTracker missed FSDP's parameter gathering in {_ATTEMPTS} attempts")
     persistent = {k: now.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")}
+    if not forward:  # gradients set by hand are not seen by the tracker's gradient hooks: count them
+        persistent["Sharded Grad"] = grads
     return peak, persistent, dict(tracker.calls), tracker.sent, attempt
 
 
@@ -252,6 +255,10 @@ _ATTEMPTS = 6
 def _snapshot(tracker, kind: str = "current") -> dict[str, int]:
     (snap,) = tracker.get_tracker_snapshot(kind).values()  # one device: the CPU
     return {_key(k): v for k, v in snap.items()}
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _zero_grads(model) -> None:
