@@ -194,55 +194,64 @@ def _build(config, plan, finetune, lora, mesh):
 def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, micro_batches, forward):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
+
     from toolkit.training.session import make_adamw
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
         optimizer = make_adamw(model, decay, train, foreach=True)
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
-        y = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
-        autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
-        sync = strategy._backward_sync_control
-        # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
-        # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
-        # backward do; later gathers resize them. Seen by the tracker, that first allocation was
-        # counted as activations that are never freed, torch 2.13).
-        if forward:
-            with autocast:
-                loss = model(x, labels=y)
-            loss.backward()
-        else:
-            _zero_grads(model)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        for attempt in range(1, _ATTEMPTS + 1):
-            tracker = _tracker_class()(model, optimizer)
-            tracker.track_inputs((x, y))
-            with tracker:
-                if forward:
-                    for i in range(micro_batches):
-                        tracker.reset_mod_stats()  # per-module stats only; the peak is kept
-                        with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
-                            with autocast:
-                                loss = model(x, labels=y)
-                            (loss * 0.5).backward()  # the loop scales by world_size / target tokens
-                    if train.max_norm is not None:
-                        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
-                else:
-                    _zero_grads(model)
-                optimizer.step()
-                now = _snapshot(tracker)
-                grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-                optimizer.zero_grad(set_to_none=True)
-            # FSDPMemTracker (torch 2.13, on fake tensors) now and then misses FSDP's gathering of
-            # parameters: it then counts every gathered copy as an activation that stays alive to
-            # the end of the backward pass (the peak had no "Unsharded Param" at all, though the
-            # root unit is gathered throughout). Such a count is discarded and the step tracked again.
-            peak = _snapshot(tracker, "peak")
-            if not forward or peak.get("Unsharded Param", 0) > 0:
-                break
-        else:
-            raise RuntimeError(f"FSDPMemTracker missed FSDP's parameter gathering in {_ATTEMPTS} attempts")
+        return tracked_step(model, optimizer, strategy, plan, train, x, x.clone(), micro_batches, forward)
+
+
+def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: int, forward: bool = True):
+    """One untracked step, then one optimizer step under the memory tracker (on fake tensors in
+    `simulate`; on real ones in tests/scripts/simulate_real.py, which proves the simulation).
+    Returns (peak by category, persistent by category, collectives, bytes sent, attempts)."""
+    import torch
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
+    sync = strategy._backward_sync_control
+    # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
+    # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
+    # backward do; later gathers resize them. Seen by the tracker, that first allocation was
+    # counted as activations that are never freed, torch 2.13).
+    if forward:
+        with autocast:
+            loss = model(x, labels=y)
+        loss.backward()
+    else:
+        _zero_grads(model)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for attempt in range(1, _ATTEMPTS + 1):
+        tracker = _tracker_class()(model, optimizer)
+        tracker.track_inputs((x, y))
+        with tracker:
+            if forward:
+                for i in range(micro_batches):
+                    tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+                    with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
+                        with autocast:
+                            loss = model(x, labels=y)
+                        (loss * 0.5).backward()  # the loop scales by world_size / target tokens
+                if train.max_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+            else:
+                _zero_grads(model)
+            optimizer.step()
+            now = _snapshot(tracker)
+            grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+            optimizer.zero_grad(set_to_none=True)
+        # FSDPMemTracker (torch 2.13, on fake tensors) now and then misses FSDP's gathering of
+        # parameters: it then counts every gathered copy as an activation that stays alive to
+        # the end of the backward pass (the peak had no "Unsharded Param" at all, though the
+        # root unit is gathered throughout). Such a count is discarded and the step tracked again.
+        peak = _snapshot(tracker, "peak")
+        if not forward or peak.get("Unsharded Param", 0) > 0:
+            break
+    else:
+        raise RuntimeError(f"FSDPMemTracker missed FSDP's parameter gathering in {_ATTEMPTS} attempts")
     persistent = {k: now.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")}
     if not forward:  # gradients set by hand are not seen by the tracker's gradient hooks: count them
         persistent["Sharded Grad"] = grads

@@ -469,6 +469,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 
 _SCRATCH: dict = {}
+# False: CPU steps allocate the loss's buffers at every call, as on a GPU (tests/scripts/simulate_real.py,
+# which compares a real CPU step with the simulated GPU one, turns the reuse off).
+REUSE_CPU_SCRATCH = True
 
 
 def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
@@ -480,7 +483,7 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, s
     LOSS_CHUNK_BYTES each). CUDA's caching allocator already reuses memory: other devices allocate.
     """
     numel = shape[0] * shape[1]
-    if device.type != "cpu" or _faking():
+    if device.type != "cpu" or _faking() or not REUSE_CPU_SCRATCH:
         return torch.empty(shape, dtype=dtype, device=device)
     key = (dtype, slot)
     buffer = _SCRATCH.get(key)
