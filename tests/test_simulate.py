@@ -34,8 +34,13 @@ def step_8b():
 @pytest.mark.parametrize(
     "name, layouts",
     [
-        ("llama-3.1-8b", [("FULL_SHARD", 8, 1), ("FULL_SHARD", 16, 1), ("HYBRID_SHARD", 8, 2), ("FULL_SHARD", 8, 8)]),
-        ("llama-3.1-70b", [("FULL_SHARD", 8, 1), ("HYBRID_SHARD", 8, 8), ("FULL_SHARD", 8, 8)]),
+        # 8 -> 64 ranks, and HYBRID over 2 nodes, which shards over the 8 ranks of a node only
+        ("llama-3.1-8b", [("FULL_SHARD", 8, 1), ("HYBRID_SHARD", 8, 2), ("FULL_SHARD", 8, 8)]),
+        ("llama-3.1-70b", [("FULL_SHARD", 8, 1), ("FULL_SHARD", 8, 8)]),
+        pytest.param("llama-3.1-8b", [("FULL_SHARD", 8, 1), ("FULL_SHARD", 16, 1), ("HYBRID_SHARD", 8, 8),
+                                      ("FULL_SHARD", 8, 64)], marks=pytest.mark.slow, id="8b-full-grid"),
+        pytest.param("llama-3.1-70b", [("FULL_SHARD", 8, 1), ("HYBRID_SHARD", 8, 8), ("FULL_SHARD", 8, 2),
+                                       ("FULL_SHARD", 8, 64)], marks=pytest.mark.slow, id="70b-full-grid"),
     ],
 )
 def test_params_grads_optimizer_fall_as_one_over_the_shard_group(name, layouts):

@@ -199,7 +199,10 @@ def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, 
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
-        optimizer = make_adamw(model, decay, train, foreach=True)
+        # foreach (as on GPUs) for the step's temporaries; for the persistent figures alone the
+        # per-tensor step makes the same state in a fraction of the time (DTensor's sharding
+        # propagation of one foreach op over hundreds of tensors took seconds, torch 2.13)
+        optimizer = make_adamw(model, decay, train, foreach=forward)
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
         return tracked_step(model, optimizer, strategy, plan, train, x, x.clone(), micro_batches, forward)
 
@@ -223,6 +226,8 @@ def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: i
     else:
         _zero_grads(model)
     optimizer.step()
+    if not forward:  # only the persistent figures: read them from the tensors, no tracked step
+        return {}, _persistent(model, optimizer), {}, 0, 1
     optimizer.zero_grad(set_to_none=True)
     for attempt in range(1, _ATTEMPTS + 1):
         tracker = _tracker_class()(model, optimizer)
@@ -241,24 +246,38 @@ def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: i
                 _zero_grads(model)
             optimizer.step()
             now = _snapshot(tracker)
-            grads = sum(_local(p.grad).numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
             optimizer.zero_grad(set_to_none=True)
         # FSDPMemTracker (torch 2.13, on fake tensors) now and then misses FSDP's gathering of
         # parameters: it then counts every gathered copy as an activation that stays alive to
         # the end of the backward pass (the peak had no "Unsharded Param" at all, though the
         # root unit is gathered throughout). Such a count is discarded and the step tracked again.
         peak = _snapshot(tracker, "peak")
-        if not forward or peak.get("Unsharded Param", 0) > 0:
+        if peak.get("Unsharded Param", 0) > 0:
             break
     else:
         raise RuntimeError(f"FSDPMemTracker missed FSDP's parameter gathering in {_ATTEMPTS} attempts")
     persistent = {k: now.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")}
-    if not forward:  # gradients set by hand are not seen by the tracker's gradient hooks: count them
-        persistent["Sharded Grad"] = grads
     return peak, persistent, dict(tracker.calls), tracker.sent, attempt
 
 
 _ATTEMPTS = 6
+
+
+def _persistent(model, optimizer) -> dict[str, int]:
+    """Bytes of the storages of the rank's parameter shards (FSDP2 pads them to equal shards, each
+    parameter in its own storage), gradients and optimizer state, as the tracker counts them."""
+    import torch
+
+    def storages(tensors) -> int:
+        return sum(_local(t).untyped_storage().nbytes() for t in tensors)
+
+    params = list(model.parameters())
+    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return {
+        "Sharded Param": storages(params),
+        "Sharded Grad": storages(p.grad for p in params if p.grad is not None),
+        "OptState": storages(states),
+    }
 
 
 def _snapshot(tracker, kind: str = "current") -> dict[str, int]:
