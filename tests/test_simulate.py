@@ -128,31 +128,56 @@ REAL_BATCH, REAL_SEQ, REAL_MICRO_BATCHES, REAL_LORA_R = 2, 256, 2, 4
 REAL_SETUPS = ["bf16-mixed:pretrain", "32-true:full", "bf16-mixed:lora", "bf16-mixed:full:checkpointing"]
 
 
-@pytest.fixture(scope="module")
-def real_run(tmp_path_factory):
+class _RealRun:
     """tests/scripts/simulate_real.py on 2 gloo processes: `tracked_step` with real tensors."""
-    out = tmp_path_factory.mktemp("simulate_real")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    env |= {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore"}
-    command = [sys.executable, str(Path(__file__).parent / "scripts" / "simulate_real.py"), "--out", str(out),
-               "--world", "2", "--preset", "llama-3.1-8b", "--overrides", json.dumps(REAL_OVERRIDES),
-               "--micro-batch", str(REAL_BATCH), "--seq", str(REAL_SEQ), "--micro-batches", str(REAL_MICRO_BATCHES),
-               "--lora-r", str(REAL_LORA_R), "--setups", ",".join(REAL_SETUPS)]  # fmt: skip
-    procs = [subprocess.Popen(command, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for r in range(2)]  # fmt: skip
-    try:
-        outputs = [proc.communicate(timeout=300)[0] for proc in procs]
-    finally:
-        for proc in procs:
+
+    def __init__(self, out: Path) -> None:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+        env |= {"OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONWARNINGS": "ignore"}
+        command = [sys.executable, str(Path(__file__).parent / "scripts" / "simulate_real.py"), "--out", str(out),
+                   "--world", "2", "--preset", "llama-3.1-8b", "--overrides", json.dumps(REAL_OVERRIDES),
+                   "--micro-batch", str(REAL_BATCH), "--seq", str(REAL_SEQ), "--micro-batches", str(REAL_MICRO_BATCHES),
+                   "--lora-r", str(REAL_LORA_R), "--setups", ",".join(REAL_SETUPS)]  # fmt: skip
+        self.out = out
+        self.procs = [subprocess.Popen(command, env=env | {"RANK": str(r)}, stdout=subprocess.PIPE,
+                                       stderr=subprocess.STDOUT, text=True) for r in range(2)]  # fmt: skip
+        self._result: dict | None = None
+
+    def result(self) -> dict:
+        """Rank 0's figures by set-up, once both processes ended."""
+        if self._result is None:
+            try:
+                outputs = [proc.communicate(timeout=300)[0] for proc in self.procs]
+            finally:
+                self.close()
+            for proc, output in zip(self.procs, outputs):
+                assert proc.returncode == 0, output[-4000:]
+            self._result = json.loads((self.out / "rank0.json").read_text())
+        return self._result
+
+    def close(self) -> None:
+        for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
-    for proc, output in zip(procs, outputs):
-        assert proc.returncode == 0, output[-4000:]
-    return json.loads((out / "rank0.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory):
+    run = _RealRun(tmp_path_factory.mktemp("simulate_real"))
+    yield run
+    run.close()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _start_real_run_early(request):
+    """Start the real run with the module's first test when a selected test reads it: it runs on
+    the second core while the simulations run on the first (its tests come last)."""
+    if any("real_run" in item.fixturenames for item in request.session.items if item.module is request.module):
+        request.getfixturevalue("real_run")
 
 
 @pytest.mark.parametrize("setup", REAL_SETUPS)
@@ -168,7 +193,7 @@ def test_simulated_peak_matches_the_real_step(real_run, setup):
         None if finetune == "pretrain" else finetune, LoRAArgs(r=REAL_LORA_R) if finetune == "lora" else None,
         rest == ["checkpointing"], REAL_MICRO_BATCHES,
     )  # fmt: skip
-    real = real_run[setup]
+    real = real_run.result()[setup]
     assert real["peak"]["Total"] > 15 * 2**20  # the step did run: activations, gathered blocks, the loss
     assert sim.peak_total == pytest.approx(real["peak"]["Total"], rel=1e-3)
     for key in CATEGORIES:

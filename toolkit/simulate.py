@@ -199,10 +199,7 @@ def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, 
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
-        # foreach (as on GPUs) for the step's temporaries; for the persistent figures alone the
-        # per-tensor step makes the same state in a fraction of the time (DTensor's sharding
-        # propagation of one foreach op over hundreds of tensors took seconds, torch 2.13)
-        optimizer = make_adamw(model, decay, train, foreach=forward)
+        optimizer = make_adamw(model, decay, train, foreach=True)  # as on GPUs: its temporaries count
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
         return tracked_step(model, optimizer, strategy, plan, train, x, x.clone(), micro_batches, forward)
 
@@ -225,7 +222,14 @@ def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: i
         loss.backward()
     else:
         _zero_grads(model)
+    # The untracked step only creates AdamW's state: per tensor, the same state in a fraction of the
+    # time (DTensor's sharding propagation of a foreach op over hundreds of tensors takes seconds).
+    foreach = [group.get("foreach") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["foreach"] = False
     optimizer.step()
+    for group, value in zip(optimizer.param_groups, foreach):
+        group["foreach"] = value
     if not forward:  # only the persistent figures: read them from the tensors, no tracked step
         return {}, _persistent(model, optimizer), {}, 0, 1
     optimizer.zero_grad(set_to_none=True)
