@@ -87,6 +87,18 @@ def test_simulated_step_matches_the_analytic_estimate(step_8b):
     assert step_8b.sent_bytes == pytest.approx((gathered + reduced) * 7 / 8, rel=0.02)
 
 
+# LoRA (not tested here: a simulated 8B LoRA step costs 15-40 s). Without checkpointing the
+# analytic total matches (8B, 8 ranks FULL_SHARD, r 8 on query and value, dropout 0.05: 15.25 GiB
+# analytic, 15.34 simulated). With checkpointing the analytic total is 9% low (6.04 vs 6.62 GiB)
+# because it misses a moment: the simulated peak is in the forward pass, when block 0 is gathered
+# while the root unit's flat all-gather output is still alive beside the root's gathered copies
+# (FSDP2 frees a unit's flat output at the next unit's copy-out, `wait_for_unshard`, torch 2.13):
+# sharded parameters 1.87 + root copies 1.96 (frozen, bf16) + all-gather outputs 2.36 (the root's
+# 1.96 and block 0's 0.41) + activations 0.42 GiB. Under LoRA nothing else is large, so this
+# transient is the peak; in pretraining and full fine-tuning the optimizer state and the backward
+# pass are larger. The analytic `fsdp_buffers` has no "root gathered twice" moment (issue 19).
+
+
 def test_preflight_refuses_what_the_simulation_says_does_not_fit(step_8b):
     eighty = 80 * 10**9
     config = Config.from_name("llama-3.1-8b")
