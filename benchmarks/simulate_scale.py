@@ -8,7 +8,9 @@ per node, HYBRID_SHARD (shard within a node, replicate across nodes) and FULL_SH
 GPUs; on one node of 8 both are the same and one row is shown). Micro-batch 1 of 2048 tokens,
 bf16-mixed, activation checkpointing on, two micro-batches per optimizer step (so that gradients
 are alive during a forward pass, as whenever the global batch is larger than one micro-batch per
-GPU). Figures are GiB of live tensors on rank 0; the CUDA context, NCCL's buffers and the caching
+GPU). The categories are at the moment of the peak (P+G+O: sharded parameters, gradients, AdamW
+state; gathered params: unsharded parameters and all-gather outputs); "P+G+O after step" is the
+persistent state after the optimizer step. Figures are GiB of live tensors on rank 0; the CUDA context, NCCL's buffers and the caching
 allocator's fragmentation come on top.
 
     python benchmarks/simulate_scale.py --out benchmarks/results/simulate_scale.jsonl
@@ -85,12 +87,13 @@ def table(path: Path) -> str:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     order = {m: i for i, m in enumerate(MODELS)} | {m: i for i, m in enumerate(MODES)}
     rows.sort(key=lambda r: (order[r["key"][0]], order[r["key"][1]], r["key"][3], r["key"][2] != "HYBRID_SHARD"))
-    head = ["model", "training", "GPUs", "sharding", "peak"] + [c for c, _ in COLUMNS] + ["sent/step"]
+    head = ["model", "training", "GPUs", "sharding", "peak"] + [c for c, _ in COLUMNS] + ["P+G+O after step", "sent/step"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         model, mode, sharding, gpus = r["key"]
         cells = [model, mode, str(gpus), "HYBRID" if sharding == "HYBRID_SHARD" else "FULL", f"**{r['peak_total'] / GiB:.1f}**"]
         cells += [f"{sum(r['peak'].get(k, 0) for k in keys) / GiB:.1f}" for _, keys in COLUMNS]
+        cells.append(f"{sum(r['persistent'].values()) / GiB:.1f}")
         cells.append(f"{r['sent'] / GiB:.1f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
