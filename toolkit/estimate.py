@@ -887,6 +887,7 @@ def estimate(
     activation_checkpointing: Optional[bool] = None,
     memory_budget_gb: Optional[float] = None,
     model_overrides: Optional[dict[str, Any]] = None,
+    simulate: bool = False,
 ) -> dict[str, Any]:
     """Estimate the memory per device of a training step, for each distributed strategy.
 
@@ -912,6 +913,10 @@ def estimate(
             activations (false), or show both (default).
         memory_budget_gb: Memory per device in GiB; recommends the cheapest configuration that fits.
         model_overrides: Config fields to change, e.g. '{n_layer: 2}'.
+        simulate: Also run the real training step (FSDP2, LoRA, precision, AdamW) on fake tensors
+            and devices x num_nodes fake ranks, and print each rank's peak by category and the
+            bytes it sends per step (`toolkit.simulate`; up to a minute for 70B). For the FSDP
+            sharding given (default HYBRID_SHARD); not for QLoRA (bitsandbytes needs real data).
     """
     opts, columns, notes, chosen_ckpt = _resolve(
         model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
@@ -942,6 +947,35 @@ def estimate(
             opts, columns, micro_batch_size, memory_budget_gb, chosen_ckpt, devices, num_nodes
         )
     print(format_table(result))
+    if simulate:
+        result["simulation"] = _simulate(opts, devices, num_nodes, micro_batch_size, sharding, lora_r, lora_targets,
+                                         lora_dropout, bool(activation_checkpointing))
+    return result
+
+
+def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, lora_r, lora_targets, lora_dropout,
+              checkpointing: bool):  # fmt: skip
+    """Run `toolkit.simulate` for the set-up, print its table; None (with a note) where it cannot run."""
+    if opts.quantize is not None:
+        print(f"note: {opts.quantize} cannot be simulated (bitsandbytes kernels need real data): the figures above "
+              "are the analytic estimate.")
+        return None
+    if devices * num_nodes == 1:
+        print("note: the simulation runs FSDP over more than one device; for one device the analytic figures stand.")
+        return None
+    from toolkit.simulate import simulate
+
+    lora = None
+    if opts.finetune == "lora":
+        from toolkit.finetune.lora import LoRAArgs
+
+        lora = LoRAArgs(r=lora_r, alpha=2 * lora_r, dropout=lora_dropout, targets=tuple(lora_targets))
+    result = simulate(
+        opts.config, devices, num_nodes, micro_batch_size, opts.max_seq_length, opts.precision,
+        sharding or "HYBRID_SHARD", opts.finetune, lora, checkpointing,
+    )
+    print()
+    print(result.table())
     return result
 
 

@@ -406,7 +406,7 @@ def linear_cross_entropy_sum(
     if chunk_rows is None:
         chunk_rows = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
     if skip_ignored is None:
-        skip_ignored = device_type == "cpu"
+        skip_ignored = _host_cpu(hidden)
     # Under no_grad (validation) the Function still reports that its inputs require grad: ask here.
     want_grad = torch.is_grad_enabled()
     return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad)
@@ -505,6 +505,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 
 _SCRATCH: dict = {}
+# False: CPU steps allocate the loss's buffers at every call, as on a GPU (tests/scripts/simulate_real.py,
+# which compares a real CPU step with the simulated GPU one, turns the reuse off).
+REUSE_CPU_SCRATCH = True
 
 
 def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
@@ -516,7 +519,7 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, s
     LOSS_CHUNK_BYTES each). CUDA's caching allocator already reuses memory: other devices allocate.
     """
     numel = shape[0] * shape[1]
-    if device.type != "cpu":
+    if device.type != "cpu" or _faking() or not REUSE_CPU_SCRATCH:
         return torch.empty(shape, dtype=dtype, device=device)
     key = (dtype, slot)
     buffer = _SCRATCH.get(key)
@@ -524,6 +527,19 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, s
         _SCRATCH.pop(key, None)
         buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype)
     return buffer[:numel].view(shape)
+
+
+def _faking() -> bool:
+    """True under a FakeTensorMode (`toolkit.simulate`): tensors have shapes but no values."""
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
+
+
+def _host_cpu(tensor: torch.Tensor) -> bool:
+    """A real CPU tensor. Fake tensors (`toolkit.simulate`) take the GPU path: finding ignored rows
+    needs values, and keeping scratch buffers between calls would keep fake tensors alive."""
+    return tensor.device.type == "cpu" and not _faking()
 
 
 def _compiling() -> bool:

@@ -187,6 +187,8 @@ class DistributedArgs:
             (torch's distributed checkpoint: fast, and it reshards when loaded on another number
             of devices), "full" gathers everything into a single file on rank 0. The final
             exported model is always full.
+        preflight: on a GPU, compare the expected peak memory per device with the device's memory
+            before any weight is read, and stop with the settings that would fit if it does not.
         timeout: seconds a collective (a barrier, a gradient reduction) waits for the other
             processes before the run fails. Rank 0 prepares data alone while the others wait, so
             this must outlast the first tokenization of a large corpus.
@@ -198,3 +200,4 @@ class DistributedArgs:
     cpu_offload: bool = False
     state_dict_type: StateDictTypeName = "sharded"
     timeout: int = 3600
+    preflight: bool = True

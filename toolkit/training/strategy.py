@@ -495,33 +495,7 @@ def _build_sharded_strategy_class() -> type:
             self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
 
         def setup_module(self, module: nn.Module) -> nn.Module:
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-            mesh = self.device_mesh
-            if self.plan.activation_checkpointing:
-                _checkpoint_blocks(module, self.block_cls)
-            precision = self.plan.precision
-            compute_dtype = precision_dtypes(precision)[1]
-            reduce_dtype = None if precision.endswith("-true") and precision != "32-true" else torch.float32
-            offload = CPUOffloadPolicy() if self.plan.cpu_offload else OffloadPolicy()
-            # Blocks: under "*-mixed" the float32 weights are cast to the compute dtype before the
-            # all-gather, so the gathered copy is 16-bit and autocast has nothing to cast (left to
-            # autocast, it would keep a 16-bit copy of every block's weights until the backward
-            # pass: a whole model's worth per rank). Inputs are not cast: the residual stream
-            # stays in the dtype the single-device model uses.
-            block_policy = MixedPrecisionPolicy(
-                param_dtype=compute_dtype if precision.endswith("-mixed") else None,
-                reduce_dtype=reduce_dtype, cast_forward_inputs=False,
-            )
-            for unit in _block_units(module, self.block_cls):
-                fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
-                            reshard_after_forward=self.sharding != "SHARD_GRAD_OP")
-            # The root: embeddings, final norm and head, in their stored dtypes (the embedding's
-            # output starts the residual stream). FSDP2's default keeps the root gathered from
-            # its forward pass to its backward pass, which begins with the head.
-            fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
-                        offload_policy=offload)
-            return module
+            return shard_model(module, self.device_mesh, self.plan, self.block_cls)
 
     class _DeferCrossReplicaReduce(_BackwardSyncControl):
         def no_backward_sync(self, module: nn.Module, enabled: bool):
@@ -541,6 +515,39 @@ def _build_sharded_strategy_class() -> type:
                 unit.set_requires_all_reduce(True, recurse=False)
 
     return ShardedStrategy
+
+
+def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: type[nn.Module]) -> nn.Module:
+    """`module` sharded in place with FSDP2 on `mesh` as training shards it: one unit per `block_cls`
+    (checkpointed when the plan asks), then the root. `ShardedStrategy.setup_module` calls it;
+    so does the simulation (`toolkit.simulate`), on a fake process group."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if plan.activation_checkpointing:
+        _checkpoint_blocks(module, block_cls)
+    precision = plan.precision
+    compute_dtype = precision_dtypes(precision)[1]
+    reduce_dtype = None if precision.endswith("-true") and precision != "32-true" else torch.float32
+    offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+    # Blocks: under "*-mixed" the float32 weights are cast to the compute dtype before the
+    # all-gather, so the gathered copy is 16-bit and autocast has nothing to cast (left to
+    # autocast, it would keep a 16-bit copy of every block's weights until the backward
+    # pass: a whole model's worth per rank). Inputs are not cast: the residual stream
+    # stays in the dtype the single-device model uses.
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if precision.endswith("-mixed") else None,
+        reduce_dtype=reduce_dtype, cast_forward_inputs=False,
+    )
+    for unit in _block_units(module, block_cls):
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
+                    reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
+    # The root: embeddings, final norm and head, in their stored dtypes (the embedding's
+    # output starts the residual stream). FSDP2's default keeps the root gathered from
+    # its forward pass to its backward pass, which begins with the head.
+    fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
+                offload_policy=offload)
+    return module
 
 
 def _block_units(module: nn.Module, block_cls: type[nn.Module]) -> list[nn.Module]:
