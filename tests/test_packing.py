@@ -10,10 +10,11 @@ import math
 
 import pytest
 import torch
-from conftest import ASSETS
+from conftest import ASSETS, logged_val_losses
 from peft import get_peft_model
 from peft.tuners.lora import LoraLayer
 
+from toolkit.cli import run
 from toolkit.data.chat import Chat
 from toolkit.data.instruct import IGNORE_INDEX, Alpaca, PackedSamples, pack_lengths
 from toolkit.finetune.lora import LoRAArgs, init_adapters
@@ -198,3 +199,27 @@ def test_packed_conversations_keep_their_assistant_only_labels(llama2):
     # Validation packs too, and counts the same targets as unpacked.
     val = data.val_dataloader(micro_batch_size=2)
     assert sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in val) == data._val.num_targets
+
+
+# ---------------------------------------------------------------------------------------------------
+# Through the command line
+
+
+def test_a_packed_lora_run_validates_to_the_unpacked_loss(base, tmp_path):
+    """finetune_lora with --data.packing true: the same validation conversations, packed by the data
+    module and passed through Fabric, peft and the loop, give the unpacked validation loss."""
+    losses = {}
+    for packing in ("false", "true"):
+        out = tmp_path / f"packing-{packing}"
+        assert run([
+            "finetune_lora", str(base["checkpoint"]), "--out_dir", str(out),
+            "--data", "Chat", "--data.json_path", str(FASTCHAT), "--data.val_split_fraction", "0.1",
+            "--data.chat_template", "llama-2", "--data.packing", packing,
+            "--precision", "32-true", "--train.micro_batch_size", "2", "--train.max_seq_length", "256",
+            "--train.max_steps", "1", "--eval.max_iters", "100", "--eval.initial_validation", "true",
+            "--eval.final_validation", "false",
+            "--log.loggers", "[csv]",
+        ]) == 0
+        losses[packing] = logged_val_losses(out)
+    assert len(losses["true"]) == len(losses["false"]) == 1
+    assert losses["true"][0] == pytest.approx(losses["false"][0], rel=1e-5)
