@@ -252,9 +252,10 @@ def segment_attention(
 
     One causal SDPA call per sample, the CPU form of a variable-length ("varlen") kernel: a sample
     of n tokens costs n^2 / 2, never the T^2 of a block-diagonal mask over the whole row.
-    Measured on CPU (benchmarks/packing.py --attention): at T=2048 with 8 samples per row, one
-    call per sample took 114 ms forward + backward, SDPA with a boolean mask 1041 ms, plain causal
-    SDPA over the row 394 ms; flex_attention has no backward on CPU in torch 2.13.
+    Measured on CPU (benchmarks/packing.py --attention, figures in benchmarks/README.md): at T=2048
+    with 8 samples per row, one call per sample took 189 ms forward + backward, SDPA with a boolean
+    block-diagonal mask 1320 ms, plain causal SDPA over the row 812 ms; flex_attention has no
+    backward on CPU in torch 2.13. On a GPU a varlen kernel would replace this loop.
     """
     rows = []
     for b, lengths in enumerate(segments):
