@@ -93,6 +93,21 @@ def test_a_packed_row_is_its_samples_unpacked_rows_one_after_another(alpaca):
     assert loader.padding_fraction(0) < 0.05
 
 
+def test_a_packed_loader_resumes_at_the_exact_next_batch(alpaca):
+    loader = alpaca.train_dataloader(micro_batch_size=2, seed=5)
+    batches = iter(loader)
+    for _ in range(3):
+        next(batches)
+    state = loader.state_dict()
+    expected = next(batches)
+    resumed = alpaca.train_dataloader(micro_batch_size=2, seed=5)
+    resumed.load_state_dict(state)
+    got = next(iter(resumed))
+    assert all(torch.equal(got[key], expected[key]) for key in ("input_ids", "labels", "document_ids"))
+    # Its fingerprint is not the unpacked samples': switching packing on or off is seen on resume.
+    assert state["samples_checksum"] != alpaca._train.checksum
+
+
 def test_positions_restart_at_every_sample():
     doc = torch.tensor([[0, 0, 0, 1, 1, -1], [0, 1, 1, 1, 1, 1]])
     positions, segments = document_segments(doc)
