@@ -29,7 +29,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 from toolkit.data.prompts import PromptStyle, resolve_style
 from toolkit.errors import UserError
@@ -892,13 +892,19 @@ class Alpaca(InstructData, _InstructOptions):
 
     def read_examples(self, path: Path, what: str) -> list[Example]:
         hint = "Alpaca records have instruction, input and output; for other field names use --data JSON"
-        examples = []
-        for where, record in self.read_records(path, what):
-            instruction = _text_field(path, where, record, "instruction", hint, True)
-            response = _text_field(path, where, record, "output", hint, True)
-            text_input = _text_field(path, where, record, "input", hint, False)
-            examples.append(Example(instruction, text_input, response, where))
-        return examples
+        return alpaca_examples(path, self.read_records(path, what), hint)
+
+
+def alpaca_examples(path: Path | str, records: Iterable[tuple[str, dict]], hint: str) -> list[Example]:
+    """Examples from (where, record) pairs with "instruction", "output" and an optional "input";
+    `hint` ends the one-line error for a record without them."""
+    examples = []
+    for where, record in records:
+        instruction = _text_field(path, where, record, "instruction", hint, True)
+        response = _text_field(path, where, record, "output", hint, True)
+        text_input = _text_field(path, where, record, "input", hint, False)
+        examples.append(Example(instruction, text_input, response, where))
+    return examples
 
 
 __all__ = [
