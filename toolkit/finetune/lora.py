@@ -150,6 +150,16 @@ def quantize_linears(model, mode: str, precision: str):
     return model
 
 
+def scheme_shards(scheme, devices, num_nodes: int) -> int:
+    """Over how many ranks each frozen weight is split: 1 unless sharded; the devices of one node under HYBRID_SHARD."""
+    from toolkit.training.strategy import plan_strategy
+
+    if scheme.scheme != "sharded":
+        return 1
+    plan = plan_strategy(devices, num_nodes, "32-true", scheme.dist)
+    return plan.mesh[0][-1] if plan.mesh else 1
+
+
 def finetune_lora(
     checkpoint_dir: Path,
     out_dir: Path = Path("out/finetune/lora"),
@@ -174,8 +184,9 @@ def finetune_lora(
         data: Instruction data: `Alpaca`, `JSON` (records with configurable field names), or `Chat`
             (multi-turn conversations in the model's chat template).
         lora: Adapter rank, alpha, dropout and targets.
-        quantize: Store the frozen base in 4-bit (nf4, fp4; -dq also quantizes the scales) or 8-bit
-            with bitsandbytes (QLoRA).
+        quantize: Store the frozen base in 4 bits (QLoRA): nf4 (torchao's NF4, sharded by FSDP2 on
+            several devices), or with bitsandbytes, replicated on every device: bnb.nf4, bnb.fp4
+            (-dq also quantizes the scales) or bnb.int8.
         train: Optimisation and stopping (default: one epoch).
         eval: Validation cadence.
         log: Logging cadence and destinations.
@@ -203,6 +214,7 @@ def finetune_lora(
 
         # On more than one device the quantized base is replicated and DDP synchronises the adapters.
         scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
+        shards = scheme_shards(scheme, devices, num_nodes)
         distributed = scheme.dist
         startup_notes.append(scheme.describe())
 
@@ -213,7 +225,14 @@ def finetune_lora(
     def prepare(model):
         from peft import get_peft_model
 
-        if quantize is not None:
+        if quantize == "nf4":
+            from toolkit.training.nf4 import check_nf4_shardable, quantize_blocks_nf4
+            from toolkit.training.precision import precision_dtypes
+
+            # Under FSDP the model is still on the meta device: each rank quantizes its own rows later.
+            check_nf4_shardable(model, shards)
+            quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1])
+        elif quantize is not None:
             model = quantize_linears(model, quantize, resolved_precision)
         # peft freezes every weight that is not an adapter.
         model = get_peft_model(model, lora.peft_config())
