@@ -11,6 +11,7 @@ real DDP on gloo; the base is the session's tiny Llama saved in bfloat16, as pub
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,7 +33,7 @@ STEPS = 6
 # scale moves the adapters by about 1e-3.
 TOLERANCE = 1e-6
 # nf4 runs the default precision (bf16-mixed), int8 runs 32-true: both precisions, no extra runs.
-PRECISION = {"bnb.nf4": "bf16-mixed", "bnb.int8": "32-true"}
+PRECISION = {"bnb.nf4": "bf16-mixed", "bnb.int8": "32-true", "nf4": "bf16-mixed"}
 
 
 def _args(base: Path, data: Path, out_dir: Path, mode: str, *extra: str) -> list[str]:
@@ -59,13 +60,38 @@ def _assert_same_adapter(out_dir: Path, reference: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def single(bf16_base, sums, tmp_path_factory) -> dict:
+def wide_base(base, tmp_path_factory) -> Path:
+    """A tiny random Llama wide enough for torchao's NF4 to shard over 4 ranks (every block weight in
+    whole groups of 16384 values per rank: 256 x 256 and 512 x 256), saved in bfloat16 and converted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.convert import convert_from_hf
+
+    root = tmp_path_factory.mktemp("wide")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(base["hf_dir"] / name, root / "hf" / name)
+    convert_from_hf(root / "hf", root / "checkpoint")
+    return root / "checkpoint"
+
+
+def _base_for(mode: str, bf16_base: Path, wide_base) -> Path:
+    return wide_base if mode == "nf4" else bf16_base
+
+
+@pytest.fixture(scope="module")
+def single(bf16_base, sums, tmp_path_factory, request) -> dict:
     """One-process QLoRA runs, one per mode, made when first asked for: {mode: adapter}."""
     root, runs = tmp_path_factory.mktemp("qlora-one"), {}
 
     def get(mode: str) -> dict:
         if mode not in runs:
-            log = run_toolkit(_args(bf16_base, sums, root / mode, mode))
+            checkpoint = request.getfixturevalue("wide_base") if mode == "nf4" else bf16_base
+            log = run_toolkit(_args(checkpoint, sums, root / mode, mode))
             assert "QLoRA scheme: single" in log
             runs[mode] = _adapter(root / mode)
             # The adapters did train (B starts at zero).
@@ -137,3 +163,10 @@ def test_forcing_fsdp_on_a_quantized_base_is_one_clear_line(bf16_base, sums, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot shard" in err[0] and "--distributed.strategy auto" in err[0], err
     assert not out.exists()
+
+
+def test_nf4_on_two_processes_is_sharded_and_trains_the_adapter_of_one_process(wide_base, sums, single, tmp_path):
+    out = tmp_path / "two"
+    log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", "2"))
+    assert "QLoRA scheme: sharded" in log and "strategy: FSDP2 FULL_SHARD over 2 processes" in log
+    _assert_same_adapter(out, single("nf4"), "nf4 on 2 processes")

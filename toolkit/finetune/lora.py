@@ -150,6 +150,13 @@ def quantize_linears(model, mode: str, precision: str):
     return model
 
 
+def current_device():
+    """The device this rank trains on (Fabric has set the current CUDA device by the time models are built)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def scheme_shards(scheme, devices, num_nodes: int) -> int:
     """Over how many ranks each frozen weight is split: 1 unless sharded; the devices of one node under HYBRID_SHARD."""
     from toolkit.training.strategy import plan_strategy
@@ -231,7 +238,7 @@ def finetune_lora(
 
             # Under FSDP the model is still on the meta device: each rank quantizes its own rows later.
             check_nf4_shardable(model, shards)
-            quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1])
+            quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1], current_device())
         elif quantize is not None:
             model = quantize_linears(model, quantize, resolved_precision)
         # peft freezes every weight that is not an adapter.

@@ -100,8 +100,14 @@ def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: Re
     shard_dims = [i for i, p in enumerate(param.placements) if p.is_shard()]
     for dim in shard_dims:
         dist.all_reduce(total, group=param.device_mesh.get_group(dim))
+    quantized = nf4_from_rows(rows, local.dtype, total, param.numel() // BLOCK)
+    # Inner tensor by inner tensor, in place: torchao's `copy_` re-quantizes when the block counts
+    # differ (a shard keeps the block count of the whole weight), and FSDP holds views of `local`
+    # that share its inner tensors. The mean and the level table are real already
+    # (`quantize_blocks_nf4` made them on this device; `to_empty` allocates only the sharded ones).
     with torch.no_grad():
-        local.copy_(nf4_from_rows(rows, local.dtype, total, param.numel() // BLOCK))
+        for inner in local.__tensor_flatten__()[0]:
+            getattr(local, inner).copy_(getattr(quantized, inner))
 
 
 def _refuse_meta_buffers(model: nn.Module) -> None:

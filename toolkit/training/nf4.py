@@ -104,12 +104,15 @@ def nf4_linear_class() -> type:
     return _CLASSES[0]
 
 
-def quantize_blocks_nf4(model, dtype: Any) -> None:
+def quantize_blocks_nf4(model, dtype: Any, device: Any = "cpu") -> None:
     """Replace every Linear inside the blocks by an NF4Linear holding its weight in NF4 (`dtype` to compute).
 
     On the meta device (the sharded path) the NF4 weights are empty, filled later rank by rank
-    (`toolkit.training.model_setup.setup_model`); with real weights they are quantized here.
+    (`toolkit.training.model_setup.setup_model`), except for two small tensors FSDP does not shard
+    and `to_empty` does not allocate: the mean and the 16-level table, made here on `device` (where
+    the rank trains) and filled in place later. With real weights they are quantized here.
     """
+    import torch
     import torch.nn as nn
 
     cls = nf4_linear_class()
@@ -119,7 +122,11 @@ def quantize_blocks_nf4(model, dtype: Any) -> None:
                 if not isinstance(child, nn.Linear) or isinstance(child, cls):
                     continue
                 layer = cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                layer.weight = nn.Parameter(nf4_quantize(child.weight.detach(), dtype), requires_grad=False)
+                weight = nf4_quantize(child.weight.detach(), dtype)
+                if weight.is_meta:
+                    weight.scaler_mean = torch.zeros((), dtype=dtype, device=device)
+                    weight.nf4 = torch.zeros(len(NF4_LEVELS), dtype=dtype, device=device)
+                layer.weight = nn.Parameter(weight, requires_grad=False)
                 if child.bias is not None:
                     layer.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
                 setattr(parent, child_name, layer)
