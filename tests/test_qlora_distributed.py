@@ -86,18 +86,20 @@ def _base_for(mode: str, bf16_base: Path, wide_base) -> Path:
 @pytest.fixture(scope="module")
 def single(bf16_base, sums, tmp_path_factory, request) -> dict:
     """One-process QLoRA runs, one per mode, made when first asked for: {mode: adapter}."""
-    root, runs = tmp_path_factory.mktemp("qlora-one"), {}
+    root, runs, logs = tmp_path_factory.mktemp("qlora-one"), {}, {}
 
     def get(mode: str) -> dict:
         if mode not in runs:
             checkpoint = request.getfixturevalue("wide_base") if mode == "nf4" else bf16_base
             log = run_toolkit(_args(checkpoint, sums, root / mode, mode))
             assert "QLoRA scheme: single" in log
+            logs[mode] = log
             runs[mode] = _adapter(root / mode)
             # The adapters did train (B starts at zero).
             assert max(v.abs().max().item() for k, v in runs[mode].items() if "lora_B" in k) > 1e-3
         return runs[mode]
 
+    get.logs = logs  # type: ignore[attr-defined]  # {mode: the run's output}
     return get
 
 
@@ -165,8 +167,73 @@ def test_forcing_fsdp_on_a_quantized_base_is_one_clear_line(bf16_base, sums, tmp
     assert not out.exists()
 
 
+def _nf4_bytes(log: str) -> list[int]:
+    line = next(line for line in log.splitlines() if line.startswith("NF4 base bytes per rank: "))
+    return [int(b) for b in line.split(": ")[1].split(", ")]
+
+
+# The same quantization on 1 and 2 processes (each rank quantizes its own rows with the whole weight's
+# mean: bit-identical bytes), so the adapters match to TOLERANCE, measured bit-identical on gloo.
 def test_nf4_on_two_processes_is_sharded_and_trains_the_adapter_of_one_process(wide_base, sums, single, tmp_path):
     out = tmp_path / "two"
     log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", "2"))
     assert "QLoRA scheme: sharded" in log and "strategy: FSDP2 FULL_SHARD over 2 processes" in log
     _assert_same_adapter(out, single("nf4"), "nf4 on 2 processes")
+
+    # The NF4 bytes each rank holds (codes, scales, factors, mean) are half of one process's; the
+    # only overhead is the 2-byte mean of each of the 14 weights, held by every rank.
+    (whole,), halves = _nf4_bytes(single.logs["nf4"]), _nf4_bytes(log)
+    assert len(halves) == 2 and whole > 500_000
+    for half in halves:
+        assert whole / 2 <= half <= whole / 2 + 14 * 2, (whole, halves)
+
+    # Exports: the peft copy loads on the bf16 base in transformers and changes its output by
+    # exactly the adapter; merge_lora merges into the bf16 base.
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    hf_dir = wide_base.parent / "hf"
+    tokens = torch.tensor([[1, 319, 3462, 29871, 29941, 322]])
+    plain = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    before = plain(tokens).logits
+    peft_model = PeftModel.from_pretrained(plain, out / "final")
+    after = peft_model(tokens).logits
+    assert (after - before).abs().max() > 1e-4  # the adapter is loaded and acts
+    merged_hf = peft_model.merge_and_unload()
+    torch.testing.assert_close(merged_hf(tokens).logits, after, atol=1e-4, rtol=0)
+
+    assert run(["merge_lora", str(out)]) == 0
+    merged, base, adapter = load_file(str(out / "merged" / "model.safetensors")), load_file(str(wide_base / "model.safetensors")), _adapter(out)
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    name = "blocks.1.mlp.down_proj"
+    update = (config["lora_alpha"] / config["r"]) * adapter[f"{name}.lora_B.weight"] @ adapter[f"{name}.lora_A.weight"]
+    expected = base[f"{name}.weight"].float() + update
+    assert update.abs().max() > 1e-4
+    torch.testing.assert_close(merged[f"{name}.weight"].float(), expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("resume_devices", ["1", pytest.param("2", marks=pytest.mark.slow)])
+def test_nf4_killed_on_two_processes_resumes_to_the_uninterrupted_weights(wide_base, sums, single, tmp_path, resume_devices):
+    """Killed in mid-run on 2 processes, resumed on `resume_devices`: the sharded checkpoint reshards."""
+    out = tmp_path / "killed"
+    k = random.Random(os.getpid()).randint(3, STEPS - 1)  # past the first checkpoint (step 2)
+    kill_group_at_step([sys.executable, "-m", "toolkit", *_args(wide_base, sums, out, "nf4", "--devices", "2")], k)
+    assert not (out / "final").exists()
+    log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", resume_devices))
+    assert "Resumed from" in log
+    _assert_same_adapter(out, single("nf4"), f"nf4: 2 processes killed at step {k}, resumed on {resume_devices}")
+
+
+@pytest.mark.slow
+def test_nf4_on_two_nodes_of_two_processes_trains_the_adapter_of_one_process(wide_base, sums, single, tmp_path):
+    out = tmp_path / "nodes"
+    outputs = torchrun_nodes(_args(wide_base, sums, out, "nf4", "--num_nodes", "2", "--devices", "2"), nodes=2, per_node=2)
+    assert "QLoRA scheme: sharded" in outputs[0]
+    _assert_same_adapter(out, single("nf4"), "nf4 on 2 nodes x 2 processes")
+
+
+def test_nf4_that_cannot_be_split_is_one_clear_line(bf16_base, sums, tmp_path, capsys):
+    # The session's narrow model: k_proj is 32 x 64, less than one group of 16384 values.
+    assert run(_args(bf16_base, sums, tmp_path / "narrow", "nf4", "--devices", "2")) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--quantize nf4 cannot split blocks.0.attn" in err[0], err

@@ -222,6 +222,16 @@ def finetune_lora(
         # On more than one device the quantized base is replicated and DDP synchronises the adapters.
         scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
         shards = scheme_shards(scheme, devices, num_nodes)
+        if quantize == "nf4" and shards > 1:
+            import torch
+
+            from toolkit.model_dir import require_checkpoint_dir
+            from toolkit.models.config import CONFIG_FILENAME, Config
+            from toolkit.models.gpt import GPT
+            from toolkit.training.nf4 import check_nf4_shardable
+
+            with torch.device("meta"):  # shapes only, before any process is launched
+                check_nf4_shardable(GPT(Config.from_file(require_checkpoint_dir(checkpoint_dir) / CONFIG_FILENAME)), shards)
         distributed = scheme.dist
         startup_notes.append(scheme.describe())
 
@@ -233,11 +243,10 @@ def finetune_lora(
         from peft import get_peft_model
 
         if quantize == "nf4":
-            from toolkit.training.nf4 import check_nf4_shardable, quantize_blocks_nf4
+            from toolkit.training.nf4 import quantize_blocks_nf4
             from toolkit.training.precision import precision_dtypes
 
             # Under FSDP the model is still on the meta device: each rank quantizes its own rows later.
-            check_nf4_shardable(model, shards)
             quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1], current_device())
         elif quantize is not None:
             model = quantize_linears(model, quantize, resolved_precision)
@@ -247,6 +256,8 @@ def finetune_lora(
         return model
 
     def export(session, model) -> None:
+        if quantize == "nf4":
+            report_nf4_bytes(session.fabric, model)
         save_adapter(session, model, lora, Path(checkpoint_dir), quantize)
 
     _, model = run_finetune(
@@ -255,6 +266,24 @@ def finetune_lora(
         check_args=check_args, startup_notes=startup_notes, hparams=hparams,
     )
     return model
+
+
+def report_nf4_bytes(fabric, model) -> list[int]:
+    """Print (rank 0) and return the bytes of NF4 base weights each rank holds (collective call)."""
+    import torch
+
+    from toolkit.training.nf4 import is_nf4, nf4_storage_bytes
+
+    mine = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if is_nf4(local):
+            mine += nf4_storage_bytes(local)
+    per_rank = [mine]
+    if fabric.world_size > 1:
+        per_rank = [int(b) for b in fabric.all_gather(torch.tensor([mine], dtype=torch.int64)).flatten().tolist()]
+    fabric.print("NF4 base bytes per rank: " + ", ".join(str(b) for b in per_rank))
+    return per_rank
 
 
 def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize: Optional[str]) -> Path:

@@ -296,7 +296,9 @@ def plan_quantized_base(
         if dist.strategy == "ddp":
             raise UserError("--quantize nf4 shards the base with FSDP: drop --distributed.strategy ddp "
                             "(or use --quantize bnb.nf4, which replicates it).")
-        return QuantizedBasePlan("sharded", replace(dist, strategy="fsdp"),
+        # Checkpoints are "full" so that they can keep only the adapters: a sharded one keeps every
+        # weight, and torch's distributed checkpoint cannot reshard an NF4 weight on load.
+        return QuantizedBasePlan("sharded", replace(dist, strategy="fsdp", state_dict_type="full"),
                                  f"the nf4 base is sharded by FSDP2 over the {world} processes like every frozen weight")
     if dist.strategy == "fsdp":
         raise UserError(
