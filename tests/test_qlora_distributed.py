@@ -1,4 +1,5 @@
-"""QLoRA (a bitsandbytes-quantized frozen base) on several processes and simulated nodes, on CPU.
+"""QLoRA on several processes and simulated nodes, on CPU: bitsandbytes (replicated base) and
+torchao nf4 (base sharded by FSDP2; the tests named test_nf4_*, on a wider tiny Llama).
 
 On more than one device the toolkit replicates the quantized base and synchronises only the LoRA
 adapters (`toolkit.training.strategy.plan_quantized_base` says why FSDP2 does not shard it).

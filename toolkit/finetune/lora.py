@@ -1,10 +1,11 @@
 """`toolkit finetune_lora` (and QLoRA with --quantize), and `toolkit merge_lora`.
 
 LoRA comes from `peft`, applied to the toolkit's own model: peft swaps the chosen Linear layers for
-its LoRA layers; the base weights are frozen. With --quantize, the frozen base Linear layers are
-first replaced by bitsandbytes 4-bit or 8-bit layers, on the CPU, before the model is moved to its
-device. On more than one device every rank quantizes the whole base in the same way and only the
-adapters are synchronised (`toolkit.training.strategy.plan_quantized_base` says why).
+its LoRA layers; the base weights are frozen. With --quantize nf4 the frozen Linear weights of the
+blocks become torchao NF4 tensors (`toolkit.training.nf4`), sharded by FSDP2 on several devices,
+each rank quantizing only its own rows. With --quantize bnb.* they are replaced by bitsandbytes
+4-bit or 8-bit layers on the CPU; on more than one device every rank then quantizes the whole base
+and only the adapters are synchronised (`toolkit.training.strategy.plan_quantized_base` says why).
 
 A finished run writes `<out_dir>/final/`:
     lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
