@@ -156,8 +156,9 @@ def parse_duration(text: str) -> float:
         raise UserError(f"Cannot read the duration {text!r}: use e.g. 90s, 45m, 2h, 1d2h or 01:30:00") from None
 
 
-# bitsandbytes storage of a frozen base (QLoRA): 4-bit NF4 or FP4 (-dq also quantizes the scales), or int8.
-QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
+# Storage of a frozen base (QLoRA): "nf4" is torchao's NF4Tensor (sharded by FSDP2 on several devices);
+# "bnb.*" are bitsandbytes' 4-bit NF4 or FP4 (-dq also quantizes the scales) and int8 (replicated).
+QuantizeName = Literal["nf4", "bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
 QUANTIZE_CHOICES: tuple[str, ...] = get_args(QuantizeName)
 
 StrategyName = Literal["auto", "fsdp", "ddp"]

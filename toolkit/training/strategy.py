@@ -267,7 +267,7 @@ QUANTIZED_BASE_NOT_SHARDED = (
 class QuantizedBasePlan:
     """How QLoRA spreads over devices: which scheme, with which arguments, and why."""
 
-    scheme: Literal["single", "replicated"]
+    scheme: Literal["single", "replicated", "sharded"]
     dist: DistributedArgs  # the arguments to build the strategy from
     reason: str  # one line for the start-up log
 
@@ -291,6 +291,15 @@ def plan_quantized_base(
     world = resolve_devices(devices, resolve_accelerator(accelerator)) * num_nodes
     if world == 1:
         return QuantizedBasePlan("single", dist, f"one device holds the {quantize} base")
+    if quantize == "nf4":
+        # torchao's NF4Tensor shards and gathers under FSDP2 (toolkit.training.nf4): the FSDP path.
+        if dist.strategy == "ddp":
+            raise UserError("--quantize nf4 shards the base with FSDP: drop --distributed.strategy ddp "
+                            "(or use --quantize bnb.nf4, which replicates it).")
+        # Checkpoints are "full" so that they can keep only the adapters: a sharded one keeps every
+        # weight, and torch's distributed checkpoint cannot reshard an NF4 weight on load.
+        return QuantizedBasePlan("sharded", replace(dist, strategy="fsdp", state_dict_type="full"),
+                                 f"the nf4 base is sharded by FSDP2 over the {world} processes like every frozen weight")
     if dist.strategy == "fsdp":
         raise UserError(
             f"--distributed.strategy fsdp cannot shard a --quantize {quantize} base: {QUANTIZED_BASE_NOT_SHARDED}. "
