@@ -45,32 +45,51 @@ def direct_checkpoint_io() -> Any:
     return DirectCheckpointIO()
 
 
-def full_state_dict(fabric: Fabric, model: nn.Module) -> dict[str, Tensor]:
+def full_state_dict(fabric: Fabric, model: nn.Module, keep: Any = None) -> dict[str, Tensor]:
     """The model's complete (unsharded) weights on rank 0, as CPU tensors with the model's own key names.
 
     A collective call: every rank must call it; the other ranks get `{}` (a whole model on every
-    rank would not fit where FSDP is needed). This is what the final export writes, whatever
-    `state_dict_type` mid-run checkpoints use. Without FSDP on CPU the tensors share memory with
-    the live parameters (no copy is made).
+    rank would not fit where FSDP is needed). `keep(name)` (toolkit names) picks the weights to
+    gather: under FSDP only those are gathered, one at a time (LoRA's adapters, not the frozen
+    base). Without FSDP on CPU the tensors share memory with the live parameters (no copy is made).
+    The final export does not come here: it streams (`stream_weights`).
     """
-    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    root = _unwrap_objects(model)
-    if isinstance(root, FSDPModule):
+    root = _user_module(model)
+    if isinstance(root, FSDPModule) and keep is None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # cpu_offload with full_state_dict gathers one tensor at a time onto rank 0's CPU only.
         state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        # The user's module, without DDP or torch.compile wrappers (no "module."/"_orig_mod." in keys).
-        module = _unwrap_compiled(model)[0]
-        if isinstance(module, _FabricModule):
-            module = _unwrap_compiled(module._original_module)[0]
-        state = module.state_dict()
+        state = {}
+        for key, value in root.state_dict().items():
+            if keep is not None and not keep(unwrapped_name(key)):
+                continue
+            if isinstance(value, DTensor):
+                value = value.full_tensor()  # collective: every rank takes part, in the same order
+                if fabric.global_rank != 0:
+                    continue
+            state[key] = value
     if fabric.global_rank != 0:
         return {}
     return {unwrapped_name(k): v.detach().cpu() for k, v in state.items()}
+
+
+def _user_module(model: Any) -> Any:
+    """The FSDP root, or the user's module without DDP or torch.compile wrappers (no "module."/"_orig_mod.")."""
+    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
+    from torch.distributed.fsdp import FSDPModule
+
+    root = _unwrap_objects(model)
+    if isinstance(root, FSDPModule):
+        return root
+    module = _unwrap_compiled(model)[0]
+    if isinstance(module, _FabricModule):
+        module = _unwrap_compiled(module._original_module)[0]
+    return module
 
 
 def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dtype: Any = None) -> BaseException | None:
@@ -89,17 +108,11 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
     caller to raise once every rank is through.
     """
     import torch
-    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
-    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
     from toolkit.model_dir import SafetensorsStream
 
-    root = _unwrap_objects(model)
-    if not isinstance(root, FSDPModule):
-        root = _unwrap_compiled(model)[0]
-        if isinstance(root, _FabricModule):
-            root = _unwrap_compiled(root._original_module)[0]
+    root = _user_module(model)
     # Under FSDP the state dict holds each rank's shards (DTensors), with the full shapes.
     state = {}
     for key, value in root.state_dict().items():
