@@ -296,8 +296,9 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     from toolkit.training.failures import run_on_rank_zero
 
     fabric = session.fabric
-    # Gathered in full on rank 0 (under FSDP the adapters are sharded with everything else).
-    adapters = {adapter_key(k): v for k, v in full_state_dict(fabric, model).items() if is_adapter_weight(k)}
+    # Only the adapters are gathered on rank 0 (under FSDP they are sharded with the frozen base,
+    # which is never gathered).
+    adapters = {adapter_key(k): v for k, v in full_state_dict(fabric, model, keep=is_adapter_weight).items()}
     target = session.out_dir / "final"
 
     def write() -> None:

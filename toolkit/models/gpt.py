@@ -29,7 +29,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = make_norm(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = OutputHead(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryEmbedding(config)
@@ -89,16 +89,13 @@ class GPT(nn.Module):
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of `lm_head(x)` against `labels`, equal to `cross_entropy_sum(lm_head(x), labels)`.
 
-        A plain `nn.Linear` head goes through `linear_cross_entropy_sum`, which never holds the
-        whole (B * T, V) float32 logits; under torch.compile it runs eagerly, outside the graph.
-        Anything else in its place (a peft LoRA layer, a quantized layer, a head with hooks) takes
-        the plain path.
+        The toolkit's own head (`OutputHead`, also once FSDP has wrapped it) computes it fused,
+        through its forward pass, so that hooks on the head (FSDP's gather) run. Anything else in
+        its place (a peft LoRA layer, a quantized layer) takes the plain path.
         """
         head = self.lm_head
-        if type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
-            if _compiling():
-                return _outside_compile(linear_cross_entropy_sum)(x, head.weight, head.bias, labels)
-            return linear_cross_entropy_sum(x, head.weight, head.bias, labels)
+        if isinstance(head, OutputHead):
+            return head(x, labels)
         return cross_entropy_sum(head(x), labels)
 
     # ------------------------------------------------------------------ KV cache
@@ -138,6 +135,24 @@ class GPT(nn.Module):
             cache.v[: rows.numel()] = cache.v[rows]
             if cache.left_padding is not None:
                 cache.left_padding = torch.cat([cache.left_padding[rows], cache.left_padding[rows.numel():]])
+
+
+class OutputHead(nn.Linear):
+    """The output head: `nn.Linear` (same weights, same names) whose forward also takes `labels`.
+
+    `head(x)` gives the logits (..., V). `head(x, labels)` gives their summed cross-entropy through
+    `linear_cross_entropy_sum`, which never holds the whole (B * T, V) float32 logits; under
+    torch.compile it runs eagerly, outside the graph. The loss is computed inside the head's
+    forward pass so that whatever wraps the head as a module (FSDP gathers its weight in a hook
+    before the call) sees the call.
+    """
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        if _compiling():
+            return _outside_compile(linear_cross_entropy_sum)(x, self.weight, self.bias, labels)
+        return linear_cross_entropy_sum(x, self.weight, self.bias, labels)
 
 
 class Block(nn.Module):

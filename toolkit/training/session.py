@@ -275,22 +275,31 @@ class Session:
 
     # ------------------------------------------------------------------ export
     def export_final(self, model, name: str = "final") -> Path:
-        """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
-        from toolkit.model_dir import atomic_directory, save_checkpoint_files
-        from toolkit.training.checkpoint_io import full_state_dict
+        """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files (collective).
+
+        The weights are gathered, converted to `export_dtype` and written one tensor at a time
+        (`checkpoint_io.stream_weights`): no rank ever holds the whole model. The folder appears
+        complete or not at all (`atomic_directory`); a failed export leaves a former one as it was.
+        """
+        from contextlib import ExitStack
+
+        from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory, save_checkpoint_files
+        from toolkit.training.checkpoint_io import stream_weights
 
         start = time.perf_counter()
-        state_dict = full_state_dict(self.fabric, model)
-        if self.export_dtype is not None:
-            state_dict = {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         target = self.out_dir / name
+        with ExitStack() as stack:
+            tmp = run_on_rank_zero(self.fabric, lambda: stack.enter_context(atomic_directory(target, overwrite=True)))
+            error = stream_weights(self.fabric, model, tmp / WEIGHTS_FILENAME if tmp is not None else None,
+                                   self.config, self.export_dtype)
 
-        def write() -> None:
-            with atomic_directory(target, overwrite=True) as tmp:
-                save_checkpoint_files(tmp, state_dict, self.config, self.tokenizer_dir)
-            self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
+            def finish() -> None:
+                if error is not None:
+                    raise UserError(f"Cannot write the final model to {target}: {error}")
+                save_checkpoint_files(tmp, {}, self.config, self.tokenizer_dir, weights=False)
 
-        run_on_rank_zero(self.fabric, write)
+            run_on_rank_zero(self.fabric, finish)
+        self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
         return target
 
 
