@@ -175,8 +175,6 @@ class Session:
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable; {policy}")
         # Weight decay is decided by the parameters' shapes (matrices decay, vectors do not).
         self._decay_names = {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
-        if self.train.compile:
-            model = torch.compile(model)
         model = setup_model(self.fabric, model, read_rows)
         self._report_setup_memory(host_memory_growth(memory_start))
         return model
@@ -228,6 +226,7 @@ class Session:
     def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int]) -> TrainState:
         """Resume if asked, run the loop, save a training checkpoint at every interval and at the end."""
         from toolkit.training import checkpoint
+        from toolkit.training.compile import compile_blocks, compile_seconds, should_compile
         from toolkit.training.throughput import device_peak_flops
 
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
@@ -256,10 +255,18 @@ class Session:
             )
             saved_steps.add(current.step)
 
+        compiled = 0
+        if should_compile(self.train.compile, total_steps):
+            from toolkit.models.gpt import Block
+
+            # Variable-length batches (fine-tuning: tokens_per_step is None) get dynamic shapes.
+            compiled = compile_blocks(model, Block, self.fabric.device, dynamic=tokens_per_step is None,
+                                      print_fn=self.fabric.print)
         hooks = LoopHooks(
             save_checkpoint=save,
             flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),
             device_peak_flops=peak,
+            compile_seconds=compile_seconds if compiled else None,
         )
         self.state = fit(
             self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
