@@ -173,7 +173,8 @@ class CausalSelfAttention(nn.Module):
         k = apply_rope(k, cos, sin, self.rope_n_elem)
 
         mask = None
-        is_causal = T > 1
+        # A branch, not `T > 1` itself: compiled with dynamic shapes that is a symbolic bool, which SDPA refuses.
+        is_causal = True if T > 1 else False  # noqa: SIM210
         if self.kv_cache is not None:
             start = 0 if input_pos is None else input_pos
             k, v = self.kv_cache.update(start, k, v)  # (B, G, start + T, D)
