@@ -20,10 +20,16 @@ from safetensors.torch import load_file
 from conftest import ASSETS, REPO, kill_group_at_step, launch_env, logged_metrics
 
 STEPS = 6
-# Relative difference allowed between compiled and eager losses and weights after STEPS steps of
-# AdamW. Measured differences are ~1e-7 (float32); a wrong gradient or a skipped block moves them by
-# far more than 1e-3.
+# Relative difference allowed between compiled and eager losses (measured: below 1e-6 in float32). A
+# wrong gradient or a skipped block changes them by far more than 1e-3.
 TOLERANCE = 1e-5
+# Weights: AdamW divides each update by the gradient's own magnitude, so an element whose gradient is
+# rounding noise (the key bias, to which attention is invariant; a rarely seen token's embedding)
+# moves by up to the learning rate per step in either run (measured: 2 of 3.2M embedding entries off
+# by 3e-4). So every element must agree within TOLERANCE except at most OUTLIERS per tensor, and those
+# within Adam's bound. A wrong gradient or a skipped block moves most elements of some tensor.
+LR = 0.002
+OUTLIERS = 10
 
 
 def _pretrain_cmd(out_dir: Path, *extra: str) -> list[str]:
@@ -34,7 +40,7 @@ def _pretrain_cmd(out_dir: Path, *extra: str) -> list[str]:
         "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
         "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.save_interval", "2",
-        "--train.warmup_steps", "2", "--train.learning_rate", "0.002", "--train.keep_last", "3",
+        "--train.warmup_steps", "2", "--train.learning_rate", str(LR), "--train.keep_last", "3",
         "--eval.interval", "1000", "--eval.final_validation", "false", "--log.interval", "1",
         "--log.loggers", "[csv]", "--resume", "auto", *extra,
     ]
@@ -62,7 +68,9 @@ def _assert_close_runs(a: Path, b: Path) -> None:
     wa, wb = _weights(a), _weights(b)
     assert wa.keys() == wb.keys()
     for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], atol=TOLERANCE, rtol=TOLERANCE, msg=name)
+        difference = (wa[name] - wb[name]).abs()
+        assert int((difference > TOLERANCE).sum()) <= OUTLIERS, (name, difference.max().item())
+        assert difference.max() <= 2 * LR * STEPS, name
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +89,8 @@ def test_compiled_blocks_match_eager_on_one_process(runs):
     assert out.count("s compiling up to step") == 1  # the compile time, printed once
     compile_rows = [r for r in logged_metrics(runs["compiled"]) if r.get("train/compile_seconds")]
     assert len(compile_rows) == 1 and float(compile_rows[0]["train/compile_seconds"]) > 0
+    # Each step logs its real input tokens (here every token is real: micro 2 x 2 accumulation x 32).
+    assert [float(r["train/tokens_per_step"]) for r in logged_metrics(runs["compiled"]) if r.get("train/loss")] == [128.0] * STEPS
     _assert_close_runs(runs["compiled"], runs["eager"])
 
 
