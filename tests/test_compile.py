@@ -172,3 +172,17 @@ def test_lora_blocks_stop_recompiling_once_batch_lengths_vary():
     first = train_on([(2, 17), (2, 23), (1, 9), (1, 14), (2, 40)])
     assert 1 <= first <= 8, dict(counters["stats"])
     assert train_on([(2, 31), (1, 55), (2, 12), (2, 61), (1, 33), (2, 47)]) == first, dict(counters["stats"])
+
+
+def test_auto_compiles_only_where_it_was_measured_faster():
+    from toolkit.training.compile import AUTO_MIN_STEPS, should_compile
+
+    long = AUTO_MIN_STEPS
+    assert should_compile(None, long, "cuda", "bf16-mixed", variable_lengths=False)[0]  # a long GPU run
+    assert should_compile(None, None, "cuda", "bf16-mixed", variable_lengths=True)[0]  # a GPU, no step limit
+    assert not should_compile(None, long - 1, "cuda", "bf16-mixed", variable_lengths=False)[0]  # too short
+    for precision in ("32-true", "bf16-mixed"):  # a CPU: measured no faster
+        for variable in (False, True):
+            assert not should_compile(None, None, "cpu", precision, variable_lengths=variable)[0]
+    assert should_compile(True, 3, "cpu", "bf16-mixed", variable_lengths=True)[0]  # asked for: always
+    assert not should_compile(False, None, "cuda", "bf16-mixed", variable_lengths=False)[0]

@@ -34,8 +34,8 @@ class TrainArgs:
     max_norm: Optional[float] = 1.0  # gradient clipping by global norm; None disables
     save_interval: Optional[int] = 1000  # optimizer steps between checkpoints; None: only the final one
     keep_last: Optional[int] = 2  # training checkpoints to keep; None keeps all
-    # torch.compile each transformer block (CPU and GPU); null (auto): runs of 100 steps or more, or
-    # without a step limit (a short run does not repay the compile time). See tutorials/compile.md.
+    # torch.compile each transformer block (CPU and GPU). null (auto): GPU runs of 100 steps or more;
+    # eager on a CPU, where it was measured no faster. See tutorials/compile.md.
     compile: Optional[bool] = None
 
     def __post_init__(self) -> None:

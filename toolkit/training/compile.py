@@ -33,18 +33,28 @@ from typing import TYPE_CHECKING, Callable, Optional
 if TYPE_CHECKING:
     from torch import nn
 
-# The `--train.compile null` (auto) rule: compile runs of at least this many optimizer steps (or with
-# no step limit). Compiling costs a fixed time (about 20 s for pythia-14m's block on our CPUs, see
-# tutorials/compile.md) that a short run never earns back: a test or a smoke run of a few steps is
-# faster eager.
+# The `--train.compile null` (auto) rule, from measurements (tutorials/compile.md, "Does it win?"):
+# - runs of fewer than AUTO_MIN_STEPS optimizer steps stay eager: compiling costs a fixed time (15-20 s
+#   for pythia-14m's block on our CPUs) that a test or a smoke run of a few steps never earns back;
+# - on a CPU nothing is compiled: with pythia-14m (micro-batch 4, one thread) compiled blocks were no
+#   faster in float32 pretraining (1.26 s/step both), slower under "bf16-mixed" (the CPU default;
+#   0.88 against 0.79 s/step) and no faster for LoRA's variable-length batches (0.56 / 0.55 bf16,
+#   0.71 / 0.70 float32);
+# - on a GPU long runs are compiled (torchtitan's finding, not measured here: we have no GPU).
 AUTO_MIN_STEPS = 100
 
 
-def should_compile(choice: Optional[bool], total_steps: Optional[int]) -> bool:
-    """`--train.compile`: true or false as given; None (auto) compiles runs long enough to repay it."""
+def should_compile(
+    choice: Optional[bool], total_steps: Optional[int], device_type: str, precision: str, variable_lengths: bool
+) -> tuple[bool, str]:
+    """(compile?, why) for `--train.compile`: true or false as given; None (auto) by the rule above."""
     if choice is not None:
-        return bool(choice)
-    return total_steps is None or total_steps >= AUTO_MIN_STEPS
+        return bool(choice), f"--train.compile {str(bool(choice)).lower()}"
+    if total_steps is not None and total_steps < AUTO_MIN_STEPS:
+        return False, f"auto: a run of {total_steps} steps does not repay compiling (fewer than {AUTO_MIN_STEPS})"
+    if device_type == "cpu":
+        return False, "auto: on a CPU compiled blocks were measured no faster"
+    return True, "auto"
 
 
 def compile_blocks(model: nn.Module, block_cls: type, device, dynamic: bool, print_fn: Callable[[str], None]) -> int:

@@ -256,12 +256,16 @@ class Session:
             saved_steps.add(current.step)
 
         compiled = 0
-        if should_compile(self.train.compile, total_steps):
+        # Variable-length batches (fine-tuning: tokens_per_step is None) get dynamic shapes.
+        variable_lengths = tokens_per_step is None
+        wanted, why = should_compile(self.train.compile, total_steps, self.fabric.device.type, self.precision,
+                                     variable_lengths)
+        if wanted:
             from toolkit.models.gpt import Block
 
-            # Variable-length batches (fine-tuning: tokens_per_step is None) get dynamic shapes.
-            compiled = compile_blocks(model, Block, self.fabric.device, dynamic=tokens_per_step is None,
-                                      print_fn=self.fabric.print)
+            compiled = compile_blocks(model, Block, self.fabric.device, dynamic=variable_lengths, print_fn=self.fabric.print)
+        elif self.train.compile is None:
+            self.fabric.print(f"torch.compile: off ({why}); --train.compile true forces it")
         hooks = LoopHooks(
             save_checkpoint=save,
             flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),
