@@ -5,6 +5,7 @@ fine-tuning batch (LoRA with peft), and fall back to eager with one line when th
 Real torch.compile (inductor, the system C++ compiler) throughout. Runs are single-threaded
 (OMP_NUM_THREADS=1). Compiled code may reorder floating-point sums (fused kernels), so compiled and
 eager runs are compared within TOLERANCE; compiled runs compared with compiled runs must be equal.
+The two-process and kill-and-resume tests are marked slow: `pytest -m slow tests/test_compile.py`.
 """
 
 import os
@@ -94,6 +95,7 @@ def test_compiled_blocks_match_eager_on_one_process(runs):
     _assert_close_runs(runs["compiled"], runs["eager"])
 
 
+@pytest.mark.slow  # about 20 s each with a warm inductor cache; the default run stays within budget
 def test_compiled_blocks_under_fsdp_with_checkpointing_match_eager_on_two_processes(runs):
     out = runs["root"] / "fsdp"
     log = _run(_pretrain_cmd(out, "--train.compile", "true", "--devices", "2",
@@ -102,6 +104,7 @@ def test_compiled_blocks_under_fsdp_with_checkpointing_match_eager_on_two_proces
     _assert_close_runs(out, runs["eager"])
 
 
+@pytest.mark.slow  # about 20 s each with a warm inductor cache; the default run stays within budget
 def test_a_compiled_run_killed_and_resumed_matches_the_uninterrupted_one(runs):
     out = runs["root"] / "killed"
     k = random.Random(os.getpid()).randint(3, STEPS - 1)  # past the first checkpoint (step 2)
