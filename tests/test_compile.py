@@ -5,7 +5,7 @@ fine-tuning batch (LoRA with peft), and fall back to eager with one line when th
 Real torch.compile (inductor, the system C++ compiler) throughout. Runs are single-threaded
 (OMP_NUM_THREADS=1). Compiled code may reorder floating-point sums (fused kernels), so compiled and
 eager runs are compared within TOLERANCE; compiled runs compared with compiled runs must be equal.
-The two-process and kill-and-resume tests are marked slow: `pytest -m slow tests/test_compile.py`.
+The two-process, kill-and-resume and LoRA command tests are marked slow: `pytest -m slow tests/test_compile.py`.
 """
 
 import os
@@ -189,3 +189,34 @@ def test_auto_compiles_only_where_it_was_measured_faster():
             assert not should_compile(None, None, "cpu", precision, variable_lengths=variable)[0]
     assert should_compile(True, 3, "cpu", "bf16-mixed", variable_lengths=True)[0]  # asked for: always
     assert not should_compile(False, None, "cuda", "bf16-mixed", variable_lengths=False)[0]
+
+
+@pytest.mark.slow  # about 90 s: two fine-tuning runs, one compiling with dynamic shapes
+def test_compiled_lora_fine_tuning_matches_eager_and_logs_its_real_tokens(base, tmp_path):
+    """`toolkit finetune_lora` end to end (peft, Alpaca batches of varying lengths, dynamic shapes):
+    compiled losses equal eager's, and each step's logged real tokens add up to tokens_seen."""
+    from toolkit.cli import run
+
+    def finetune(out: Path, compile_: str) -> Path:
+        args = [
+            "finetune_lora", str(base["checkpoint"]), "--out_dir", str(out),
+            "--data", "Alpaca", "--data.json_path", str(ASSETS / "instruct" / "alpaca_tiny.json"),
+            "--data.val_split_fraction", "0.1", "--data.group_by_length", "false", "--precision", "32-true",
+            "--train.micro_batch_size", "2", "--train.global_batch_size", "4", "--train.max_seq_length", "128",
+            "--train.max_steps", str(STEPS), "--train.warmup_steps", "2", "--train.learning_rate", str(LR),
+            "--lora.dropout", "0", "--lora.targets", "[query, value, mlp]", "--eval.interval", "1000",
+            "--eval.final_validation", "false", "--log.interval", "1", "--log.loggers", "[csv]",
+            "--train.compile", compile_,
+        ]
+        assert run(args) == 0
+        return out
+
+    eager, compiled = finetune(tmp_path / "eager", "false"), finetune(tmp_path / "compiled", "true")
+    le, lc = _losses(eager), _losses(compiled)
+    assert sorted(le) == sorted(lc) == list(range(1, STEPS + 1))
+    for step in le:
+        assert lc[step] == pytest.approx(le[step], rel=TOLERANCE), (step, le, lc)
+    rows = [r for r in logged_metrics(compiled) if r.get("train/loss")]
+    per_step = [float(r["train/tokens_per_step"]) for r in rows]
+    assert len(set(per_step)) > 1  # batches of varying real lengths
+    assert sum(per_step) == float(rows[-1]["train/tokens_seen"])
