@@ -48,7 +48,8 @@ class LoopHooks:
     # Peak FLOP/s of one device, for MFU; None means MFU is not reported.
     device_peak_flops: Optional[float] = None
     # Seconds spent compiling so far (`toolkit.training.compile.compile_seconds`); the time compiled
-    # within a logged window is left out of its step time and throughput, and printed once.
+    # within a logged window is left out of its step time and throughput and logged as
+    # train/compile_seconds; the first compilation is also printed.
     compile_seconds: Optional[Callable[[], float]] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -100,6 +101,7 @@ def fit(
     running_targets = torch.zeros((), device=fabric.device, dtype=torch.long)
     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
     compiled_before = hooks.compile_seconds() if hooks.compile_seconds else 0.0
+    compile_reported = False
     run_start = time.perf_counter() - state.train_seconds
     stop_reason = None
     model.train()
@@ -169,8 +171,9 @@ def fit(
             if hooks.compile_seconds:
                 compiled_now = hooks.compile_seconds()
                 compiling, compiled_before = compiled_now - compiled_before, compiled_now
-                if compiling > 0:
+                if compiling > 0 and not compile_reported:  # later ones (validation's graph): in the metrics only
                     fabric.print(f"torch.compile: {compiling:.1f} s compiling up to step {state.step}, left out of the step times")
+                    compile_reported = True
             _log_step(fabric, state, lr, running_loss, running_targets, max(elapsed - compiling, 1e-3), window_steps,
                       window_tokens, hooks, step_limit or total_steps, max_seconds, compiling)
             running_loss.zero_()
