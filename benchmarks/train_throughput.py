@@ -704,7 +704,7 @@ def parse_args(argv: list[str]):
     p.add_argument("--mask_prompt", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="LoRA: leave the prompt out of the loss (both tools); default true")
     p.add_argument("--compile", choices=["true", "false"], default="true",
-                   help="the toolkit's --train.compile: true (the default of runs of 100 steps or more) or false (eager)")
+                   help="the toolkit's --train.compile: true (compiled blocks) or false (eager, the CPU default)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the training processes")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--peak_flops", type=float, default=None, help="synthetic mode: device peak FLOP/s for MFU")
