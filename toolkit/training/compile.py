@@ -37,9 +37,9 @@ if TYPE_CHECKING:
 # - runs of fewer than AUTO_MIN_STEPS optimizer steps stay eager: compiling costs a fixed time (15-20 s
 #   for pythia-14m's block on our CPUs) that a test or a smoke run of a few steps never earns back;
 # - on a CPU nothing is compiled: with pythia-14m (micro-batch 4, one thread) compiled blocks were no
-#   faster in float32 pretraining (1.26 s/step both), slower under "bf16-mixed" (the CPU default;
-#   0.88 against 0.79 s/step) and no faster for LoRA's variable-length batches (0.56 / 0.55 bf16,
-#   0.71 / 0.70 float32);
+#   faster in float32 pretraining (1.26-1.28 s/step both), between 10% slower and 5% faster under
+#   "bf16-mixed" (the CPU default) depending on the load, and no faster for LoRA's variable-length
+#   batches (0.56 / 0.55 s/step bf16, 0.71 / 0.70 float32);
 # - on a GPU long runs are compiled (torchtitan's finding, not measured here: we have no GPU).
 AUTO_MIN_STEPS = 100
 
