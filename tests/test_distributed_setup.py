@@ -237,7 +237,7 @@ def test_fsdp_full_shard_matches_single_process_and_saves(tmp_path):
           "--check-saves"])  # fmt: skip
     results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
     for result in results:
-        assert (result["sharding"], result["mesh"], result["fsdp_units"]) == ("FULL_SHARD", [2], 4)  # 3 blocks + root
+        assert (result["sharding"], result["mesh"], result["fsdp_units"]) == ("FULL_SHARD", [2], 6)  # 3 blocks, input, output, root
         # Accumulation keeps only each rank's shard of the gradients (no full gradient per rank).
         assert result["sharded_grads_while_accumulating"] is True
         saves = result["saves"]
@@ -495,3 +495,70 @@ def test_ranks_draw_their_own_dropout_masks_from_equal_initial_weights(tmp_path)
     assert len(masks[0]) > 100 and 0.3 < sum(masks[0]) / len(masks[0]) < 0.7  # dropout 0.5 really drew
     differing = sum(a != b for a, b in zip(*masks)) / len(masks[0])
     assert differing > 0.3, f"only {differing:.0%} of the mask differs between ranks"
+
+
+_EDGE_UNITS = r"""
+import dataclasses, json, sys
+import torch
+from toolkit.models.config import Config
+from toolkit.models.gpt import GPT, Block
+from toolkit.training.args import DistributedArgs
+from toolkit.training.model_setup import setup_model
+from toolkit.training.precision import apply_precision_policy
+from toolkit.training.strategy import build_fabric, plan_strategy
+
+tied = sys.argv[1] == "tied"
+config = Config(name="edges", vocab_size=96, block_size=16, n_layer=2, n_embd=32, n_head=4, tie_embeddings=tied)
+# FSDP (ShardedStrategy) on one gloo process: a two-device plan run on one.
+plan = dataclasses.replace(plan_strategy(2, 1, "bf16-mixed", DistributedArgs(), "cpu"), devices=1)
+fabric = build_fabric(plan, block_cls=Block)
+fabric.launch()
+with torch.device("meta"):
+    model = GPT(config)
+apply_precision_policy(model, plan.precision)
+model = setup_model(fabric, model, lambda name, start, stop, out=None: out.normal_(0, 0.02))
+from torch.distributed.fsdp import FSDPModule
+gpt = model.module
+def state(m):
+    return m._get_fsdp_state() if isinstance(m, FSDPModule) else None
+gathered = {}
+embed_out = {}
+gpt.embed.register_forward_hook(lambda m, a, out: embed_out.update(dtype=str(out.dtype)))
+def record(name, m):
+    m.register_forward_pre_hook(lambda mod, args: gathered.update({name: str(mod.weight.dtype)}))
+record("embed", gpt.embed); record("lm_head", gpt.lm_head)
+ids = torch.randint(0, 96, (2, 8))
+with fabric.autocast():
+    loss = model(ids, labels=ids)
+fabric.backward(loss)
+root = state(gpt)
+print(json.dumps({
+    "embed_unit": state(gpt.embed) is not None and state(gpt.embed) is not root,
+    "head_unit": state(gpt.lm_head) is not None and state(gpt.lm_head) is state(gpt.norm_f) and state(gpt.lm_head) is not state(gpt.embed),
+    "still_tied": gpt.lm_head.weight is gpt.embed.weight,
+    "gathered": gathered, "embed_output": embed_out["dtype"],
+    "grads": sorted({str(p.grad.dtype) for p in gpt.parameters()}),
+    "loss_finite": bool(torch.isfinite(loss)),
+}))
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_embedding_and_head_are_their_own_units_gathered_in_the_compute_dtype(tied):
+    """The root unit no longer holds embedding + norm + head in float32 from forward to the end of
+    backward: the embedding and (final norm, head) are separate FSDP units gathered in bf16 under
+    bf16-mixed; the embedding's output stays float32 (the residual stream of one device). A tied
+    embedding and head keep one matrix, in the root, gathered once in bf16."""
+    result = subprocess.run([sys.executable, "-c", _EDGE_UNITS, "tied" if tied else "untied"],
+                            env=_clean_env() | {"PYTHONPATH": str(Path(__file__).parents[1])},
+                            capture_output=True, text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert outcome["loss_finite"] and outcome["grads"] == ["torch.float32"]  # float32 master gradients
+    assert outcome["gathered"] == {"embed": "torch.bfloat16", "lm_head": "torch.bfloat16"}
+    assert outcome["embed_output"] == "torch.float32"
+    if tied:
+        assert outcome["still_tied"] and not outcome["embed_unit"] and not outcome["head_unit"]
+    else:
+        assert outcome["embed_unit"] and outcome["head_unit"] and not outcome["still_tied"]

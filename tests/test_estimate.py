@@ -262,7 +262,7 @@ def test_lora_parameters_match_peft(name, targets):
     assert single["optimizer_state"] == 2 * _bytes(trainable)
 
 
-@pytest.mark.parametrize("kind", est.QUANTIZE_CHOICES)
+@pytest.mark.parametrize("kind", [k for k in est.QUANTIZE_CHOICES if k.startswith("bnb.")])
 @pytest.mark.parametrize("shape", [(300, 256), (64, 100), (1408, 513)])
 def test_quantized_bytes_match_bitsandbytes(kind, shape):
     import bitsandbytes.functional as F
@@ -519,11 +519,12 @@ def test_recommendation_prefers_no_checkpointing_then_checkpointing():
     assert not rec["fits"]
     assert rec["message"].startswith("Does not fit in 3 GiB per device")
     assert "--finetune lora" in rec["message"] and "FULL_SHARD fits on 16 devices" in rec["message"]
-    # More devices help down to what no number of devices shards: the gathered float32 root unit
-    # (embedding and head, 0.5 GiB), a block gathered in bf16 with its gradients on their way to be
-    # reduced, and one sequence's checkpointed activations and logits (1.3 GiB) stay on every device.
+    # More devices help down to what no number of devices shards: a block (or the head) gathered in
+    # bf16 with its gradients on their way to be reduced, and one sequence's checkpointed
+    # activations and logits. (While embedding and head stayed gathered in float32 in the root unit
+    # all step, 0.5 GiB more on every device, 1.5 GiB was out of reach at any number of devices.)
     rec = _quiet_estimate("tiny-llama-1.1b", memory_budget_gb=1.5, **kwargs)["recommendation"]
-    assert not rec["fits"] and "more devices" not in rec["message"]
+    assert not rec["fits"] and re.search(r"more devices \(FULL_SHARD fits on \d+ devices", rec["message"])
     # One sequence's activations and logits alone exceed 1 GiB: more devices cannot help.
     rec = _quiet_estimate("tiny-llama-1.1b", memory_budget_gb=1, **kwargs)["recommendation"]
     assert "more devices" not in rec["message"] and "a shorter --max_seq_length" in rec["message"]
@@ -690,3 +691,11 @@ def test_estimated_peaks_are_within_4_percent_of_measured(runs):
     gpu = dataclasses.replace(_options("bf16-mixed:full"), cuda=True, config=Config.from_name("debug", **overrides))
     column = est.make_column("FULL_SHARD", 2, 1)
     assert result["strategies"]["FULL_SHARD"] == est.column_memory(gpu, column, MEASURED_BATCH)
+
+
+@pytest.mark.parametrize("shape", [(256, 256), (512, 1024)])
+def test_quantized_bytes_match_torchao_nf4(shape):
+    from toolkit.training.nf4 import nf4_quantize, nf4_storage_bytes
+
+    weight = torch.randn(shape, dtype=torch.bfloat16)
+    assert est.quantized_bytes(shape, "nf4") == nf4_storage_bytes(nf4_quantize(weight, torch.bfloat16))

@@ -1,4 +1,5 @@
-"""QLoRA (a bitsandbytes-quantized frozen base) on several processes and simulated nodes, on CPU.
+"""QLoRA on several processes and simulated nodes, on CPU: bitsandbytes (replicated base) and
+torchao nf4 (base sharded by FSDP2; the tests named test_nf4_*, on a wider tiny Llama).
 
 On more than one device the toolkit replicates the quantized base and synchronises only the LoRA
 adapters (`toolkit.training.strategy.plan_quantized_base` says why FSDP2 does not shard it).
@@ -11,6 +12,7 @@ real DDP on gloo; the base is the session's tiny Llama saved in bfloat16, as pub
 import json
 import os
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,7 +34,7 @@ STEPS = 6
 # scale moves the adapters by about 1e-3.
 TOLERANCE = 1e-6
 # nf4 runs the default precision (bf16-mixed), int8 runs 32-true: both precisions, no extra runs.
-PRECISION = {"bnb.nf4": "bf16-mixed", "bnb.int8": "32-true"}
+PRECISION = {"bnb.nf4": "bf16-mixed", "bnb.int8": "32-true", "nf4": "bf16-mixed"}
 
 
 def _args(base: Path, data: Path, out_dir: Path, mode: str, *extra: str) -> list[str]:
@@ -59,19 +61,46 @@ def _assert_same_adapter(out_dir: Path, reference: dict, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def single(bf16_base, sums, tmp_path_factory) -> dict:
+def wide_base(base, tmp_path_factory) -> Path:
+    """A tiny random Llama wide enough for torchao's NF4 to shard over 4 ranks (every block weight in
+    whole groups of 16384 values per rank: 256 x 256 and 512 x 256), saved in bfloat16 and converted."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from toolkit.convert import convert_from_hf
+
+    root = tmp_path_factory.mktemp("wide")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=512,
+                         bos_token_id=1, eos_token_id=2)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(base["hf_dir"] / name, root / "hf" / name)
+    convert_from_hf(root / "hf", root / "checkpoint")
+    return root / "checkpoint"
+
+
+def _base_for(mode: str, bf16_base: Path, wide_base) -> Path:
+    return wide_base if mode == "nf4" else bf16_base
+
+
+@pytest.fixture(scope="module")
+def single(bf16_base, sums, tmp_path_factory, request) -> dict:
     """One-process QLoRA runs, one per mode, made when first asked for: {mode: adapter}."""
-    root, runs = tmp_path_factory.mktemp("qlora-one"), {}
+    root, runs, logs = tmp_path_factory.mktemp("qlora-one"), {}, {}
 
     def get(mode: str) -> dict:
         if mode not in runs:
-            log = run_toolkit(_args(bf16_base, sums, root / mode, mode))
+            checkpoint = request.getfixturevalue("wide_base") if mode == "nf4" else bf16_base
+            log = run_toolkit(_args(checkpoint, sums, root / mode, mode))
             assert "QLoRA scheme: single" in log
+            logs[mode] = log
             runs[mode] = _adapter(root / mode)
             # The adapters did train (B starts at zero).
             assert max(v.abs().max().item() for k, v in runs[mode].items() if "lora_B" in k) > 1e-3
         return runs[mode]
 
+    get.logs = logs  # type: ignore[attr-defined]  # {mode: the run's output}
     return get
 
 
@@ -137,3 +166,75 @@ def test_forcing_fsdp_on_a_quantized_base_is_one_clear_line(bf16_base, sums, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "cannot shard" in err[0] and "--distributed.strategy auto" in err[0], err
     assert not out.exists()
+
+
+def _nf4_bytes(log: str) -> list[int]:
+    line = next(line for line in log.splitlines() if line.startswith("NF4 base bytes per rank: "))
+    return [int(b) for b in line.split(": ")[1].split(", ")]
+
+
+# The same quantization on 1 and 2 processes (each rank quantizes its own rows with the whole weight's
+# mean: bit-identical bytes), so the adapters match to TOLERANCE, measured bit-identical on gloo.
+def test_nf4_on_two_processes_is_sharded_and_trains_the_adapter_of_one_process(wide_base, sums, single, tmp_path):
+    out = tmp_path / "two"
+    log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", "2"))
+    assert "QLoRA scheme: sharded" in log and "strategy: FSDP2 FULL_SHARD over 2 processes" in log
+    _assert_same_adapter(out, single("nf4"), "nf4 on 2 processes")
+
+    # The NF4 bytes each rank holds (codes, scales, factors, mean) are half of one process's; the
+    # only overhead is the 2-byte mean of each of the 14 weights, held by every rank.
+    (whole,), halves = _nf4_bytes(single.logs["nf4"]), _nf4_bytes(log)
+    assert len(halves) == 2 and whole > 500_000
+    for half in halves:
+        assert whole / 2 <= half <= whole / 2 + 14 * 2, (whole, halves)
+
+    # Exports: the peft copy loads on the bf16 base in transformers and changes its output by
+    # exactly the adapter; merge_lora merges into the bf16 base.
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    hf_dir = wide_base.parent / "hf"
+    tokens = torch.tensor([[1, 319, 3462, 29871, 29941, 322]])
+    plain = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    before = plain(tokens).logits
+    peft_model = PeftModel.from_pretrained(plain, out / "final")
+    after = peft_model(tokens).logits
+    assert (after - before).abs().max() > 1e-4  # the adapter is loaded and acts
+    merged_hf = peft_model.merge_and_unload()
+    torch.testing.assert_close(merged_hf(tokens).logits, after, atol=1e-4, rtol=0)
+
+    assert run(["merge_lora", str(out)]) == 0
+    merged, base, adapter = load_file(str(out / "merged" / "model.safetensors")), load_file(str(wide_base / "model.safetensors")), _adapter(out)
+    config = json.loads((out / "final" / "adapter_config.json").read_text())
+    name = "blocks.1.mlp.down_proj"
+    update = (config["lora_alpha"] / config["r"]) * adapter[f"{name}.lora_B.weight"] @ adapter[f"{name}.lora_A.weight"]
+    expected = base[f"{name}.weight"].float() + update
+    assert update.abs().max() > 1e-4
+    torch.testing.assert_close(merged[f"{name}.weight"].float(), expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("resume_devices", ["1", pytest.param("2", marks=pytest.mark.slow)])
+def test_nf4_killed_on_two_processes_resumes_to_the_uninterrupted_weights(wide_base, sums, single, tmp_path, resume_devices):
+    """Killed in mid-run on 2 processes, resumed on `resume_devices`: the sharded checkpoint reshards."""
+    out = tmp_path / "killed"
+    k = random.Random(os.getpid()).randint(3, STEPS - 1)  # past the first checkpoint (step 2)
+    kill_group_at_step([sys.executable, "-m", "toolkit", *_args(wide_base, sums, out, "nf4", "--devices", "2")], k)
+    assert not (out / "final").exists()
+    log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", resume_devices))
+    assert "Resumed from" in log
+    _assert_same_adapter(out, single("nf4"), f"nf4: 2 processes killed at step {k}, resumed on {resume_devices}")
+
+
+@pytest.mark.slow
+def test_nf4_on_two_nodes_of_two_processes_trains_the_adapter_of_one_process(wide_base, sums, single, tmp_path):
+    out = tmp_path / "nodes"
+    outputs = torchrun_nodes(_args(wide_base, sums, out, "nf4", "--num_nodes", "2", "--devices", "2"), nodes=2, per_node=2)
+    assert "QLoRA scheme: sharded" in outputs[0]
+    _assert_same_adapter(out, single("nf4"), "nf4 on 2 nodes x 2 processes")
+
+
+def test_nf4_that_cannot_be_split_is_one_clear_line(bf16_base, sums, tmp_path, capsys):
+    # The session's narrow model: k_proj is 32 x 64, less than one group of 16384 values.
+    assert run(_args(bf16_base, sums, tmp_path / "narrow", "nf4", "--devices", "2")) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--quantize nf4 cannot split blocks.0.attn" in err[0], err

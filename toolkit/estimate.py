@@ -197,8 +197,14 @@ def parameter_specs(
 
 
 def quantized_bytes(shape: tuple[int, ...], quantize: str) -> int:
-    """Bytes bitsandbytes stores for one quantized weight of `shape` (data + quantization state)."""
+    """Bytes stored for one quantized weight of `shape` (data + quantization state): bitsandbytes'
+    layouts for "bnb.*", torchao's NF4Tensor for "nf4" (two 4-bit values per byte, one int8 scale
+    per block of 64, one bfloat16 factor per 256 of those scales, a 2-byte mean: about 0.516 bytes
+    per weight, toolkit.training.nf4)."""
     numel = math.prod(shape)
+    if quantize == "nf4":
+        scalers = -(-numel // 64)
+        return -(-numel // 2) + scalers + 2 * -(-scalers // 256) + 2
     if quantize == "bnb.int8":
         return numel + 4 * shape[0]  # int8 weight + float32 scale per output row (SCB)
     blocks = -(-numel // 64)  # one absmax per block of 64 weights
@@ -652,17 +658,26 @@ def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> B
         units.setdefault(s.unit, []).append(s)
 
     def gathered(members: list[ParamSpec]) -> int:
-        return sum(padded_shard_numel(s, W) * W * opts.gathered_bytes(s, column) for s in members)
+        # every unit, the edges included, is gathered in the compute dtype under FSDP "*-mixed"
+        per = (lambda s: opts.compute_bytes) if opts.autocast else (lambda s: opts.gathered_bytes(s, column))
+        return sum(padded_shard_numel(s, W) * W * per(s) for s in members)
 
-    root = gathered(units.get(-1, []))
+    # The edges (unit -1): untied, the embedding and the (final norm, head) are units of their own.
+    # The embedding is gathered for its forward pass and at the very end of the backward pass, when
+    # the activations are gone; the head from the end of the forward pass through its own backward
+    # pass, after which its gradient is reduce-scattered. Tied, the shared matrix stays in the root,
+    # gathered from the forward pass to the end of the backward pass, its gradient held as long.
+    edges = units.get(-1, [])
+    tied = opts.config.tie_embeddings
+    held_edges = gathered(edges) if tied else 0  # gathered through the blocks' backward passes
+    head_edges = gathered(edges) if tied else gathered([s for s in edges if s.name != "embed.weight"])
     blocks = [members for unit, members in units.items() if unit >= 0]
     block = max((gathered(m) for m in blocks), default=0)
     flat = block if W > 1 else 0  # a block's flat all-gather output, held beside its copies
     cast_input = block // W if W > 1 and opts.autocast else 0  # "*-mixed": the shard cast for the all-gather
     ps = opts.trainable_bytes
-    # An untied embedding's gradient appears only at the very end, when the activations are gone.
-    head = [s for s in units.get(-1, []) if s.trainable and (s.name != "embed.weight" or opts.config.tie_embeddings)]
-    root_grads = sum(s.numel * ps for s in head)
+    # Untied, the edges' gradients never meet the blocks' backward passes (see above).
+    root_grads = sum(s.numel * ps for s in edges if s.trainable) if tied else 0
 
     def unsharded_grads(members: list[ParamSpec]) -> int:
         return sum(s.numel * opts.gathered_bytes(s, column) for s in members if s.trainable)
@@ -673,17 +688,17 @@ def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> B
     grads = max((unsharded_grads(m) for m in blocks), default=0)
     reduce = max((reduce_input(m) for m in blocks), default=0)
     if column.name == "SHARD_GRAD_OP":  # every unit stays gathered: nothing is gathered again
-        held = root + sum(gathered(m) for m in blocks)
+        held = gathered(edges) + sum(gathered(m) for m in blocks)
         return Buffers(held + flat, held, held, held + root_grads + grads + reduce)
     gather = 2 * flat + cast_input if W > 1 else block  # a block's all-gather in flight (NO_SHARD: its copy)
     return Buffers(
-        loss_forward=root + flat,  # the root, and the last block's flat output
-        backward_start=root + gather,  # the root still gathered; the last block prefetched
-        loss_backward=root + (flat or block),  # the prefetched block waits (a flat output, or NO_SHARD's copy)
+        loss_forward=head_edges + flat,  # the head, and the last block's flat output
+        backward_start=head_edges + gather,  # the head still gathered; the last block prefetched
+        loss_backward=head_edges + (flat or block),  # the prefetched block waits (a flat output, or NO_SHARD's copy)
         # The larger of: the end of a block's backward pass (its copies and unsharded gradients, the
         # next block's flat output, the previous block's reduce-scatter input) and the next block's
         # turn (its copy-out, then the prefetch of the one after it, beside this block's reduce input).
-        block_backward=root + root_grads + max(block + flat + reduce + grads, block + gather + reduce),
+        block_backward=held_edges + root_grads + max(block + flat + reduce + grads, block + gather + reduce),
     )
 
 
@@ -746,8 +761,11 @@ class Options:
     def gathered_bytes(self, s: ParamSpec, column: "Column") -> int:
         """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
         FSDP with "*-mixed" a block's weights are cast to the compute dtype before the all-gather
-        (the blocks' MixedPrecisionPolicy in toolkit.training.strategy); the root unit
-        (embedding, final norm, head) is gathered as stored."""
+        (the blocks' MixedPrecisionPolicy in toolkit.training.strategy). The edges (embedding,
+        final norm, head) are gathered in the compute dtype too, but what autograd saves around
+        them is what it saves for weights as stored (the embedding's output is cast back to its
+        stored dtype; measured exactly in tests/test_estimate.py), so the walk sees them as stored;
+        `fsdp_buffers` counts their gathered copies in the compute dtype."""
         if column.kind == "fsdp" and self.autocast and s.unit >= 0:
             return self.compute_bytes
         return self.param_bytes(s)
@@ -887,6 +905,7 @@ def estimate(
     activation_checkpointing: Optional[bool] = None,
     memory_budget_gb: Optional[float] = None,
     model_overrides: Optional[dict[str, Any]] = None,
+    simulate: bool = False,
 ) -> dict[str, Any]:
     """Estimate the memory per device of a training step, for each distributed strategy.
 
@@ -912,6 +931,10 @@ def estimate(
             activations (false), or show both (default).
         memory_budget_gb: Memory per device in GiB; recommends the cheapest configuration that fits.
         model_overrides: Config fields to change, e.g. '{n_layer: 2}'.
+        simulate: Also run the real training step (FSDP2, LoRA, precision, AdamW) on fake tensors
+            and devices x num_nodes fake ranks, and print each rank's peak by category and the
+            bytes it sends per step (`toolkit.simulate`; up to a minute for 70B). For the FSDP
+            sharding given (default HYBRID_SHARD); not for QLoRA (bitsandbytes needs real data).
     """
     opts, columns, notes, chosen_ckpt = _resolve(
         model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
@@ -942,6 +965,35 @@ def estimate(
             opts, columns, micro_batch_size, memory_budget_gb, chosen_ckpt, devices, num_nodes
         )
     print(format_table(result))
+    if simulate:
+        result["simulation"] = _simulate(opts, devices, num_nodes, micro_batch_size, sharding, lora_r, lora_targets,
+                                         lora_dropout, bool(activation_checkpointing))
+    return result
+
+
+def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, lora_r, lora_targets, lora_dropout,
+              checkpointing: bool):  # fmt: skip
+    """Run `toolkit.simulate` for the set-up, print its table; None (with a note) where it cannot run."""
+    if opts.quantize is not None:
+        print(f"note: {opts.quantize} cannot be simulated (bitsandbytes kernels need real data): the figures above "
+              "are the analytic estimate.")
+        return None
+    if devices * num_nodes == 1:
+        print("note: the simulation runs FSDP over more than one device; for one device the analytic figures stand.")
+        return None
+    from toolkit.simulate import simulate
+
+    lora = None
+    if opts.finetune == "lora":
+        from toolkit.finetune.lora import LoRAArgs
+
+        lora = LoRAArgs(r=lora_r, alpha=2 * lora_r, dropout=lora_dropout, targets=tuple(lora_targets))
+    result = simulate(
+        opts.config, devices, num_nodes, micro_batch_size, opts.max_seq_length, opts.precision,
+        sharding or "HYBRID_SHARD", opts.finetune, lora, checkpointing,
+    )
+    print()
+    print(result.table())
     return result
 
 

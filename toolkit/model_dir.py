@@ -84,6 +84,73 @@ def weights_for_saving(state_dict: Mapping, config: Config) -> dict:
     return out
 
 
+class SafetensorsStream:
+    """A safetensors file written one tensor at a time, equal byte for byte to `save_file` of them all.
+
+    `specs` maps each name to (torch dtype, shape). The header (names, dtypes, shapes, offsets) is
+    written first; then `write(name, tensor)` appends each tensor's bytes in the order of `order`,
+    which is the order `save_file` lays them out in. Only the tensor being written is in memory:
+    the file's bytes are not collected in a buffer.
+    """
+
+    def __init__(self, path: Path | str, specs: Mapping[str, tuple], metadata: Optional[dict] = None) -> None:
+        self.order, header = _safetensors_header(specs, metadata)
+        self._specs = {name: (dtype, tuple(shape)) for name, (dtype, shape) in specs.items()}
+        self._next = 0
+        self._file = open(path, "wb")
+        self._file.write(header)
+
+    def write(self, name: str, tensor) -> None:
+        import torch
+
+        expected = self.order[self._next] if self._next < len(self.order) else None
+        if name != expected:
+            raise ValueError(f"safetensors stream: got {name!r}, expected {expected!r} next")
+        dtype, shape = self._specs[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(f"safetensors stream: {name} is {tensor.dtype} {tuple(tensor.shape)}, the header says {dtype} {shape}")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1)
+        if data.numel():
+            self._file.write(data.view(torch.uint8).numpy().data)
+        self._next += 1
+
+    def close(self) -> None:
+        if self._next != len(self.order):
+            self._file.close()
+            raise ValueError(f"safetensors stream: {len(self.order) - self._next} tensor(s) never written")
+        self._file.close()
+
+
+def _safetensors_header(specs: Mapping[str, tuple], metadata: Optional[dict]) -> tuple[list[str], bytes]:
+    """(tensor order in the file, the header bytes) that `safetensors.torch.save_file` would write.
+
+    The order (by dtype, then name) is safetensors' own: it is read off a file of one-element
+    stand-ins with the same names and dtypes, so that it follows the installed version.
+    """
+    import json
+    import struct
+
+    import torch
+    from safetensors.torch import save
+
+    stand_ins = save({name: torch.zeros(1, dtype=dtype) for name, (dtype, _) in specs.items()}, metadata=metadata)
+    length = struct.unpack("<Q", stand_ins[:8])[0]
+    layout = json.loads(stand_ins[8:8 + length])
+    header: dict = {}
+    if "__metadata__" in layout:
+        header["__metadata__"] = layout.pop("__metadata__")
+    order = list(layout)  # stand-ins' offsets grow with this order
+    offset = 0
+    for name in order:
+        dtype, shape = specs[name]
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": layout[name]["dtype"], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors pads the header to 8 bytes
+    return order, struct.pack("<Q", len(text)) + text
+
+
 def save_checkpoint_files(
     directory: Path, state_dict: Mapping, config: Config, tokenizer_dir: Optional[Path] = None, weights: bool = True
 ) -> None:

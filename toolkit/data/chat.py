@@ -276,6 +276,13 @@ class ChatSamples(TokenizedSamples):
     def subset(self, indices: list[int]) -> "ChatSamples":
         return ChatSamples([self.tokens_of(i).tolist() for i in indices], [self.trained_of(i).tolist() for i in indices])
 
+    def sample_row(self, i: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Sample i as model input: (input_ids, labels), int64; labels of untrained tokens are IGNORE_INDEX."""
+        import torch
+
+        seq = self.tokens_of(i).to(torch.int64)
+        return seq[:-1], torch.where(self.trained_of(i)[1:], seq[1:], IGNORE_INDEX)
+
     def collate(self, indices, pad_id: int) -> dict:
         """Samples `indices` -> {"input_ids", "labels"} (B, T); labels of untrained tokens are IGNORE_INDEX."""
         import torch
@@ -569,7 +576,7 @@ class Chat(InstructData, _InstructOptions):
             (true), or only the reply after it (false; the reasoning stays in the input).
 
     Shared options (see `InstructData`): mask_prompt (true: loss on assistant turns only; false: on
-    every token), val_split_fraction, val_path, seed, group_by_length. prompt_style does
+    every token), val_split_fraction, val_path, seed, group_by_length, packing. prompt_style does
     not apply: the chat template lays the conversation out.
     """
 

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from toolkit.data.chat import Chat
-from toolkit.data.instruct import Example, InstructData, _InstructOptions, _text_field
+from toolkit.data.instruct import Example, InstructData, _InstructOptions, alpaca_examples
 from toolkit.data.streams import PretrainData, TextFiles
 from toolkit.errors import UserError
 
@@ -229,13 +229,7 @@ class HFInstruct(_HFRecords, InstructData, _InstructOptions, _HFOptions):
 
     def read_examples(self, path: Path | str, what: str) -> list[Example]:
         hint = "map the dataset's columns with --data.columns '{instruction: <column>, output: <column>}'"
-        examples = []
-        for where, record in self.read_records(path, what):
-            instruction = _text_field(path, where, record, "instruction", hint, True)
-            response = _text_field(path, where, record, "output", hint, True)
-            text_input = _text_field(path, where, record, "input", hint, False)
-            examples.append(Example(instruction, text_input, response, where))
-        return examples
+        return alpaca_examples(path, self.read_records(path, what), hint)
 
 
 @dataclass

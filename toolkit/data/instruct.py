@@ -29,7 +29,7 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 from toolkit.data.prompts import PromptStyle, resolve_style
 from toolkit.errors import UserError
@@ -181,6 +181,15 @@ class TokenizedSamples:
     def collate(self, indices: "torch.Tensor | list[int]", pad_id: int) -> dict:
         return collate(self, indices, pad_id)
 
+    def sample_row(self, i: int) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Sample i as model input: (input_ids, labels), int64, `lengths[i]` each (what `collate` writes in its row)."""
+        import torch
+
+        seq = self.tokens_of(i).to(torch.int64)
+        labels = seq[1:].clone()
+        labels[: int(self.masked[i])] = IGNORE_INDEX
+        return seq[:-1], labels
+
     @property
     def checksum(self) -> int:
         """A cheap fingerprint of the sample lengths and masks: a changed dataset changes the batch order."""
@@ -215,6 +224,90 @@ def collate(samples: TokenizedSamples, indices: "torch.Tensor | list[int]", pad_
         labels[row, :n] = seq[1:]
         labels[row, : int(samples.masked[i])] = IGNORE_INDEX
     return {"input_ids": input_ids, "labels": labels}
+
+
+def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sample indices grouped into packs of at most `capacity` tokens, best fit decreasing.
+
+    Longest first, each sample goes into the open pack it fills best (least room left after it),
+    or opens a new one: packs come out nearly full, and no sample is ever split. Ties keep index
+    order, so the result depends on the lengths only. A sample longer than `capacity` is an error
+    (samples are cut to max_seq_length when tokenized).
+    """
+    import bisect
+
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    packs: list[list[int]] = []
+    room: list[tuple[int, int]] = []  # (tokens still free, pack index), ascending
+    for i in order:
+        n = lengths[i]
+        if n > capacity:
+            raise ValueError(f"sample {i} has {n} tokens, more than a pack holds ({capacity})")
+        at = bisect.bisect_left(room, (n, -1))
+        if at < len(room):
+            free, p = room.pop(at)
+        else:
+            free, p = capacity, len(packs)
+            packs.append([])
+        packs[p].append(i)
+        if free - n > 0:
+            bisect.insort(room, (free - n, p))
+    return packs
+
+
+class PackedSamples:
+    """Samples packed into sequences of at most `capacity` tokens; a loader takes each pack as one sample.
+
+    Packing is done once (`pack_lengths`), so the packs are the same every epoch and the loader
+    shuffles their order. A packed row is its samples' rows (`sample_row`) one after another, each
+    shifted on its own: a sample's first token is never a label (nothing predicts it from the
+    sample before), and the labels are those the samples have unpacked. The batch also carries
+    `document_ids` (B, T): k for the k-th sample of the row, -1 for padding; the model restarts
+    positions and limits attention per sample from them (`GPT.forward`).
+    """
+
+    def __init__(self, samples: TokenizedSamples, capacity: int) -> None:
+        import torch
+
+        self.samples = samples
+        self.capacity = capacity
+        self.packs = pack_lengths(samples.lengths.tolist(), capacity)
+        self.lengths = torch.tensor([int(samples.lengths[p].sum()) for p in self.packs], dtype=torch.int64)
+
+    def __len__(self) -> int:
+        return len(self.packs)
+
+    @property
+    def checksum(self) -> int:
+        return (self.samples.checksum * 1_000_003 + len(self.packs) * 31 + self.capacity) % (2**61 - 1)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.samples.num_tokens
+
+    @property
+    def num_targets(self) -> int:
+        return self.samples.num_targets
+
+    def collate(self, indices: "torch.Tensor | list[int]", pad_id: int) -> dict:
+        """Packs `indices` -> {"input_ids", "labels", "document_ids"} (B, T), T = their longest pack."""
+        import torch
+
+        indices = [int(i) for i in indices]
+        width = max(int(self.lengths[i]) for i in indices)
+        input_ids = torch.full((len(indices), width), pad_id, dtype=torch.int64)
+        labels = torch.full((len(indices), width), IGNORE_INDEX, dtype=torch.int64)
+        document_ids = torch.full((len(indices), width), -1, dtype=torch.int64)
+        for row, i in enumerate(indices):
+            start = 0
+            for doc, sample in enumerate(self.packs[i]):
+                ids, targets = self.samples.sample_row(sample)
+                end = start + len(ids)
+                input_ids[row, start:end] = ids
+                labels[row, start:end] = targets
+                document_ids[row, start:end] = doc
+                start = end
+        return {"input_ids": input_ids, "labels": labels, "document_ids": document_ids}
 
 
 class InstructLoader:
@@ -466,6 +559,7 @@ class _InstructOptions:
     val_path: Optional[Path] = None
     seed: int = 42
     group_by_length: bool = True
+    packing: bool = False
 
 
 class InstructData:
@@ -480,6 +574,10 @@ class InstructData:
         val_path: a separate validation file, in the same format as the training file.
         seed: seed of the train/validation split (the batch order uses the training seed).
         group_by_length: batch samples of similar length together (less padding).
+        packing: several samples share one sequence of up to max_seq_length tokens, each attending
+            only to itself, with positions restarting at 0 (`PackedSamples`): almost no padding.
+            micro_batch_size and global_batch_size then count packed sequences, not samples. The
+            loss over the same samples is the same packed or not (tests/test_packing.py).
 
     Protocol, on every rank: `setup`, then `train_dataloader` and `val_dataloader`.
     """
@@ -491,6 +589,7 @@ class InstructData:
     val_path: Optional[Path]
     seed: int
     group_by_length: bool
+    packing: bool
     json_path: Path
 
     _train: Optional[TokenizedSamples] = None
@@ -600,11 +699,16 @@ class InstructData:
             raise RuntimeError(f"call {type(self).__name__}.setup(tokenizer, max_seq_length, model_name) first")
         return self._train
 
+    def _batched(self, samples: TokenizedSamples) -> "TokenizedSamples | PackedSamples":
+        """What the loader cuts into batches: the samples, or with `packing` their packs."""
+        return PackedSamples(samples, self.max_seq_length) if self.packing else samples
+
     def train_dataloader(
         self, micro_batch_size: int, seed: int, rank: int = 0, world_size: int = 1, global_batch_size: Optional[int] = None
     ) -> InstructLoader:
-        """`global_batch_size`: samples per optimizer step over all ranks (default micro x world)."""
-        samples = self._require_setup()
+        """`global_batch_size`: samples (packed sequences with `packing`) per optimizer step over all ranks
+        (default micro x world)."""
+        samples = self._batched(self._require_setup())
         loader = InstructLoader(
             samples,
             micro_batch_size,
@@ -616,17 +720,21 @@ class InstructData:
             pad_id=self.pad_id,
             step_batch_size=global_batch_size,
         )
+        what = "packed sequence(s)" if self.packing else "training sample(s)"
         if len(loader) == 0:
             raise UserError(
-                f"{len(samples)} training sample(s) do not fill one batch of micro_batch_size={micro_batch_size} "
+                f"{len(samples)} {what} do not fill one batch of micro_batch_size={micro_batch_size} "
                 f"on each of {world_size} process(es); lower micro_batch_size or add data"
             )
         self.stats["padding_fraction"] = loader.padding_fraction(0)
+        if self.packing:
+            self.stats["packed_sequences"] = len(samples)
         log.info(
             "training batches: %d per epoch per process, %.1f%% padding%s",
             len(loader),
             100 * self.stats["padding_fraction"],
-            " (length-grouped)" if self.group_by_length else "",
+            f" ({len(self._train)} samples packed into {len(samples)} sequences of up to {self.max_seq_length} tokens)"
+            if self.packing else " (length-grouped)" if self.group_by_length else "",
         )
         return loader
 
@@ -636,7 +744,7 @@ class InstructData:
         if self._val is None:
             return None
         loader = InstructLoader(
-            self._val,
+            self._batched(self._val),
             micro_batch_size,
             shuffle=False,
             rank=rank,
@@ -784,13 +892,19 @@ class Alpaca(InstructData, _InstructOptions):
 
     def read_examples(self, path: Path, what: str) -> list[Example]:
         hint = "Alpaca records have instruction, input and output; for other field names use --data JSON"
-        examples = []
-        for where, record in self.read_records(path, what):
-            instruction = _text_field(path, where, record, "instruction", hint, True)
-            response = _text_field(path, where, record, "output", hint, True)
-            text_input = _text_field(path, where, record, "input", hint, False)
-            examples.append(Example(instruction, text_input, response, where))
-        return examples
+        return alpaca_examples(path, self.read_records(path, what), hint)
+
+
+def alpaca_examples(path: Path | str, records: Iterable[tuple[str, dict]], hint: str) -> list[Example]:
+    """Examples from (where, record) pairs with "instruction", "output" and an optional "input";
+    `hint` ends the one-line error for a record without them."""
+    examples = []
+    for where, record in records:
+        instruction = _text_field(path, where, record, "instruction", hint, True)
+        response = _text_field(path, where, record, "output", hint, True)
+        text_input = _text_field(path, where, record, "input", hint, False)
+        examples.append(Example(instruction, text_input, response, where))
+    return examples
 
 
 __all__ = [
@@ -800,8 +914,10 @@ __all__ = [
     "InstructData",
     "InstructLoader",
     "JSON",
+    "PackedSamples",
     "TokenizedSamples",
     "collate",
+    "pack_lengths",
     "pad_id_for",
     "read_json_records",
     "tokenize_examples",

@@ -91,7 +91,9 @@ def run_finetune(
             )
     stats = data.stats
     fabric.print(
-        f"Data: {stats.get('train_samples', '?')} training samples, {steps_per_epoch} optimizer steps per epoch, "
+        f"Data: {stats.get('train_samples', '?')} training samples"
+        + (f" packed into {stats['packed_sequences']} sequences" if "packed_sequences" in stats else "")
+        + f", {steps_per_epoch} optimizer steps per epoch, "
         f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
     )
     model = session.build_model(weights=checkpoint_dir, prepare=prepare_model)

@@ -1,10 +1,11 @@
 """`toolkit finetune_lora` (and QLoRA with --quantize), and `toolkit merge_lora`.
 
 LoRA comes from `peft`, applied to the toolkit's own model: peft swaps the chosen Linear layers for
-its LoRA layers; the base weights are frozen. With --quantize, the frozen base Linear layers are
-first replaced by bitsandbytes 4-bit or 8-bit layers, on the CPU, before the model is moved to its
-device. On more than one device every rank quantizes the whole base in the same way and only the
-adapters are synchronised (`toolkit.training.strategy.plan_quantized_base` says why).
+its LoRA layers; the base weights are frozen. With --quantize nf4 the frozen Linear weights of the
+blocks become torchao NF4 tensors (`toolkit.training.nf4`), sharded by FSDP2 on several devices,
+each rank quantizing only its own rows. With --quantize bnb.* they are replaced by bitsandbytes
+4-bit or 8-bit layers on the CPU; on more than one device every rank then quantizes the whole base
+and only the adapters are synchronised (`toolkit.training.strategy.plan_quantized_base` says why).
 
 A finished run writes `<out_dir>/final/`:
     lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
@@ -150,6 +151,23 @@ def quantize_linears(model, mode: str, precision: str):
     return model
 
 
+def current_device():
+    """The device this rank trains on (Fabric has set the current CUDA device by the time models are built)."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def scheme_shards(scheme, devices, num_nodes: int) -> int:
+    """Over how many ranks each frozen weight is split: 1 unless sharded; the devices of one node under HYBRID_SHARD."""
+    from toolkit.training.strategy import plan_strategy
+
+    if scheme.scheme != "sharded":
+        return 1
+    plan = plan_strategy(devices, num_nodes, "32-true", scheme.dist)
+    return plan.mesh[0][-1] if plan.mesh else 1
+
+
 def finetune_lora(
     checkpoint_dir: Path,
     out_dir: Path = Path("out/finetune/lora"),
@@ -174,8 +192,9 @@ def finetune_lora(
         data: Instruction data: `Alpaca`, `JSON` (records with configurable field names), or `Chat`
             (multi-turn conversations in the model's chat template).
         lora: Adapter rank, alpha, dropout and targets.
-        quantize: Store the frozen base in 4-bit (nf4, fp4; -dq also quantizes the scales) or 8-bit
-            with bitsandbytes (QLoRA).
+        quantize: Store the frozen base in 4 bits (QLoRA): nf4 (torchao's NF4, sharded by FSDP2 on
+            several devices), or with bitsandbytes, replicated on every device: bnb.nf4, bnb.fp4
+            (-dq also quantizes the scales) or bnb.int8.
         train: Optimisation and stopping (default: one epoch).
         eval: Validation cadence.
         log: Logging cadence and destinations.
@@ -203,6 +222,17 @@ def finetune_lora(
 
         # On more than one device the quantized base is replicated and DDP synchronises the adapters.
         scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
+        shards = scheme_shards(scheme, devices, num_nodes)
+        if quantize == "nf4" and shards > 1:
+            import torch
+
+            from toolkit.model_dir import require_checkpoint_dir
+            from toolkit.models.config import CONFIG_FILENAME, Config
+            from toolkit.models.gpt import GPT
+            from toolkit.training.nf4 import check_nf4_shardable
+
+            with torch.device("meta"):  # shapes only, before any process is launched
+                check_nf4_shardable(GPT(Config.from_file(require_checkpoint_dir(checkpoint_dir) / CONFIG_FILENAME)), shards)
         distributed = scheme.dist
         startup_notes.append(scheme.describe())
 
@@ -213,7 +243,13 @@ def finetune_lora(
     def prepare(model):
         from peft import get_peft_model
 
-        if quantize is not None:
+        if quantize == "nf4":
+            from toolkit.training.nf4 import quantize_blocks_nf4
+            from toolkit.training.precision import precision_dtypes
+
+            # Under FSDP the model is still on the meta device: each rank quantizes its own rows later.
+            quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1], current_device())
+        elif quantize is not None:
             model = quantize_linears(model, quantize, resolved_precision)
         # peft freezes every weight that is not an adapter.
         model = get_peft_model(model, lora.peft_config())
@@ -221,6 +257,8 @@ def finetune_lora(
         return model
 
     def export(session, model) -> None:
+        if quantize == "nf4":
+            report_nf4_bytes(session.fabric, model)
         save_adapter(session, model, lora, Path(checkpoint_dir), quantize)
 
     _, model = run_finetune(
@@ -229,6 +267,24 @@ def finetune_lora(
         check_args=check_args, startup_notes=startup_notes, hparams=hparams,
     )
     return model
+
+
+def report_nf4_bytes(fabric, model) -> list[int]:
+    """Print (rank 0) and return the bytes of NF4 base weights each rank holds (collective call)."""
+    import torch
+
+    from toolkit.training.nf4 import is_nf4, nf4_storage_bytes
+
+    mine = 0
+    for param in model.parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if is_nf4(local):
+            mine += nf4_storage_bytes(local)
+    per_rank = [mine]
+    if fabric.world_size > 1:
+        per_rank = [int(b) for b in fabric.all_gather(torch.tensor([mine], dtype=torch.int64)).flatten().tolist()]
+    fabric.print("NF4 base bytes per rank: " + ", ".join(str(b) for b in per_rank))
+    return per_rank
 
 
 def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize: Optional[str]) -> Path:
@@ -240,8 +296,9 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     from toolkit.training.failures import run_on_rank_zero
 
     fabric = session.fabric
-    # Gathered in full on rank 0 (under FSDP the adapters are sharded with everything else).
-    adapters = {adapter_key(k): v for k, v in full_state_dict(fabric, model).items() if is_adapter_weight(k)}
+    # Only the adapters are gathered on rank 0 (under FSDP they are sharded with the frozen base,
+    # which is never gathered).
+    adapters = {adapter_key(k): v for k, v in full_state_dict(fabric, model, keep=is_adapter_weight).items()}
     target = session.out_dir / "final"
 
     def write() -> None:

@@ -29,7 +29,7 @@ class GPT(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.n_embd)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.norm_f = make_norm(config)
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = OutputHead(config.n_embd, config.vocab_size, bias=config.lm_head_bias)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryEmbedding(config)
@@ -40,6 +40,7 @@ class GPT(nn.Module):
         labels: Optional[torch.Tensor] = None,
         input_pos: Optional[int] = None,
         logits_to_keep: int = 0,
+        document_ids: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits (B, T, V); with `labels` (B, T), the summed cross-entropy over labelled tokens.
 
@@ -48,6 +49,11 @@ class GPT(nn.Module):
         token when a KV cache is in use (see `set_kv_cache`). `logits_to_keep` > 0: logits of the last
         that many positions only (B, logits_to_keep, V), as when a prompt fills the cache and only
         its last position predicts (the head over every position costs B * T * V).
+
+        `document_ids` (B, T): packed rows (see `toolkit.data.instruct.PackedSamples`). Each run of
+        equal ids in a row is one sample: its positions restart at 0 and its tokens attend only
+        within it (see `document_segments`). Without it (or with one id per row) every row is one
+        sequence, computed exactly as before.
         """
         B, T = input_ids.shape
         start = 0 if input_pos is None else input_pos
@@ -57,14 +63,24 @@ class GPT(nn.Module):
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         cache = self.blocks[0].attn.kv_cache
-        if cache is not None and cache.left_padding is not None:
+        segments = None
+        if document_ids is not None:
+            if document_ids.shape != input_ids.shape:
+                raise ValueError(f"document_ids {tuple(document_ids.shape)} must have the shape of input_ids {(B, T)}")
+            if cache is not None:
+                raise ValueError("document_ids (packed samples) are for training; clear the KV cache first")
+            positions, segments = document_segments(document_ids)
+            if all(len(row) == 1 for row in segments):
+                segments = None  # one sample per row: the plain causal path
+            cos, sin = self.rope.at(positions, x.device)  # (B, 1, T, rope_n_elem) each
+        elif cache is not None and cache.left_padding is not None:
             # A row's first real token is at position 0 whatever padding precedes it (padding: 0)
             positions = torch.arange(start, start + T, device=x.device)[None] - cache.left_padding[:B, None]  # (B, T)
             cos, sin = self.rope.at(positions.clamp(min=0), x.device)  # (B, 1, T, rope_n_elem) each
         else:
             cos, sin = self.rope(start, T, x.device)  # (T, rope_n_elem) each, float32
         for block in self.blocks:
-            x = block(x, cos, sin, input_pos)
+            x = block(x, cos, sin, input_pos, segments)
         x = self.norm_f(x)
         if labels is None:
             return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
@@ -73,16 +89,13 @@ class GPT(nn.Module):
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Summed cross-entropy of `lm_head(x)` against `labels`, equal to `cross_entropy_sum(lm_head(x), labels)`.
 
-        A plain `nn.Linear` head goes through `linear_cross_entropy_sum`, which never holds the
-        whole (B * T, V) float32 logits; under torch.compile it runs eagerly, outside the graph.
-        Anything else in its place (a peft LoRA layer, a quantized layer, a head with hooks) takes
-        the plain path.
+        The toolkit's own head (`OutputHead`, also once FSDP has wrapped it) computes it fused,
+        through its forward pass, so that hooks on the head (FSDP's gather) run. Anything else in
+        its place (a peft LoRA layer, a quantized layer) takes the plain path.
         """
         head = self.lm_head
-        if type(head) is nn.Linear and not (head._forward_hooks or head._forward_pre_hooks):
-            if _compiling():
-                return _outside_compile(linear_cross_entropy_sum)(x, head.weight, head.bias, labels)
-            return linear_cross_entropy_sum(x, head.weight, head.bias, labels)
+        if isinstance(head, OutputHead):
+            return head(x, labels)
         return cross_entropy_sum(head(x), labels)
 
     # ------------------------------------------------------------------ KV cache
@@ -124,6 +137,24 @@ class GPT(nn.Module):
                 cache.left_padding = torch.cat([cache.left_padding[rows], cache.left_padding[rows.numel():]])
 
 
+class OutputHead(nn.Linear):
+    """The output head: `nn.Linear` (same weights, same names) whose forward also takes `labels`.
+
+    `head(x)` gives the logits (..., V). `head(x, labels)` gives their summed cross-entropy through
+    `linear_cross_entropy_sum`, which never holds the whole (B * T, V) float32 logits; under
+    torch.compile it runs eagerly, outside the graph. The loss is computed inside the head's
+    forward pass so that whatever wraps the head as a module (FSDP gathers its weight in a hook
+    before the call) sees the call.
+    """
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if labels is None:
+            return super().forward(x)
+        if _compiling():
+            return _outside_compile(linear_cross_entropy_sum)(x, self.weight, self.bias, labels)
+        return linear_cross_entropy_sum(x, self.weight, self.bias, labels)
+
+
 class Block(nn.Module):
     """One transformer layer. Sequential residual (Llama):
 
@@ -142,9 +173,12 @@ class Block(nn.Module):
         self.mlp = make_mlp(config)
         self.parallel_residual = config.parallel_residual
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int],
+        segments: Optional[list[list[int]]] = None,
+    ) -> torch.Tensor:
         h = self.norm_1(x)
-        attn_out = self.attn(h, cos, sin, input_pos)
+        attn_out = self.attn(h, cos, sin, input_pos, segments)
         if self.parallel_residual:
             mlp_in = h if self.norm_2 is None else self.norm_2(x)
             return x + attn_out + self.mlp(mlp_in)
@@ -164,7 +198,11 @@ class CausalSelfAttention(nn.Module):
         self.rope_n_elem = config.rope_n_elem
         self.kv_cache: Optional[KVCache] = None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int]) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int],
+        segments: Optional[list[list[int]]] = None,
+    ) -> torch.Tensor:
+        """`segments`: per row, the lengths of its packed samples (summing to T); each attends only to itself."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, D)
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_size).transpose(1, 2)  # (B, G, T, D)
@@ -172,6 +210,9 @@ class CausalSelfAttention(nn.Module):
         q = apply_rope(q, cos, sin, self.rope_n_elem)
         k = apply_rope(k, cos, sin, self.rope_n_elem)
 
+        if segments is not None:
+            y = segment_attention(q, k, v, segments, self.n_kv != self.n_head)  # (B, H, T, D)
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size))
         mask = None
         # A branch, not `T > 1` itself: compiled with dynamic shapes that is a symbolic bool, which SDPA refuses.
         is_causal = True if T > 1 else False  # noqa: SIM210
@@ -199,6 +240,48 @@ class CausalSelfAttention(nn.Module):
             q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=self.n_kv != self.n_head
         )  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size))
+
+
+def document_segments(document_ids: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
+    """Positions (B, T) restarting at 0 where a row's document id changes, and each row's run lengths.
+
+    document_ids [[0, 0, 0, 1, 1, -1]] -> positions [[0, 1, 2, 0, 1, 0]], segments [[3, 2, 1]].
+    The run lengths are host integers (one device sync per forward on a GPU, not one per layer).
+    """
+    B, T = document_ids.shape
+    index = torch.arange(T, device=document_ids.device).expand(B, T)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    first = torch.where(starts, index, 0).cummax(dim=1).values  # index of the token's segment start
+    positions = index - first
+    segments = []
+    for row in starts.cpu():
+        bounds = row.nonzero().squeeze(1).tolist() + [T]
+        segments.append([b - a for a, b in zip(bounds, bounds[1:])])
+    return positions, segments
+
+
+def segment_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[list[int]], gqa: bool
+) -> torch.Tensor:
+    """Causal attention within each segment of each row: q (B, H, T, D), k and v (B, G, T, D) -> (B, H, T, D).
+
+    One causal SDPA call per sample, the CPU form of a variable-length ("varlen") kernel: a sample
+    of n tokens costs n^2 / 2, never the T^2 of a block-diagonal mask over the whole row.
+    Measured on CPU (benchmarks/packing.py --attention, figures in benchmarks/README.md): at T=2048
+    with 8 samples per row, one call per sample took 189 ms forward + backward, SDPA with a boolean
+    block-diagonal mask 1320 ms, plain causal SDPA over the row 812 ms; flex_attention has no
+    backward on CPU in torch 2.13. On a GPU a varlen kernel would replace this loop.
+    """
+    rows = []
+    for b, lengths in enumerate(segments):
+        qs, ks, vs = (t[b : b + 1].split(lengths, dim=2) for t in (q, k, v))
+        parts = [
+            F.scaled_dot_product_attention(qi, ki, vi, is_causal=qi.shape[2] > 1, enable_gqa=gqa)
+            for qi, ki, vi in zip(qs, ks, vs)
+        ]
+        rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
+    return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]
 
 
 class KVCache(nn.Module):
@@ -407,7 +490,7 @@ def linear_cross_entropy_sum(
     if chunk_rows is None:
         chunk_rows = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
     if skip_ignored is None:
-        skip_ignored = device_type == "cpu"
+        skip_ignored = _host_cpu(hidden)
     # Under no_grad (validation) the Function still reports that its inputs require grad: ask here.
     want_grad = torch.is_grad_enabled()
     return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad)
@@ -506,6 +589,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 
 _SCRATCH: dict = {}
+# False: CPU steps allocate the loss's buffers at every call, as on a GPU (tests/scripts/simulate_real.py,
+# which compares a real CPU step with the simulated GPU one, turns the reuse off).
+REUSE_CPU_SCRATCH = True
 
 
 def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, slot: int) -> torch.Tensor:
@@ -517,7 +603,7 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, s
     LOSS_CHUNK_BYTES each). CUDA's caching allocator already reuses memory: other devices allocate.
     """
     numel = shape[0] * shape[1]
-    if device.type != "cpu":
+    if device.type != "cpu" or _faking() or not REUSE_CPU_SCRATCH:
         return torch.empty(shape, dtype=dtype, device=device)
     key = (dtype, slot)
     buffer = _SCRATCH.get(key)
@@ -525,6 +611,19 @@ def _scratch(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, s
         _SCRATCH.pop(key, None)
         buffer = _SCRATCH[key] = torch.empty(numel, dtype=dtype)
     return buffer[:numel].view(shape)
+
+
+def _faking() -> bool:
+    """True under a FakeTensorMode (`toolkit.simulate`): tensors have shapes but no values."""
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
+
+
+def _host_cpu(tensor: torch.Tensor) -> bool:
+    """A real CPU tensor. Fake tensors (`toolkit.simulate`) take the GPU path: finding ignored rows
+    needs values, and keeping scratch buffers between calls would keep fake tensors alive."""
+    return tensor.device.type == "cpu" and not _faking()
 
 
 def _compiling() -> bool:

@@ -158,8 +158,9 @@ def parse_duration(text: str) -> float:
         raise UserError(f"Cannot read the duration {text!r}: use e.g. 90s, 45m, 2h, 1d2h or 01:30:00") from None
 
 
-# bitsandbytes storage of a frozen base (QLoRA): 4-bit NF4 or FP4 (-dq also quantizes the scales), or int8.
-QuantizeName = Literal["bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
+# Storage of a frozen base (QLoRA): "nf4" is torchao's NF4Tensor (sharded by FSDP2 on several devices);
+# "bnb.*" are bitsandbytes' 4-bit NF4 or FP4 (-dq also quantizes the scales) and int8 (replicated).
+QuantizeName = Literal["nf4", "bnb.nf4", "bnb.nf4-dq", "bnb.fp4", "bnb.fp4-dq", "bnb.int8"]
 QUANTIZE_CHOICES: tuple[str, ...] = get_args(QuantizeName)
 
 StrategyName = Literal["auto", "fsdp", "ddp"]
@@ -189,6 +190,8 @@ class DistributedArgs:
             (torch's distributed checkpoint: fast, and it reshards when loaded on another number
             of devices), "full" gathers everything into a single file on rank 0. The final
             exported model is always full.
+        preflight: on a GPU, compare the expected peak memory per device with the device's memory
+            before any weight is read, and stop with the settings that would fit if it does not.
         timeout: seconds a collective (a barrier, a gradient reduction) waits for the other
             processes before the run fails. Rank 0 prepares data alone while the others wait, so
             this must outlast the first tokenization of a large corpus.
@@ -200,3 +203,4 @@ class DistributedArgs:
     cpu_offload: bool = False
     state_dict_type: StateDictTypeName = "sharded"
     timeout: int = 3600
+    preflight: bool = True

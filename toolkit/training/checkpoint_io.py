@@ -2,7 +2,8 @@
 
 - `direct_checkpoint_io`: the CheckpointIO plugin of the one-device and DDP strategies (no
   in-memory copy of the file).
-- `full_state_dict`: the complete weights on rank 0 (the final export).
+- `stream_weights`: the final export, gathered and written one tensor at a time.
+- `full_state_dict`: the complete weights on rank 0 (small things only: the whole model at once).
 - `load_resharded`: a `fabric.save` checkpoint written by another number of processes.
 - `gather_objects`: small per-rank facts (digests) on every rank.
 
@@ -44,32 +45,114 @@ def direct_checkpoint_io() -> Any:
     return DirectCheckpointIO()
 
 
-def full_state_dict(fabric: Fabric, model: nn.Module) -> dict[str, Tensor]:
+def full_state_dict(fabric: Fabric, model: nn.Module, keep: Any = None) -> dict[str, Tensor]:
     """The model's complete (unsharded) weights on rank 0, as CPU tensors with the model's own key names.
 
     A collective call: every rank must call it; the other ranks get `{}` (a whole model on every
-    rank would not fit where FSDP is needed). This is what the final export writes, whatever
-    `state_dict_type` mid-run checkpoints use. Without FSDP on CPU the tensors share memory with
-    the live parameters (no copy is made).
+    rank would not fit where FSDP is needed). `keep(name)` (toolkit names) picks the weights to
+    gather: under FSDP only those are gathered, one at a time (LoRA's adapters, not the frozen
+    base). Without FSDP on CPU the tensors share memory with the live parameters (no copy is made).
+    The final export does not come here: it streams (`stream_weights`).
     """
-    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    root = _unwrap_objects(model)
-    if isinstance(root, FSDPModule):
+    root = _user_module(model)
+    if isinstance(root, FSDPModule) and keep is None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         # cpu_offload with full_state_dict gathers one tensor at a time onto rank 0's CPU only.
         state = get_model_state_dict(root, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     else:
-        # The user's module, without DDP or torch.compile wrappers (no "module."/"_orig_mod." in keys).
-        module = _unwrap_compiled(model)[0]
-        if isinstance(module, _FabricModule):
-            module = _unwrap_compiled(module._original_module)[0]
-        state = module.state_dict()
+        state = {}
+        for key, value in root.state_dict().items():
+            if keep is not None and not keep(unwrapped_name(key)):
+                continue
+            if isinstance(value, DTensor):
+                value = value.full_tensor()  # collective: every rank takes part, in the same order
+                if fabric.global_rank != 0:
+                    continue
+            state[key] = value
     if fabric.global_rank != 0:
         return {}
     return {unwrapped_name(k): v.detach().cpu() for k, v in state.items()}
+
+
+def _user_module(model: Any) -> Any:
+    """The FSDP root, or the user's module without DDP or torch.compile wrappers (no "module."/"_orig_mod.")."""
+    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
+    from torch.distributed.fsdp import FSDPModule
+
+    root = _unwrap_objects(model)
+    if isinstance(root, FSDPModule):
+        return root
+    module = _unwrap_compiled(model)[0]
+    if isinstance(module, _FabricModule):
+        module = _unwrap_compiled(module._original_module)[0]
+    return module
+
+
+def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dtype: Any = None) -> BaseException | None:
+    """Write the model's complete weights to the safetensors file `path` (on rank 0), one tensor at a time.
+
+    A collective call: for each weight, in the order of the file, every rank takes part in
+    gathering it (under FSDP); rank 0 converts it to `dtype` (floating-point weights; None keeps
+    their dtype), appends its bytes to the file and frees it before the next one. Rank 0's host
+    memory therefore grows by at most the largest weight in float32 plus its converted copy,
+    whatever the size of the model. The file is byte for byte what
+    `toolkit.model_dir.save_checkpoint_files` writes for the same weights (a tied head is stored
+    once). Other ranks pass `path=None`.
+
+    A failure to write on rank 0 (a full disk) does not stop it from taking part in the gathers
+    that follow, so that no rank waits forever: it is returned (None when all went well) for the
+    caller to raise once every rank is through.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    from toolkit.model_dir import SafetensorsStream
+
+    root = _user_module(model)
+    # Under FSDP the state dict holds each rank's shards (DTensors), with the full shapes.
+    state = {}
+    for key, value in root.state_dict().items():
+        name = unwrapped_name(key)
+        if config.tie_embeddings and name == "lm_head.weight":
+            continue  # the tied head is the embedding, stored once
+        state[name] = value
+
+    def export_dtype(t: Tensor) -> Any:
+        return dtype if dtype is not None and t.is_floating_point() else t.dtype
+
+    specs = {name: (export_dtype(t), tuple(t.shape)) for name, t in state.items()}
+    writing = fabric.global_rank == 0
+    error: BaseException | None = None
+    stream = None
+    if writing:
+        try:
+            stream = SafetensorsStream(path, specs, metadata={"format": "pt"})
+        except OSError as err:
+            error = err
+        order = stream.order if stream is not None else sorted(specs)
+    # Every rank gathers in the same order: rank 0 sends the file's order to the others.
+    order = fabric.broadcast(order if writing else None, src=0) if fabric.world_size > 1 else order
+    for name in order:
+        tensor = state[name]
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # collective: every rank takes part
+        if writing and error is None:
+            try:
+                with torch.no_grad():
+                    stream.write(name, tensor.detach().to("cpu").to(specs[name][0]))
+            except OSError as err:
+                error = err
+        del tensor
+    if stream is not None:
+        try:
+            stream.close()
+        except (OSError, ValueError) as err:
+            error = error or err
+    return error
 
 
 def gather_objects(fabric: Fabric, obj: Any) -> list[Any]:

@@ -146,7 +146,7 @@ def fit(
         for i, batch in enumerate(group):
             accumulating = i < accumulation - 1
             with fabric.no_backward_sync(model, enabled=accumulating):
-                loss_sum = model(batch["input_ids"], labels=batch["labels"])
+                loss_sum = _loss_sum(model, batch)
                 fabric.backward(loss_sum * scale)
             running_loss += loss_sum.detach().float()
             state.micro_step += 1
@@ -259,12 +259,19 @@ def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
     return None  # not enough data left for a whole optimizer step
 
 
+def _loss_sum(model, batch: dict) -> torch.Tensor:
+    """The batch's summed loss; packed batches (`--data.packing`) carry the document id of each token."""
+    if "document_ids" in batch:
+        return model(batch["input_ids"], labels=batch["labels"], document_ids=batch["document_ids"])
+    return model(batch["input_ids"], labels=batch["labels"])
+
+
 def _real_tokens(labels: torch.Tensor) -> torch.Tensor:
     """(B, T) labels -> tokens before the padding, summed over the rows (a 0-dim long tensor).
 
     Throughput and MFU count real work. A sample's last label is a target (its EOS, or the last
     response token when cut), and padding only follows it: a row's real tokens end at its last
-    label that is not IGNORE_INDEX.
+    label that is not IGNORE_INDEX (in a packed row, its last sample's).
     """
     counted = labels != IGNORE_INDEX
     length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)  # 1 + index of the last counted label
@@ -346,7 +353,7 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int) -> tuple[flo
         if i >= n_batches:
             break
         batch = fabric.to_device(batch)
-        loss_sum += model(batch["input_ids"], labels=batch["labels"]).float()
+        loss_sum += _loss_sum(model, batch).float()
         targets += (batch["labels"] != IGNORE_INDEX).sum()
     if fabric.world_size > 1:
         loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from toolkit.models.param_names import unwrapped_name
+from toolkit.training.nf4 import is_nf4
 from toolkit.training.precision import replace_parameters
 from toolkit.training.strategy import is_fsdp
 
@@ -68,6 +69,9 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
                 start, stop = offset[0], offset[0] + shape[0]
             else:
                 local, start, stop = param, 0, None
+            if is_nf4(local):
+                _fill_nf4_rows(local, param, name, start, stop, read_rows)
+                continue
             if local.numel() == 0:
                 continue
             full = preset.get(name)
@@ -76,6 +80,34 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
             else:
                 read_rows(name, start, stop, out=local)
     return module
+
+
+def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: ReadRows) -> None:
+    """Quantize this rank's rows of an NF4 weight into its shard `local` (toolkit.training.nf4).
+
+    The rows are read in the checkpoint's dtype, one weight at a time: no rank holds more than its
+    own rows of one weight unquantized. The one number that spans the whole weight, the mean of the
+    block absmaxes, is summed over the ranks that hold its other rows (a collective: every rank of
+    the shard group fills its weights in the same order).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from toolkit.training.nf4 import BLOCK, block_absmax_sum, nf4_from_rows
+
+    rows = read_rows(name, start, stop).to(local.device)
+    total = block_absmax_sum(rows, local.dtype)
+    shard_dims = [i for i, p in enumerate(param.placements) if p.is_shard()]
+    for dim in shard_dims:
+        dist.all_reduce(total, group=param.device_mesh.get_group(dim))
+    quantized = nf4_from_rows(rows, local.dtype, total, param.numel() // BLOCK)
+    # Inner tensor by inner tensor, in place: torchao's `copy_` re-quantizes when the block counts
+    # differ (a shard keeps the block count of the whole weight), and FSDP holds views of `local`
+    # that share its inner tensors. The mean and the level table are real already
+    # (`quantize_blocks_nf4` made them on this device; `to_empty` allocates only the sharded ones).
+    with torch.no_grad():
+        for inner in local.__tensor_flatten__()[0]:
+            getattr(local, inner).copy_(getattr(quantized, inner))
 
 
 def _refuse_meta_buffers(model: nn.Module) -> None:

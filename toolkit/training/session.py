@@ -94,6 +94,8 @@ class Session:
         # process (the launched ones re-run this) plans the same and uses that plan throughout.
         strategy = plan_strategy(devices, num_nodes, precision, distributed)
         plan = plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
+        if distributed.preflight and strategy.accelerator == "cuda" and torch.cuda.is_available():
+            check_fits_device(kind, config, strategy, train, max_seq_length, distributed)
         created_out_dir = not out_dir.exists()
         # A start that resumes from a checkpoint of out_dir continues its W&B / MLflow runs.
         continue_runs = resume not in (False, "false", "False") and (
@@ -174,7 +176,7 @@ class Session:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable; {policy}")
         # Weight decay is decided by the parameters' shapes (matrices decay, vectors do not).
-        self._decay_names = {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+        self._decay_names = decay_names(model)
         model = setup_model(self.fabric, model, read_rows)
         self._report_setup_memory(host_memory_growth(memory_start))
         return model
@@ -205,14 +207,7 @@ class Session:
 
     def build_optimizer(self, model):
         """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-        named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-        decay = [p for n, p in named if n in self._decay_names]
-        no_decay = [p for n, p in named if n not in self._decay_names]
-        groups = [{"params": decay, "weight_decay": self.train.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW(
-            [g for g in groups if g["params"]], lr=self.train.learning_rate, betas=(self.train.beta1, self.train.beta2)
-        )
-        return self.fabric.setup_optimizers(optimizer)
+        return self.fabric.setup_optimizers(make_adamw(model, self._decay_names, self.train))
 
     # ------------------------------------------------------------------ training
     def run_shape(self) -> dict:
@@ -291,22 +286,31 @@ class Session:
 
     # ------------------------------------------------------------------ export
     def export_final(self, model, name: str = "final") -> Path:
-        """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files."""
-        from toolkit.model_dir import atomic_directory, save_checkpoint_files
-        from toolkit.training.checkpoint_io import full_state_dict
+        """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files (collective).
+
+        The weights are gathered, converted to `export_dtype` and written one tensor at a time
+        (`checkpoint_io.stream_weights`): no rank ever holds the whole model. The folder appears
+        complete or not at all (`atomic_directory`); a failed export leaves a former one as it was.
+        """
+        from contextlib import ExitStack
+
+        from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory, save_checkpoint_files
+        from toolkit.training.checkpoint_io import stream_weights
 
         start = time.perf_counter()
-        state_dict = full_state_dict(self.fabric, model)
-        if self.export_dtype is not None:
-            state_dict = {k: v.to(self.export_dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
         target = self.out_dir / name
+        with ExitStack() as stack:
+            tmp = run_on_rank_zero(self.fabric, lambda: stack.enter_context(atomic_directory(target, overwrite=True)))
+            error = stream_weights(self.fabric, model, tmp / WEIGHTS_FILENAME if tmp is not None else None,
+                                   self.config, self.export_dtype)
 
-        def write() -> None:
-            with atomic_directory(target, overwrite=True) as tmp:
-                save_checkpoint_files(tmp, state_dict, self.config, self.tokenizer_dir)
-            self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
+            def finish() -> None:
+                if error is not None:
+                    raise UserError(f"Cannot write the final model to {target}: {error}")
+                save_checkpoint_files(tmp, {}, self.config, self.tokenizer_dir, weights=False)
 
-        run_on_rank_zero(self.fabric, write)
+            run_on_rank_zero(self.fabric, finish)
+        self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
         return target
 
 
@@ -318,6 +322,42 @@ def rank_seed(seed: int, rank: int) -> int:
     `seed` alone: initial weights (`initial_value`, `init_adapters`) and the data order.
     """
     return (seed + rank * 1_000_003) % 2**32
+
+
+def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs, max_seq_length: int,
+                      distributed: DistributedArgs) -> None:
+    """Stop before any weight is read when a step will not fit in GPU 0's memory (see
+    `toolkit.simulate.preflight`). LoRA runs are not checked here: their adapters are chosen later."""
+    if kind not in ("pretrain", "finetune_full"):
+        return
+    from toolkit.simulate import preflight
+
+    sharding = distributed.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
+    line = preflight(
+        torch.cuda.get_device_properties(0).total_memory, config, strategy.devices, strategy.num_nodes,
+        train.micro_batch_size, max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
+        finetune=None if kind == "pretrain" else "full",
+    )
+    print(line)
+
+
+def decay_names(model) -> set[str]:
+    """Weight decay is decided by the parameters' shapes: matrices decay, vectors do not."""
+    return {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
+
+
+def make_adamw(model, decay: set[str], train: TrainArgs, foreach: Optional[bool] = None) -> torch.optim.AdamW:
+    """The training AdamW over `model`'s trainable parameters; `decay`: names from `decay_names`
+    (taken before sharding). `foreach` None is torch's choice (on for CUDA tensors); the
+    simulation (`toolkit.simulate`) passes True to count the GPU's step temporaries on the CPU."""
+    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": train.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=train.learning_rate, betas=(train.beta1, train.beta2), foreach=foreach
+    )
 
 
 def _make_out_dir(out_dir: Path) -> None:

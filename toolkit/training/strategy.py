@@ -14,7 +14,8 @@ A caller plans once and passes the plan on:
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), ...))  # created AFTER setup
 
 With more than one device the engine is FSDP2 (`torch.distributed.fsdp.fully_shard`), one unit per
-transformer Block and one at the root, on the mesh of `StrategyPlan.mesh`; see `ShardedStrategy`
+transformer Block, one for the embedding, one for the final norm and head (`edge_units`; a tied
+embedding and head stay in the root unit), and the root, on the mesh of `StrategyPlan.mesh`; see `ShardedStrategy`
 (built by `sharded_strategy_class`) for what it changes in Fabric's `ModelParallelStrategy` and
 why. Under FSDP `fabric.save` writes `DistributedArgs.state_dict_type`: "sharded" (a directory
 written by torch's distributed checkpoint, one file per rank, loadable on another number of
@@ -267,7 +268,7 @@ QUANTIZED_BASE_NOT_SHARDED = (
 class QuantizedBasePlan:
     """How QLoRA spreads over devices: which scheme, with which arguments, and why."""
 
-    scheme: Literal["single", "replicated"]
+    scheme: Literal["single", "replicated", "sharded"]
     dist: DistributedArgs  # the arguments to build the strategy from
     reason: str  # one line for the start-up log
 
@@ -291,6 +292,15 @@ def plan_quantized_base(
     world = resolve_devices(devices, resolve_accelerator(accelerator)) * num_nodes
     if world == 1:
         return QuantizedBasePlan("single", dist, f"one device holds the {quantize} base")
+    if quantize == "nf4":
+        # torchao's NF4Tensor shards and gathers under FSDP2 (toolkit.training.nf4): the FSDP path.
+        if dist.strategy == "ddp":
+            raise UserError("--quantize nf4 shards the base with FSDP: drop --distributed.strategy ddp "
+                            "(or use --quantize bnb.nf4, which replicates it).")
+        # Checkpoints are "full" so that they can keep only the adapters: a sharded one keeps every
+        # weight, and torch's distributed checkpoint cannot reshard an NF4 weight on load.
+        return QuantizedBasePlan("sharded", replace(dist, strategy="fsdp", state_dict_type="full"),
+                                 f"the nf4 base is sharded by FSDP2 over the {world} processes like every frozen weight")
     if dist.strategy == "fsdp":
         raise UserError(
             f"--distributed.strategy fsdp cannot shard a --quantize {quantize} base: {QUANTIZED_BASE_NOT_SHARDED}. "
@@ -435,7 +445,6 @@ def sharded_strategy_class() -> type:
 def _build_sharded_strategy_class() -> type:
     from contextlib import contextmanager
 
-    import torch
     from lightning.fabric.strategies.parallel import ParallelStrategy
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
@@ -459,9 +468,9 @@ def _build_sharded_strategy_class() -> type:
           reduce-scatter on every micro-batch (gradients accumulate in the shards) and defer only
           the cross-replica all-reduce of HYBRID_SHARD/NO_SHARD to the last micro-batch.
 
-        Parameters are stored in the dtypes of `apply_precision_policy`. Under "*-mixed" each block
-        gathers its weights in the compute dtype (the root, which holds the embedding, keeps its
-        stored dtype); gradients are reduced in float32 except under "*-true" precision, where
+        Parameters are stored in the dtypes of `apply_precision_policy`. Under "*-mixed" every unit
+        gathers its weights in the compute dtype (the embedding's output is cast back to its
+        stored dtype, so the residual stream is what one device has); gradients are reduced in float32 except under "*-true" precision, where
         everything is in that dtype.
         """
 
@@ -495,33 +504,7 @@ def _build_sharded_strategy_class() -> type:
             self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
 
         def setup_module(self, module: nn.Module) -> nn.Module:
-            from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-
-            mesh = self.device_mesh
-            if self.plan.activation_checkpointing:
-                _checkpoint_blocks(module, self.block_cls)
-            precision = self.plan.precision
-            compute_dtype = precision_dtypes(precision)[1]
-            reduce_dtype = None if precision.endswith("-true") and precision != "32-true" else torch.float32
-            offload = CPUOffloadPolicy() if self.plan.cpu_offload else OffloadPolicy()
-            # Blocks: under "*-mixed" the float32 weights are cast to the compute dtype before the
-            # all-gather, so the gathered copy is 16-bit and autocast has nothing to cast (left to
-            # autocast, it would keep a 16-bit copy of every block's weights until the backward
-            # pass: a whole model's worth per rank). Inputs are not cast: the residual stream
-            # stays in the dtype the single-device model uses.
-            block_policy = MixedPrecisionPolicy(
-                param_dtype=compute_dtype if precision.endswith("-mixed") else None,
-                reduce_dtype=reduce_dtype, cast_forward_inputs=False,
-            )
-            for unit in _block_units(module, self.block_cls):
-                fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
-                            reshard_after_forward=self.sharding != "SHARD_GRAD_OP")
-            # The root: embeddings, final norm and head, in their stored dtypes (the embedding's
-            # output starts the residual stream). FSDP2's default keeps the root gathered from
-            # its forward pass to its backward pass, which begins with the head.
-            fully_shard(module, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=reduce_dtype),
-                        offload_policy=offload)
-            return module
+            return shard_model(module, self.device_mesh, self.plan, self.block_cls)
 
     class _DeferCrossReplicaReduce(_BackwardSyncControl):
         def no_backward_sync(self, module: nn.Module, enabled: bool):
@@ -541,6 +524,114 @@ def _build_sharded_strategy_class() -> type:
                 unit.set_requires_all_reduce(True, recurse=False)
 
     return ShardedStrategy
+
+
+def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: type[nn.Module]) -> nn.Module:
+    """`module` sharded in place with FSDP2 on `mesh` as training shards it: one unit per `block_cls`
+    (checkpointed when the plan asks), one per edge (the embedding; the final norm and head), then
+    the root. `ShardedStrategy.setup_module` calls it; so does the simulation (`toolkit.simulate`),
+    on a fake process group."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if plan.activation_checkpointing:
+        _checkpoint_blocks(module, block_cls)
+    precision = plan.precision
+    compute_dtype = precision_dtypes(precision)[1]
+    reduce_dtype = None if precision.endswith("-true") and precision != "32-true" else torch.float32
+    offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+    # Blocks: under "*-mixed" the float32 weights are cast to the compute dtype before the
+    # all-gather, so the gathered copy is 16-bit and autocast has nothing to cast (left to
+    # autocast, it would keep a 16-bit copy of every block's weights until the backward
+    # pass: a whole model's worth per rank). Inputs are not cast: the residual stream
+    # stays in the dtype the single-device model uses.
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if precision.endswith("-mixed") else None,
+        reduce_dtype=reduce_dtype, cast_forward_inputs=False,
+    )
+    for unit in _block_units(module, block_cls):
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
+                    reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
+    # The edges: what runs before the blocks (the embedding) and after them (final norm and
+    # head) are units of their own, gathered in the compute dtype like the blocks. The
+    # embedding is freed after its forward pass and gathered again at the very end of the
+    # backward pass; the head is gathered from the end of the forward pass to the start of
+    # the backward pass, and its gradient is reduce-scattered right there instead of being
+    # held, in full and in float32, through every block's backward pass. The embedding's
+    # output is cast back to its stored dtype: the residual stream keeps the dtype the
+    # single-device model gives it (float32 under "*-mixed" for trained embeddings).
+    edges = edge_units(module, block_cls)
+    if edges is not None and not edges.tied:
+        # One unit per module (not one per list: FSDPMemTracker, which the simulation uses,
+        # cannot follow a unit of several modules; the final norm's own gather is a few KiB).
+        for part in edges.input:
+            fully_shard(part, mesh=mesh, offload_policy=offload,
+                        mp_policy=replace(block_policy, output_dtype=_output_dtype([part], block_policy)),
+                        reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
+        for part in edges.output:
+            fully_shard(part, mesh=mesh, mp_policy=block_policy, offload_policy=offload, reshard_after_forward=False)
+    root_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    if edges is not None and edges.tied:
+        # A tied embedding and head share one matrix: it stays in one unit, the root, and is
+        # gathered once (in the compute dtype) for forward and backward.
+        root_policy = replace(block_policy, cast_forward_inputs=False)
+        _cast_outputs_to_stored_dtype(edges.input, block_policy)
+    # The root: whatever is left (nothing, for an untied GPT). It starts and ends each step.
+    fully_shard(module, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+    return module
+
+
+@dataclass(frozen=True)
+class EdgeUnits:
+    """The model's parts outside the repeated blocks: `input` runs before them, `output` after."""
+
+    input: list  # modules, e.g. [embed]
+    output: list  # e.g. [norm_f, lm_head]
+    tied: bool  # input and output share a parameter (tied embedding and head)
+
+
+def edge_units(module: nn.Module, block_cls: type[nn.Module]) -> EdgeUnits | None:
+    """The children registered before and after the list of blocks, in the module that holds it.
+
+    For `GPT`: input [embed], output [norm_f, lm_head] (the order of `__init__`, which is the order
+    of `forward`). Children without parameters are left out. None when no child is a list of
+    blocks, or one side is empty: the model is then sharded as blocks plus the root.
+    """
+    from torch import nn as _nn
+
+    def is_block(m: nn.Module) -> bool:
+        inner = getattr(m, "_checkpoint_wrapped_module", m)
+        return isinstance(inner, block_cls)
+
+    for parent in module.modules():
+        children = list(parent.named_children())
+        index = next((i for i, (_, c) in enumerate(children)
+                      if isinstance(c, _nn.ModuleList) and len(c) and all(is_block(b) for b in c)), None)
+        if index is None:
+            continue
+        before = [c for _, c in children[:index] if any(True for _ in c.parameters())]
+        after = [c for _, c in children[index + 1:] if any(True for _ in c.parameters())]
+        if not before or not after:
+            return None
+        shared = {id(p) for m in before for p in m.parameters()} & {id(p) for m in after for p in m.parameters()}
+        return EdgeUnits(before, after, tied=bool(shared))
+    return None
+
+
+def _output_dtype(modules: list, policy: Any) -> Any:
+    """The dtype the input unit's outputs are cast back to: its stored dtype where the policy gathers
+    in another one (float32 embeddings gathered in bfloat16 under "*-mixed"), else None."""
+    stored = next((p.dtype for m in modules for p in m.parameters() if p.is_floating_point()), None)
+    return stored if policy.param_dtype is not None and stored != policy.param_dtype else None
+
+
+def _cast_outputs_to_stored_dtype(modules: list, policy: Any) -> None:
+    """What `output_dtype` does for a unit of its own, for input modules that stay in the root."""
+    dtype = _output_dtype(modules, policy)
+    if dtype is None:
+        return
+    for m in modules:
+        m.register_forward_hook(lambda _m, _args, out: out.to(dtype) if out.is_floating_point() else out)
 
 
 def _block_units(module: nn.Module, block_cls: type[nn.Module]) -> list[nn.Module]:

@@ -1,0 +1,67 @@
+"""Rank 0's host peak during the final export, streamed against the former whole-model gather.
+
+    python benchmarks/export_memory.py --results benchmarks/results/export-memory.json
+
+Runs tests/scripts/export_stream.py on 2 FSDP processes (gloo, CPU) with a GPT of 16 layers, width
+512 and an 8,192-token vocabulary (58 M parameters, 234 MB in float32), exporting in bfloat16.
+Each export is measured as the growth of rank 0's peak resident set (VmHWM, reset just before)
+over its resident set before the export:
+
+    former     `full_state_dict` gathers every weight onto rank 0's CPU in float32, the export
+               dtype makes a second copy, then `save_file` writes it;
+    streamed   `stream_weights` gathers one weight at a time, converts it and appends its bytes.
+
+The bound of the streamed export is set by the largest weight alone: the all-gather's buffer and the
+gathered weight (float32, each the weight's size) plus its converted copy; there is no write buffer
+(the bytes go from the tensor to the file). Both files are compared byte for byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPE = {"n_layer": 16, "n_embd": 512, "vocab": 8192}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", type=Path, default=None, help="write the figures here as JSON")
+    args = parser.parse_args()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+               PYTHONPATH=str(ROOT))
+    env.pop("LOCAL_RANK", None)
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "export_stream.py"), tmp, "untied", "bfloat16",
+                        *(str(SHAPE[k]) for k in ("n_layer", "n_embd", "vocab"))], env=env, check=True,
+                       stdout=subprocess.DEVNULL)
+        figures = json.loads((Path(tmp) / "memory.json").read_text())
+        same = (Path(tmp) / "streamed" / "model.safetensors").read_bytes() == (Path(tmp) / "former" / "model.safetensors").read_bytes()
+    largest = figures["largest_float32_bytes"]
+    bound = 2 * largest + largest // 2  # gather buffer + gathered float32 weight + its bfloat16 copy
+    result = {"shape": SHAPE, "processes": 2, "export_dtype": "bfloat16", "model_float32_bytes": figures["model_float32_bytes"],
+              "largest_weight_float32_bytes": largest, "bound_bytes": bound, "rank0_peak_growth_bytes": figures["rank0_growth"],
+              "byte_for_byte_equal": same}
+    mib = 2**20
+    print(f"model {figures['model_float32_bytes'] / mib:.0f} MiB in float32; bound {bound / mib:.1f} MiB "
+          f"(largest weight {largest / mib:.1f} MiB in float32: gather buffer, gathered weight, bfloat16 copy)")
+    for kind, growth in figures["rank0_growth"].items():
+        print(f"{kind:>9}: rank 0 host peak +{growth / mib:.1f} MiB")
+    print(f"files equal byte for byte: {same}")
+    if args.results:
+        args.results.parent.mkdir(parents=True, exist_ok=True)
+        args.results.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

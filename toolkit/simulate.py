@@ -1,0 +1,440 @@
+"""Run the toolkit's real training step at real scale on fake devices: memory per rank, bytes sent.
+
+`simulate(...)` builds the model exactly as training does and runs one optimizer step on fake
+tensors (shapes and dtypes, no memory, no values) and a fake process group of the requested size:
+
+    toolkit.models.gpt.GPT on the meta device   the same model code (and its fused loss)
+    peft LoRA (`LoRAArgs.peft_config`)          when fine-tuning with LoRA
+    apply_precision_policy                      the dtype of every parameter
+    strategy.shard_model                        FSDP2 per Block and at the root, its precision
+                                                policies, activation checkpointing, on the mesh
+                                                of `mesh_layout` (HYBRID_SHARD: nodes x devices)
+    make_adamw                                  the training AdamW (foreach, as on GPUs)
+    the loop's micro-batches                    `no_backward_sync` of the same strategy, loss
+                                                scaled, gradient clipping, step, zero_grad
+
+torch's `FSDPMemTracker` records every tensor by category (sharded/unsharded parameters and
+gradients, optimizer state, activations, temporaries, all-gather and reduce-scatter buffers) and
+the moment of the peak, and counts the collectives it sees (`_tracker_class`).
+
+What differs from a GPU run, and why:
+- Fake tensors live on the CPU device (a CPU build of torch cannot make CUDA tensors, fake or not):
+  autocast follows the CPU's op lists (linear layers and attention in 16 bits there too), and
+  attention is the CPU's flash kernel (it keeps a float32 log-sum-exp per query, as CUDA's does).
+  The fused loss sees fake tensors and takes its GPU path (every row computed, no kept scratch).
+- Memory is counted as live tensor bytes: the CUDA caching allocator's fragmentation, NCCL's
+  own buffers and the CUDA context (about 0.5-1 GiB) come on top.
+- bitsandbytes layers need real data: QLoRA cannot be simulated (`toolkit estimate` falls back
+  to the analytic figure).
+
+The fake process group is global state in torch.distributed: `simulate` creates it, refuses to
+run while another process group exists, and destroys it before returning.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from toolkit.errors import UserError
+
+GiB = 1024**3
+
+# FSDPMemTracker's categories (torch 2.13, `_FSDPRefType` values) -> our names, in table order.
+CATEGORIES = {
+    "Sharded Param": "sharded parameters",
+    "Sharded Grad": "sharded gradients",
+    "OptState": "optimizer state",
+    "Unsharded Param": "unsharded parameters",
+    "Unsharded Grad": "unsharded gradients",
+    "All Gather": "all-gather buffers",
+    "Reduce Scatter": "reduce-scatter buffers",
+    "Activation": "activations",
+    "Temp": "temporaries",
+    "Buffer": "module buffers",
+    "Inputs": "inputs",
+}
+
+
+@dataclass
+class Simulation:
+    """What one rank holds and sends during one optimizer step (bytes)."""
+
+    world_size: int
+    shard_size: int  # ranks each parameter is sharded over
+    precision: str
+    peak: dict[str, int]  # category -> bytes at the moment of the peak
+    peak_total: int
+    persistent: dict[str, int]  # after the step, before zero_grad: sharded parameters, gradients, optimizer state
+    comm: dict[str, tuple[int, int]]  # collective -> (calls, bytes of the tensors it moved)
+    sent_bytes: int  # bytes this rank sends per optimizer step (ring algorithms)
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def params_grads_optimizer(self) -> int:
+        return sum(self.persistent.values())
+
+    def table(self) -> str:
+        lines = [f"simulated on {self.world_size} fake ranks (shard group {self.shard_size}), {self.precision}, "
+                 f"{self.seconds:.1f} s. Memory of one rank at its peak, GiB:"]
+        width = max(len(v) for v in CATEGORIES.values()) + 2
+        for key, label in CATEGORIES.items():
+            if self.peak.get(key):
+                lines.append(f"  {label.ljust(width)}{self.peak[key] / GiB:10.2f}")
+        lines.append(f"  {'peak (live tensors)'.ljust(width)}{self.peak_total / GiB:10.2f}")
+        lines.append(
+            "after the step: sharded parameters {:.2f}, gradients {:.2f}, optimizer state {:.2f} GiB".format(
+                *(self.persistent[k] / GiB for k in ("Sharded Param", "Sharded Grad", "OptState"))
+            )
+        )
+        lines.append(f"sent per rank per optimizer step: {self.sent_bytes / GiB:.2f} GiB")
+        for name, (calls, size) in sorted(self.comm.items()):
+            lines.append(f"  {name:<16}{calls:6d} calls {size / GiB:10.2f} GiB of tensors")
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def simulate(
+    config: Any,
+    devices: int,
+    num_nodes: int = 1,
+    micro_batch_size: int = 1,
+    max_seq_length: int = 2048,
+    precision: str = "bf16-mixed",
+    sharding: str = "HYBRID_SHARD",
+    finetune: Optional[str] = None,
+    lora: Any = None,
+    activation_checkpointing: bool = False,
+    micro_batches: int = 2,
+    forward: bool = True,
+    train: Any = None,
+) -> Simulation:
+    """One optimizer step of training `config` on devices x num_nodes fake ranks (rank 0's view).
+
+    `finetune` None or "full" trains every weight; "lora" trains the adapters of `lora` (a
+    `toolkit.finetune.lora.LoRAArgs`, default LoRAArgs()). `micro_batches` is the gradient
+    accumulation per step (2: gradients are alive through a forward pass, as whenever the global
+    batch is larger than one micro-batch per rank). `forward=False` only shards the model and
+    creates the optimizer state (seconds, for the persistent figures). `train` gives the
+    optimizer's hyperparameters and clipping (default TrainArgs()).
+    """
+    import torch.distributed as dist
+
+    from toolkit.training.args import DistributedArgs, TrainArgs
+    from toolkit.training.strategy import mesh_layout, plan_strategy
+
+    if finetune not in (None, "full", "lora"):
+        raise UserError(f"finetune must be lora or full (or left out for pretraining), got {finetune!r}.")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise UserError(f"micro_batches must be a positive whole number, got {micro_batches!r}.")
+    if max_seq_length > config.block_size:
+        raise UserError(f"max_seq_length {max_seq_length} is larger than the context of {config.name} ({config.block_size}).")
+    if precision.startswith("16-"):
+        raise UserError(f"precision {precision} (float16) cannot be simulated on a CPU build; simulate bf16-mixed or bf16-true.")
+    dist_args = DistributedArgs(strategy="fsdp", sharding=sharding, activation_checkpointing=activation_checkpointing)
+    plan = plan_strategy(devices, num_nodes, precision, dist_args, accelerator="cpu")
+    if plan.kind != "fsdp":
+        raise UserError("simulate runs FSDP on more than one device in total; use the analytic estimate for one device.")
+    if dist.is_initialized():
+        raise UserError("simulate needs its own (fake) process group, but one is already initialised in this process.")
+    train = train or TrainArgs()
+    notes = [n for _, n in plan.notes]
+    start = time.perf_counter()
+
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=plan.world_size)
+    try:
+        shape, names = mesh_layout(plan.sharding, plan.num_nodes, plan.devices)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        model, decay, strategy = _build(config, plan, finetune, lora, mesh)
+        result = _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, micro_batches, forward)
+    finally:
+        dist.destroy_process_group()
+    peak, persistent, comm, sent, attempts = result
+    if attempts > 1:
+        notes.append(f"the step was tracked {attempts} times: FSDPMemTracker lost count of gathered parameters before")
+    return Simulation(
+        world_size=plan.world_size, shard_size=shape[names.index("shard")], precision=plan.precision,
+        peak=peak, peak_total=peak.get("Total", 0), persistent=persistent, comm=comm, sent_bytes=sent,
+        seconds=time.perf_counter() - start, notes=notes,
+    )
+
+
+def _build(config, plan, finetune, lora, mesh):
+    """The meta model as `Session.build_model` prepares it, sharded by the training strategy."""
+    import torch
+
+    from toolkit.models.gpt import GPT, Block
+    from toolkit.training.precision import apply_precision_policy
+    from toolkit.training.strategy import shard_model, sharded_strategy_class
+    from toolkit.training.session import decay_names
+
+    with torch.device("meta"):
+        model = GPT(config)
+    if finetune == "lora":
+        from peft import get_peft_model
+
+        from toolkit.finetune.lora import LoRAArgs
+
+        model = get_peft_model(model, (lora or LoRAArgs()).peft_config())  # as finetune_lora's `prepare`
+    apply_precision_policy(model, plan.precision)
+    decay = decay_names(model)
+    strategy = sharded_strategy_class()(plan, Block)
+    shard_model(model, mesh, plan, Block)  # what ShardedStrategy.setup_module does in training
+    return model, decay, strategy
+
+
+def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, micro_batches, forward):
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from toolkit.training.session import make_adamw
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
+        optimizer = make_adamw(model, decay, train, foreach=True)  # as on GPUs: its temporaries count
+        x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
+        return tracked_step(model, optimizer, strategy, plan, train, x, x.clone(), micro_batches, forward)
+
+
+def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: int, forward: bool = True):
+    """One untracked step, then one optimizer step under the memory tracker (on fake tensors in
+    `simulate`; on real ones in tests/scripts/simulate_real.py, which proves the simulation).
+    Returns (peak by category, persistent by category, collectives, bytes sent, attempts)."""
+    import torch
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
+    sync = strategy._backward_sync_control
+    # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
+    # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
+    # backward do; later gathers resize them. Seen by the tracker, that first allocation was
+    # counted as activations that are never freed, torch 2.13).
+    if forward:
+        with autocast:
+            loss = model(x, labels=y)
+        loss.backward()
+    else:
+        _zero_grads(model)
+    # The untracked step only creates AdamW's state: per tensor, the same state in a fraction of the
+    # time (DTensor's sharding propagation of a foreach op over hundreds of tensors takes seconds).
+    foreach = [group.get("foreach") for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["foreach"] = False
+    optimizer.step()
+    for group, value in zip(optimizer.param_groups, foreach):
+        group["foreach"] = value
+    if not forward:  # only the persistent figures: read them from the tensors, no tracked step
+        return {}, _persistent(model, optimizer), {}, 0, 1
+    optimizer.zero_grad(set_to_none=True)
+    for attempt in range(1, _ATTEMPTS + 1):
+        tracker = _tracker_class()(model, optimizer)
+        tracker.track_inputs((x, y))
+        with tracker:
+            if forward:
+                for i in range(micro_batches):
+                    tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+                    with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
+                        with autocast:
+                            loss = model(x, labels=y)
+                        (loss * 0.5).backward()  # the loop scales by world_size / target tokens
+                if train.max_norm is not None:
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+            else:
+                _zero_grads(model)
+            optimizer.step()
+            now = _snapshot(tracker)
+            optimizer.zero_grad(set_to_none=True)
+        # FSDPMemTracker (torch 2.13, on fake tensors) now and then misses FSDP's gathering of
+        # parameters: it then counts every gathered copy as an activation that stays alive to
+        # the end of the backward pass (the peak had no "Unsharded Param" at all, though the
+        # root unit is gathered throughout). Such a count is discarded and the step tracked again.
+        peak = _snapshot(tracker, "peak")
+        if peak.get("Unsharded Param", 0) > 0:
+            break
+    else:
+        raise RuntimeError(f"FSDPMemTracker missed FSDP's parameter gathering in {_ATTEMPTS} attempts")
+    persistent = {k: now.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")}
+    return peak, persistent, dict(tracker.calls), tracker.sent, attempt
+
+
+_ATTEMPTS = 6
+
+
+def _persistent(model, optimizer) -> dict[str, int]:
+    """Bytes of the storages of the rank's parameter shards (FSDP2 pads them to equal shards, each
+    parameter in its own storage), gradients and optimizer state, as the tracker counts them."""
+    import torch
+
+    def storages(tensors) -> int:
+        return sum(_local(t).untyped_storage().nbytes() for t in tensors)
+
+    params = list(model.parameters())
+    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    return {
+        "Sharded Param": storages(params),
+        "Sharded Grad": storages(p.grad for p in params if p.grad is not None),
+        "OptState": storages(states),
+    }
+
+
+def _snapshot(tracker, kind: str = "current") -> dict[str, int]:
+    (snap,) = tracker.get_tracker_snapshot(kind).values()  # one device: the CPU
+    return {_key(k): v for k, v in snap.items()}
+
+
+def _local(t: Any) -> Any:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _zero_grads(model) -> None:
+    import torch
+
+    for p in model.parameters():
+        if p.requires_grad:
+            p.grad = torch.zeros_like(p)
+
+
+def _key(k: Any) -> str:
+    return getattr(k, "value", str(k))
+
+
+def _tracker_class():
+    """FSDPMemTracker that also counts the c10d collectives it sees: calls, tensor bytes, and the
+    bytes this rank sends with ring algorithms (all-gather and reduce-scatter: (n-1)/n of the full
+    tensor; all-reduce twice that). One dispatch mode: a second one beside the tracker made it
+    lose track of freed all-gather outputs (torch 2.13)."""
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+    class _Tracker(FSDPMemTracker):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.calls: dict[str, tuple[int, int]] = {}
+            self.sent = 0
+            self._in_collective = False
+
+        def _track(self, reftype: Any, t: Any) -> None:
+            if not self._in_collective:
+                super()._track(reftype, t)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            collective = getattr(func, "namespace", None) == "c10d"
+            # What a collective returns under fake tensors is not the buffer it fills (args, which
+            # the tracker follows): tracked, it was counted as a never-freed activation.
+            self._in_collective = collective
+            try:
+                out = super().__torch_dispatch__(func, types, args, kwargs)
+            finally:
+                self._in_collective = False
+            if out is not NotImplemented and collective:
+                name = func._overloadpacket.__name__.strip("_")
+                size, factor = _collective_size(name, args)
+                if size is not None:
+                    calls, total = self.calls.get(name, (0, 0))
+                    self.calls[name] = (calls + 1, total + size)
+                    self.sent += int(size * factor)
+            return out
+
+    return _Tracker
+
+
+def _tensors(x) -> list:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _tensors(item)]
+    return []
+
+
+def _collective_size(name: str, args) -> tuple[Optional[int], float]:
+    """(bytes of the full tensor, fraction of it one rank sends) of a c10d op, or (None, 0)."""
+    import torch
+    import torch.distributed as dist
+
+    n = 1
+    for a in args:
+        if isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()):
+            n = dist.ProcessGroup.unbox(a).size()
+    if n <= 1:
+        return None, 0.0
+    first = _tensors(args[0])
+    nbytes = sum(t.numel() * t.element_size() for t in first)
+    if name.startswith("allgather"):  # args[0]: the gathered output
+        return nbytes, (n - 1) / n
+    if name.startswith("reduce_scatter"):  # args[0]: the output shard; the input is n times larger
+        return nbytes * n, (n - 1) / n
+    if name.startswith("allreduce"):
+        return nbytes, 2 * (n - 1) / n
+    if name.startswith("broadcast"):
+        return nbytes, 1.0
+    return nbytes, 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Start-up pre-flight: does the step fit in the device's memory?
+# --------------------------------------------------------------------------------------------
+
+
+def preflight(
+    device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
+    precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
+    lora_modules: tuple[str, ...] = (), lora_r: int = 8, headroom: float = 0.95,
+) -> str:
+    """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
+    `device_bytes`; return the line saying it fits otherwise.
+
+    Uses the analytic estimator (`toolkit.estimate.column_memory`, milliseconds; tests hold it to
+    the simulation), because a simulated 70B step takes most of a minute. The refusal names the
+    estimate and the nearest settings that fit: FULL_SHARD instead of HYBRID_SHARD, activation
+    checkpointing, a smaller micro-batch (tried in that order, and combined).
+    """
+    from toolkit.estimate import Options, column_memory, make_column
+
+    opts = Options(config, precision, finetune, lora_modules, lora_r, None, max_seq_length)
+    budget = int(device_bytes * headroom)
+
+    def need(shard: str, ckpt: bool, micro: int) -> int:
+        figures = column_memory(opts, make_column(shard, devices, num_nodes), micro)
+        return figures["total_checkpointed" if ckpt else "total"]
+
+    world = devices * num_nodes
+    shard = sharding if world > 1 else "single"
+    if shard == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
+        shard = "FULL_SHARD"
+    wanted = need(shard, activation_checkpointing, micro_batch_size)
+    line = (f"memory pre-flight: about {wanted / GiB:.1f} GiB per device at the peak of a step "
+            f"(analytic estimate) of {device_bytes / GiB:.1f} GiB")
+    if wanted <= budget:
+        return line + ": fits."
+    tries = []
+    shards = [shard] + (["FULL_SHARD"] if shard == "HYBRID_SHARD" else [])
+    for s in shards:
+        for ckpt in sorted({activation_checkpointing, True}):
+            micro = micro_batch_size
+            while micro >= 1:
+                if (s, ckpt, micro) != (shard, activation_checkpointing, micro_batch_size):
+                    total = need(s, ckpt, micro)
+                    if total <= budget:
+                        tries.append((s != shard, ckpt != activation_checkpointing, micro_batch_size - micro, s, ckpt, micro, total))
+                        break
+                micro //= 2
+    if tries:
+        *_, s, ckpt, micro, total = min(tries)
+        options = []
+        if s != shard:
+            options.append(f"--distributed.sharding {s}")
+        if ckpt != activation_checkpointing:
+            options.append("--distributed.activation_checkpointing true")
+        if micro != micro_batch_size:
+            options.append(f"--train.micro_batch_size {micro}")
+        advice = f"{' '.join(options)} fits ({total / GiB:.1f} GiB)"
+    else:
+        advice = "no sharding, checkpointing or micro-batch setting fits: use more devices or LoRA (see `toolkit estimate`)"
+    raise UserError(f"{line}: does not fit. {advice}; or skip this check with --distributed.preflight false.")
