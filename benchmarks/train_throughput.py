@@ -21,10 +21,10 @@ run the script records:
   `warmup + steps`, divided by `steps`. The same clock for both tools, everything included (data
   loading, optimizer, logging);
 - real tokens per second: tokens of the model inputs that are not padding, over the same steps.
-  Pretraining has no padding (global_batch x seq per step). For LoRA, LitGPT logs the running count
-  of non-padding input tokens in its metrics.csv ("tokens"); the toolkit logs padded tokens
-  (train/tokens_seen), so the script recomputes the toolkit's batches from its data pipeline with
-  the run's seed and checks them against that padded count before using their lengths;
+  Both tools' runs log their own: the toolkit "train/tokens_per_step" (real tokens of each optimizer
+  step, over all ranks) and LitGPT the running count of non-padding input tokens ("tokens") in their
+  metrics.csv. The script reads those; it never recomputes a tool's batches. Pretraining has no
+  padding, and the toolkit's logged count is checked to be global_batch x seq per step;
 - peak memory: the high-water mark of the training process's resident set (VmHWM in
   /proc/<pid>/status, polled every 50 ms; it only grows, so polling cannot miss the training peak).
   Data-loader worker processes are separate and not included. On CUDA the synthetic mode also
@@ -39,8 +39,7 @@ The results go to a JSON file: every run, the per-tool medians over --repeat pai
 toolkit / LitGPT: below 1 the toolkit uses less), with the goals they are checked against; a table is
 printed. See benchmarks/README.md for how to install LitGPT next to the project and the latest figures.
 
-The parent process never imports torch (counting the toolkit's LoRA tokens runs in a subprocess),
-so it takes nothing from the measured runs.
+The parent process never imports torch, so it takes nothing from the measured runs.
 """
 
 from __future__ import annotations
@@ -306,8 +305,7 @@ def pretrain_command(args, tool: str, total_steps: int, tag: str) -> tuple[list[
         "--eval.interval", "100000", "--eval.final_validation", "false",
         "--log.interval", "1", "--log.loggers", "[csv]", "--precision", args.precision, "--devices", "1",
     ]
-    if args.compile:
-        cmd += ["--train.compile", "true"]
+    cmd += ["--train.compile", args.compile]
     return cmd, out, TOOLKIT_STEP
 
 
@@ -341,8 +339,7 @@ def lora_command(args, tool: str, total_steps: int, tag: str, checkpoint: Path) 
         "--log.interval", "1", "--log.loggers", "[csv]", "--precision", args.precision, "--devices", "1",
         "--seed", str(args.seed),
     ]
-    if args.compile:
-        cmd += ["--train.compile", "true"]
+    cmd += ["--train.compile", args.compile]
     return cmd, out, TOOLKIT_STEP
 
 
@@ -364,64 +361,22 @@ def litgpt_lora_tokens(out_dir: Path, accumulation: int, warmup: int, steps: int
     return cumulative[last] - cumulative[first]
 
 
-COUNT_TOOLKIT = r"""
-import inspect, json, sys
-from pathlib import Path
-from toolkit.model_dir import require_checkpoint_dir
-from toolkit.data.instruct import Alpaca
-from toolkit.models.config import Config
-from toolkit.tokenizer import Tokenizer
-
-ckpt, data_path, seq, micro, accumulation, seed, mask, steps = sys.argv[1:9]
-ckpt = require_checkpoint_dir(Path(ckpt))
-data = Alpaca(json_path=Path(data_path), prompt_style="alpaca", mask_prompt=mask == "true", val_split_fraction=0.05)
-data.setup(Tokenizer(ckpt), int(seq), Config.from_file(ckpt))
-kwargs = {}
-if "global_batch_size" in inspect.signature(data.train_dataloader).parameters:  # batches planned per step
-    kwargs["global_batch_size"] = int(micro) * int(accumulation)
-loader = data.train_dataloader(int(micro), int(seed), 0, 1, **kwargs)
-lengths = loader.samples.lengths
-per_epoch = loader.batch_indices(0)
-real, padded = [], []
-epoch, batches = 0, list(per_epoch)
-while len(batches) < int(steps) * int(accumulation):
-    epoch += 1
-    batches += loader.batch_indices(epoch)
-for k in range(int(steps)):
-    group = batches[k * int(accumulation):(k + 1) * int(accumulation)]
-    real.append(sum(int(lengths[i].sum()) for i in group))
-    padded.append(sum(len(i) * int(lengths[i].max()) for i in group))
-print(json.dumps({"real": real, "padded": padded}))
-"""
-
-
-def toolkit_lora_tokens(args, checkpoint: Path, out_dir: Path, accumulation: int, warmup: int, steps: int) -> dict:
-    """Recompute the toolkit's batches; check their padded size against the run's own log."""
-    data = args.shared / "instruct" / "alpaca_en_demo.json"
-    result = subprocess.run(
-        [sys.executable, "-c", COUNT_TOOLKIT, str(checkpoint), str(data), str(args.seq), str(args.micro_batch),
-         str(accumulation), str(args.seed), "true" if args.mask_prompt else "false", str(warmup + steps)],
-        check=True, capture_output=True, text=True,
-    )
-    counts = json.loads(result.stdout.strip().splitlines()[-1])
-    logged = {}
+def toolkit_logged_tokens(out_dir: Path, warmup: int, steps: int) -> int:
+    """Real (non-padding) input tokens of optimizer steps warmup+1 .. warmup+steps, as the run logged
+    them itself ("train/tokens_per_step", every step with --log.interval 1)."""
     files = sorted(out_dir.glob("logs/csv/**/metrics.csv"))
+    if not files:
+        raise SystemExit(f"no metrics.csv under {out_dir}/logs/csv")
+    per_step = {}
     with open(files[-1]) as f:
         for row in csv.DictReader(f):
-            if row.get("train/tokens_seen"):
-                logged[int(float(row["step"]))] = int(float(row["train/tokens_seen"]))
-    expected = {k + 1: sum(counts["padded"][: k + 1]) for k in range(warmup + steps)}
-    mismatched = [s for s in expected if s in logged and logged[s] != expected[s]]
-    if mismatched:
-        raise SystemExit(
-            f"recomputed toolkit batches do not match the run's log at steps {mismatched[:5]}: "
-            f"{[(expected[s], logged[s]) for s in mismatched[:5]]}"
-        )
-    return {
-        "real": sum(counts["real"][warmup : warmup + steps]),
-        "padded": sum(counts["padded"][warmup : warmup + steps]),
-        "checked_steps": len([s for s in expected if s in logged]),
-    }
+            if row.get("train/tokens_per_step"):
+                per_step[int(float(row["step"]))] = float(row["train/tokens_per_step"])
+    wanted = range(warmup + 1, warmup + steps + 1)
+    missing = [s for s in wanted if s not in per_step]
+    if missing:
+        raise SystemExit(f"the toolkit run in {out_dir} logged no train/tokens_per_step for steps {missing[:5]}")
+    return int(round(sum(per_step[s] for s in wanted)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -446,16 +401,17 @@ def measure(args, mode: str, tool: str, spec, tag: str, checkpoints=None) -> dic
     }
     if run.error:
         result["exit_code"], result["error_after_training"] = run.returncode, run.error
+    if tool == "toolkit":
+        result.update(real_tokens=toolkit_logged_tokens(out_dir, args.warmup, args.steps))
     if mode == "pretrain":
         tokens = args.steps * args.global_batch * args.seq
+        if tool == "toolkit" and result["real_tokens"] != tokens:
+            raise SystemExit(f"the toolkit logged {result['real_tokens']} tokens for {args.steps} steps, not {tokens}")
         result.update(real_tokens=tokens, padded_tokens=tokens)
         # Every step has the same tokens: the median step is the figure least moved by other load.
         result["median_step_tokens_per_sec"] = round(args.global_batch * args.seq / result["median_step_seconds"], 1)
     elif tool == "litgpt":
         result.update(real_tokens=litgpt_lora_tokens(out_dir, accumulation, args.warmup, args.steps))
-    else:
-        counts = toolkit_lora_tokens(args, checkpoints["toolkit"], out_dir, accumulation, args.warmup, args.steps)
-        result.update(real_tokens=counts["real"], padded_tokens=counts["padded"], batches_checked_against_log=counts["checked_steps"])
     result["real_tokens_per_sec"] = round(result["real_tokens"] / seconds, 1)
     if result.get("padded_tokens"):
         result["tokens_per_sec_with_padding"] = round(result["padded_tokens"] / seconds, 1)
@@ -551,7 +507,7 @@ def run_synthetic(args) -> dict:
         "--precision", args.precision, "--device", args.device, "--micro_batch", str(args.micro_batch),
         "--global_batch", str(args.global_batch), "--seq", str(args.seq), "--steps", str(total),
         "--seed", str(args.seed),
-    ] + (["--compile"] if args.compile else []) + (["--peak_flops", str(args.peak_flops)] if args.peak_flops else [])
+    ] + (["--compile"] if args.compile == "true" else []) + (["--peak_flops", str(args.peak_flops)] if args.peak_flops else [])
     env = {"OMP_NUM_THREADS": str(args.threads)} if args.threads else {}
     run = Run("toolkit synthetic", command, args.work_dir / "logs" / f"toolkit-synthetic-{args.model}.log", TOOLKIT_STEP, env=env).run()
     seconds = run.window(args.warmup, args.steps)
@@ -612,9 +568,12 @@ def synthetic_worker(argv: list[str]) -> None:
     init_weights(model, config.n_layer)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    if a.compile:
-        model = torch.compile(model)
     model = fabric.setup_module(model)
+    if a.compile:  # as training runs compile: each block in place (toolkit.training.compile)
+        from toolkit.models.gpt import Block
+        from toolkit.training.compile import compile_blocks
+
+        compile_blocks(model, Block, fabric.device, dynamic=False, print_fn=print)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=3e-4, betas=(0.9, 0.95))
     optimizer = fabric.setup_optimizers(optimizer)
@@ -744,7 +703,8 @@ def parse_args(argv: list[str]):
     p.add_argument("--help_repeat", type=int, default=10)
     p.add_argument("--mask_prompt", type=lambda s: s.lower() in ("1", "true", "yes"), default=True,
                    help="LoRA: leave the prompt out of the loss (both tools); default true")
-    p.add_argument("--compile", action="store_true", help="run the toolkit with --train.compile true")
+    p.add_argument("--compile", choices=["true", "false"], default="true",
+                   help="the toolkit's --train.compile: true (compiled blocks) or false (eager, the CPU default)")
     p.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS for the training processes")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--peak_flops", type=float, default=None, help="synthetic mode: device peak FLOP/s for MFU")

@@ -214,7 +214,8 @@ class CausalSelfAttention(nn.Module):
             y = segment_attention(q, k, v, segments, self.n_kv != self.n_head)  # (B, H, T, D)
             return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size))
         mask = None
-        is_causal = T > 1
+        # A branch, not `T > 1` itself: compiled with dynamic shapes that is a symbolic bool, which SDPA refuses.
+        is_causal = True if T > 1 else False  # noqa: SIM210
         if self.kv_cache is not None:
             start = 0 if input_pos is None else input_pos
             k, v = self.kv_cache.update(start, k, v)  # (B, G, start + T, D)

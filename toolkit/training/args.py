@@ -34,7 +34,9 @@ class TrainArgs:
     max_norm: Optional[float] = 1.0  # gradient clipping by global norm; None disables
     save_interval: Optional[int] = 1000  # optimizer steps between checkpoints; None: only the final one
     keep_last: Optional[int] = 2  # training checkpoints to keep; None keeps all
-    compile: bool = False  # torch.compile the model (works on CPU and GPU)
+    # torch.compile each transformer block (CPU and GPU). null (auto): GPU runs of 100 steps or more;
+    # eager on a CPU, where it was measured no faster. See tutorials/compile.md.
+    compile: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size"):

@@ -47,6 +47,10 @@ class LoopHooks:
     flops_per_token: Optional[float] = None
     # Peak FLOP/s of one device, for MFU; None means MFU is not reported.
     device_peak_flops: Optional[float] = None
+    # Seconds spent compiling so far (`toolkit.training.compile.compile_seconds`); the time compiled
+    # within a logged window is left out of its step time and throughput and logged as
+    # train/compile_seconds; the first compilation is also printed.
+    compile_seconds: Optional[Callable[[], float]] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -96,6 +100,8 @@ def fit(
     running_loss = torch.zeros((), device=fabric.device)  # sum of token losses since the last log
     running_targets = torch.zeros((), device=fabric.device, dtype=torch.long)
     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
+    compiled_before = hooks.compile_seconds() if hooks.compile_seconds else 0.0
+    compile_reported = False
     run_start = time.perf_counter() - state.train_seconds
     stop_reason = None
     model.train()
@@ -161,8 +167,15 @@ def fit(
         state.train_seconds = time.perf_counter() - run_start
         if state.step % log.interval == 0:
             elapsed = time.perf_counter() - window_start
-            _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks,
-                      step_limit or total_steps, max_seconds)
+            compiling = 0.0
+            if hooks.compile_seconds:
+                compiled_now = hooks.compile_seconds()
+                compiling, compiled_before = compiled_now - compiled_before, compiled_now
+                if compiling > 0 and not compile_reported:  # later ones (validation's graph): in the metrics only
+                    fabric.print(f"torch.compile: {compiling:.1f} s compiling up to step {state.step}, left out of the step times")
+                    compile_reported = True
+            _log_step(fabric, state, lr, running_loss, running_targets, max(elapsed - compiling, 1e-3), window_steps,
+                      window_tokens, hooks, step_limit or total_steps, max_seconds, compiling)
             running_loss.zero_()
             running_targets.zero_()
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
@@ -266,7 +279,9 @@ def _real_tokens(labels: torch.Tensor) -> torch.Tensor:
 
 
 def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit,
-              max_seconds=None):
+              max_seconds=None, compile_seconds=0.0):
+    """Log the window of steps since the last log. `window_tokens`: real (non-padding) input tokens of
+    its steps over all ranks; `elapsed`: its wall time, compilation left out."""
     loss_sum, targets = running_loss.clone(), running_targets.clone()
     if fabric.world_size > 1:
         loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")
@@ -277,10 +292,13 @@ def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_
         "train/loss": loss,
         "train/lr": lr,
         "train/tokens_seen": state.tokens_seen,
-        "train/tokens_per_sec": tokens_per_sec,
+        "train/tokens_per_sec": tokens_per_sec,  # real (non-padding) input tokens, over all ranks
+        "train/tokens_per_step": window_tokens / max(window_steps, 1),  # the same, per optimizer step
         "train/step_seconds": elapsed / max(window_steps, 1),
         "train/epoch": state.epoch,
     }
+    if compile_seconds:
+        metrics["train/compile_seconds"] = compile_seconds
     line = f"step {state.step}" + (f"/{step_limit}" if step_limit else "")
     line += f" | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s | {elapsed / max(window_steps, 1):.2f} s/step"
     if hooks.flops_per_token and hooks.device_peak_flops:

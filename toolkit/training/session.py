@@ -177,8 +177,6 @@ class Session:
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable; {policy}")
         # Weight decay is decided by the parameters' shapes (matrices decay, vectors do not).
         self._decay_names = decay_names(model)
-        if self.train.compile:
-            model = torch.compile(model)
         model = setup_model(self.fabric, model, read_rows)
         self._report_setup_memory(host_memory_growth(memory_start))
         return model
@@ -223,6 +221,7 @@ class Session:
     def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int]) -> TrainState:
         """Resume if asked, run the loop, save a training checkpoint at every interval and at the end."""
         from toolkit.training import checkpoint
+        from toolkit.training.compile import compile_blocks, compile_seconds, should_compile
         from toolkit.training.throughput import device_peak_flops
 
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
@@ -251,10 +250,22 @@ class Session:
             )
             saved_steps.add(current.step)
 
+        compiled = 0
+        # Variable-length batches (fine-tuning: tokens_per_step is None) get dynamic shapes.
+        variable_lengths = tokens_per_step is None
+        wanted, why = should_compile(self.train.compile, total_steps, self.fabric.device.type, self.precision,
+                                     variable_lengths)
+        if wanted:
+            from toolkit.models.gpt import Block
+
+            compiled = compile_blocks(model, Block, self.fabric.device, dynamic=variable_lengths, print_fn=self.fabric.print)
+        elif self.train.compile is None:
+            self.fabric.print(f"torch.compile: off ({why}); --train.compile true forces it")
         hooks = LoopHooks(
             save_checkpoint=save,
             flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),
             device_peak_flops=peak,
+            compile_seconds=compile_seconds if compiled else None,
         )
         self.state = fit(
             self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
