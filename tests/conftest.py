@@ -122,6 +122,21 @@ def torchrun_nodes(args: list[str], nodes: int, per_node: int) -> list[str]:
     return outputs
 
 
+def tiny_pretrain_args(out_dir: Path, steps: int) -> list[str]:
+    """`toolkit pretrain` arguments of the tests' tiny run: debug-neox on tinyshakespeare, 32-true,
+    micro-batch 2 of 32 tokens, global batch 4, a checkpoint every 2 steps, no validation. Tests
+    append what they vary (learning rate, loggers, --resume ...)."""
+    return [
+        "pretrain", "debug-neox", "--out_dir", str(out_dir),
+        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
+        "--data.cache_dir", str(out_dir.parent / "data_cache"),
+        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
+        "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
+        "--train.max_seq_length", "32", "--train.max_steps", str(steps), "--train.save_interval", "2",
+        "--train.warmup_steps", "2", "--eval.interval", "1000", "--eval.final_validation", "false",
+    ]
+
+
 def kill_group_at_step(cmd: list[str], step: int) -> None:
     """Run `cmd` and SIGKILL its whole process group (launcher and workers, as a crashed node) when
     it reports optimizer step `step`."""

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, REPO, kill_group_at_step, launch_env, logged_metrics
+from conftest import ASSETS, REPO, kill_group_at_step, launch_env, logged_metrics, tiny_pretrain_args
 
 STEPS = 6
 # Relative difference allowed between compiled and eager losses (measured: below 1e-6 in float32). A
@@ -35,15 +35,8 @@ OUTLIERS = 10
 
 def _pretrain_cmd(out_dir: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "toolkit", "pretrain", "debug-neox", "--out_dir", str(out_dir),
-        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
-        "--data.cache_dir", str(out_dir.parent / "data_cache"),
-        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
-        "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-        "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.save_interval", "2",
-        "--train.warmup_steps", "2", "--train.learning_rate", str(LR), "--train.keep_last", "3",
-        "--eval.interval", "1000", "--eval.final_validation", "false", "--log.interval", "1",
-        "--log.loggers", "[csv]", "--resume", "auto", *extra,
+        sys.executable, "-m", "toolkit", *tiny_pretrain_args(out_dir, STEPS), "--train.learning_rate", str(LR),
+        "--train.keep_last", "3", "--log.interval", "1", "--log.loggers", "[csv]", "--resume", "auto", *extra,
     ]
 
 

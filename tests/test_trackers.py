@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ASSETS, kill_group_at_step, logged_metrics, run_toolkit
+from conftest import kill_group_at_step, logged_metrics, run_toolkit, tiny_pretrain_args
 
 pytest.importorskip("wandb", reason="install the trackers extra: pip install -e '.[trackers]'")
 pytest.importorskip("mlflow", reason="install the trackers extra: pip install -e '.[trackers]'")
@@ -23,13 +23,7 @@ KILL_AT = 3  # after the checkpoint of step 2
 
 def _cmd(out_dir: Path, db: Path) -> list[str]:
     return [
-        "pretrain", "debug-neox", "--out_dir", str(out_dir),
-        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
-        "--data.cache_dir", str(out_dir.parent / "data_cache"),
-        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
-        "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "4",
-        "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.save_interval", "2",
-        "--train.warmup_steps", "2", "--eval.interval", "1000", "--eval.final_validation", "false",
+        *tiny_pretrain_args(out_dir, STEPS),
         "--log.loggers", "[csv, wandb, mlflow]", "--log.offline", "true", "--log.project", "trackers-test",
         "--log.run_name", "tiny", "--log.tags", "[smoke, team=nlp]", "--log.tracking_uri", f"sqlite:///{db}",
         "--resume", "auto",
