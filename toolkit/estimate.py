@@ -19,7 +19,8 @@ For every strategy it splits the memory of one device into:
                       backward creates
     weight copies     bf16 copies of float32 weights that autocast makes, whole (not shards): on
                       one device and with DDP, of every linear weight that trains; under FSDP only
-                      of the root unit's (a LoRA head's adapters), as blocks arrive in 16 bits
+                      of a LoRA head's adapters (counted; an approximation: the head unit now
+                      gathers them in 16 bits too), as blocks arrive in 16 bits
     buffers           FSDP's gathered (unsharded) weights, all-gather outputs and unreduced
                       gradients; DDP's gradient buckets; bitsandbytes' dequantized weight
     step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
@@ -40,8 +41,9 @@ What is assumed, and where it comes from:
   under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. On one
   device and with DDP weights are used as they are stored, so autocast copies every float32 weight
   a linear layer uses; under FSDP each block casts its float32 shards to the compute dtype before
-  the all-gather (its gradients come out 16-bit and are reduced in float32), and the root unit
-  gathers as stored (`Options.gathered_bytes`). The residual stream stays float32. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
+  the all-gather (its gradients come out 16-bit and are reduced in float32); the edge units (embedding;
+  final norm and head) are gathered in the compute dtype too, but the walk of what autograd saves
+  sees them as stored (`Options.gathered_bytes`, exact against real runs). The residual stream stays float32. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
   CPU and are not counted.
 - Attention runs in a fused kernel (flash or memory-efficient SDPA, as on GPUs and in torch's CPU
   flash kernel): it keeps the output and a float32 log-sum-exp per query, never the T x T matrix.
@@ -62,8 +64,8 @@ What is assumed, and where it comes from:
   device finetune_lora replicates the quantized base and synchronises only the adapters with DDP
   (`toolkit.training.strategy.plan_quantized_base`), so that is the one column shown: the whole
   quantized base on every device, and DDP's bucket copy of the adapters' gradients.
-- FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block plus the root unit with embedding, final
-  norm and head, on the mesh of `toolkit.training.strategy.mesh_layout`): every parameter is
+- FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block, one each for the embedding, the final
+  norm and the head (a tied embedding and head stay in the root), on the mesh of `toolkit.training.strategy.mesh_layout`): every parameter is
   split along dim 0 and each rank's shard is padded to ceil(rows / shard group) rows; a gradient
   shard is as large (a view into the unit's padded reduce-scatter output) and exists only for
   trainable parameters; AdamW's state follows the unpadded local shard. Gradients accumulate in
@@ -631,21 +633,23 @@ class Buffers:
 def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> Buffers:
     """What FSDP2 holds beside the shards, on one rank, in the order torch 2.13's `fully_shard` runs.
 
-    - Gathered (unsharded) parameters, in the dtype the unit gathers them in
-      (`Options.gathered_bytes`): under "*-mixed" each block's float32 shards are first copied,
-      cast to the compute dtype, into one flat all-gather input (a shard's worth, alive during the
-      all-gather); the root unit (embedding, final norm, head) gathers as stored. A block is
-      gathered before its forward pass and again before its backward pass, and released after
-      each (FULL_SHARD, HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every block gathered from its
-      forward to its backward pass. The root stays gathered from its forward pass to the end of
-      the backward pass (FSDP2's default for the root). NO_SHARD "gathers" by copying its shard.
+    - Gathered (unsharded) parameters, in the dtype the unit gathers them in: under "*-mixed"
+      each unit's float32 shards are first copied, cast to the compute dtype, into one flat
+      all-gather input (a shard's worth, alive during the all-gather). A block is gathered before
+      its forward pass and again before its backward pass, and released after each (FULL_SHARD,
+      HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every block gathered from its forward to its
+      backward pass. Untied, the embedding is gathered for its forward pass and at the very end of
+      the backward pass, and the (final norm, head) from the end of the forward pass through its
+      own backward pass; tied, the shared matrix stays in the root, gathered all step. NO_SHARD
+      "gathers" by copying its shard.
     - The all-gather's flat output: each parameter's gathered copy is cut from it, so gathering
       briefly holds a unit twice (gloo stages a third copy before the flat output is filled, never
       with the per-parameter copies). In the forward pass the flat output is kept until the next
       unit is gathered (the last block's, until the forward pass ends); in the backward pass the
       next block is prefetched when a block starts, and its flat output waits for its turn.
-    - The root unit's gradients (the head's weight and bias, the final norm), unsharded, from the
-      loss's backward pass until the root is reduced at the end of the backward pass.
+    - Tied only: the shared matrix's unsharded gradient, from the loss's backward pass until the
+      root is reduced at the end of the backward pass (untied, the head's gradient is
+      reduce-scattered right after the head's own backward pass).
     - A block's reduce: its unsharded gradients, in the gathered dtype (the compute dtype under
       "*-mixed": autograd computes them against the gathered weights), and the reduce-scatter
       input they are copied into, padded to the shard group and in the reduction dtype (the

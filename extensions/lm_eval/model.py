@@ -354,7 +354,7 @@ class ToolkitLM(TemplateLM):
         gathered: list = [None] * world
         dist.all_gather_object(gathered, (len(units), mine))
         if len({count for count, _ in gathered}) != 1:
-            raise RuntimeError(f"The processes built different request lists ({[c for c, _ in gathered]} units); evaluation needs the same seed everywhere.")
+            raise UserError(f"The processes built different request lists ({[c for c, _ in gathered]} units); evaluation needs the same seed and tasks on every process.")
         results: dict[int, Any] = {}
         for _, part in gathered:
             results.update(part)
@@ -374,7 +374,7 @@ class ToolkitLM(TemplateLM):
         cut = []  # tokens cut from each truncated request
         for index, (_, context, continuation) in enumerate(requests):
             if not continuation:
-                raise ValueError("An empty continuation has no log-likelihood to compute.")
+                raise UserError(f"Request {index} has an empty continuation, which has no log-likelihood: check the task's target text.")
             if len(continuation) > L:
                 raise UserError(f"A continuation of {len(continuation)} tokens does not fit in --max_length {L}.")
             if len(context) + len(continuation) > L + 1:

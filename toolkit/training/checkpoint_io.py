@@ -131,7 +131,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
     if writing:
         try:
             stream = SafetensorsStream(path, specs, metadata={"format": "pt"})
-        except OSError as err:
+        except Exception as err:  # reported after the gathers, so that no rank waits for rank 0 forever
             error = err
         order = stream.order if stream is not None else sorted(specs)
     # Every rank gathers in the same order: rank 0 sends the file's order to the others.
@@ -144,7 +144,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
             try:
                 with torch.no_grad():
                     stream.write(name, tensor.detach().to("cpu").to(specs[name][0]))
-            except OSError as err:
+            except Exception as err:  # keep taking part in the gathers; reported at the end
                 error = err
         del tensor
     if stream is not None:
@@ -217,7 +217,12 @@ def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict
     if any(isinstance(key, int) for key in saved["state"]):
         names = get_optimizer_state_dict(root, optim)["param_groups"]  # the same groups, parameters named
         if [len(g["params"]) for g in names] != [len(g["params"]) for g in saved["param_groups"]]:
-            raise ValueError(f"{path}: the optimizer's parameter groups differ from the checkpoint's")
+            from toolkit.errors import UserError
+
+            raise UserError(
+                f"{path}: the run's trainable parameters or optimizer groups differ from the checkpoint's; "
+                "resume with the settings it was saved with (model, LoRA targets, --quantize), or start a new --out_dir."
+            )
         name_of = {i: n for now, then in zip(names, saved["param_groups"]) for i, n in zip(then["params"], now["params"])}
         saved = {
             "state": {name_of[i]: s for i, s in saved["state"].items()},

@@ -8,6 +8,7 @@ export the result; each keeps only what is really different about it.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from contextlib import contextmanager
@@ -338,7 +339,10 @@ def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs
         train.micro_batch_size, max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
         finetune=None if kind == "pretrain" else "full",
     )
-    print(line)
+    # Before launch every process of the run gets here (Fabric re-runs the command per local rank,
+    # torchrun starts them all): the line that it fits is printed by the first one only.
+    if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
+        print(line)
 
 
 def decay_names(model) -> set[str]:

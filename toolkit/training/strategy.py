@@ -279,15 +279,16 @@ class QuantizedBasePlan:
 def plan_quantized_base(
     devices: int | str, num_nodes: int, dist: DistributedArgs, quantize: str, accelerator: str = "auto"
 ) -> QuantizedBasePlan:
-    """The scheme for a frozen base quantized with bitsandbytes (`--quantize`). Raises UserError.
+    """The scheme for a quantized frozen base (`--quantize`). Raises UserError.
 
-    One device: the base is quantized on the CPU and moved, as always. More than one: the
-    replicated scheme. Every rank builds and quantizes the whole base exactly as one device does
+    One device: the base is quantized on the CPU and moved, as always. More than one, with `nf4`
+    (torchao's NF4Tensor): sharded, by FSDP2 like every frozen weight (full checkpoints). More than
+    one, with bitsandbytes (`bnb.*`): the replicated scheme. Every rank builds and quantizes the whole base exactly as one device does
     (the same checkpoint, the same deterministic quantization, so the same bytes everywhere), and
     DDP synchronises what trains, the LoRA adapters: their gradients are averaged over all ranks
     of all nodes after each optimizer step's last micro-batch. The cost is the whole quantized
     base on every device (about 5 GB for 8B in NF4, 35 GB for 70B); adapters, their gradients and
-    AdamW state are small. See QUANTIZED_BASE_NOT_SHARDED for why FSDP2 is not used.
+    AdamW state are small. See QUANTIZED_BASE_NOT_SHARDED for why FSDP2 does not shard bitsandbytes.
     """
     world = resolve_devices(devices, resolve_accelerator(accelerator)) * num_nodes
     if world == 1:
@@ -574,7 +575,7 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
     if edges is not None and edges.tied:
         # A tied embedding and head share one matrix: it stays in one unit, the root, and is
         # gathered once (in the compute dtype) for forward and backward.
-        root_policy = replace(block_policy, cast_forward_inputs=False)
+        root_policy = block_policy
         _cast_outputs_to_stored_dtype(edges.input, block_policy)
     # The root: whatever is left (nothing, for an untied GPT). It starts and ends each step.
     fully_shard(module, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
