@@ -21,12 +21,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.models.config import Config  # noqa: E402
-from toolkit.models.gpt import GPT, IGNORE_INDEX, Block  # noqa: E402
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
-from toolkit.training.batches import plan_batches  # noqa: E402
+from toolkit.models.gpt import IGNORE_INDEX  # noqa: E402
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs  # noqa: E402
 from toolkit.training.loop import LoopHooks, TrainState, fit  # noqa: E402
-from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
+from two_rank_ddp import start_two_rank_ddp  # noqa: E402  (this folder)
 
 SEQ = 8
 ACCUMULATION = 2
@@ -59,14 +57,7 @@ def batches_of(rank: int, vocab: int) -> list[dict]:
 
 
 def main() -> None:
-    strategy = plan_strategy(2, 1, "32-true", DistributedArgs(strategy="ddp", timeout=60), accelerator="cpu")
-    fabric = build_fabric(strategy, block_cls=Block)
-    fabric.launch()
-    config = Config.from_name("debug-neox")
-    torch.manual_seed(0)
-    model = fabric.setup_module(GPT(config))
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
-    plan = plan_batches(2, 1, 1, 2 * ACCUMULATION, SEQ)
+    fabric, config, model, optimizer, plan = start_two_rank_ddp(SEQ, ACCUMULATION, timeout=60)
     batches = batches_of(fabric.global_rank, config.vocab_size)
     expected_tokens = sum(int((b["labels"] != IGNORE_INDEX).sum()) for r in range(2) for b in batches_of(r, config.vocab_size))
     train = TrainArgs(global_batch_size=2 * ACCUMULATION, micro_batch_size=1, max_seq_length=SEQ, epochs=1,

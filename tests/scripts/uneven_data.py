@@ -17,26 +17,16 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.models.config import Config  # noqa: E402
-from toolkit.models.gpt import GPT, Block  # noqa: E402
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
-from toolkit.training.batches import plan_batches  # noqa: E402
+from toolkit.training.args import EvalArgs, LogArgs, TrainArgs  # noqa: E402
 from toolkit.training.loop import LoopHooks, TrainState, fit  # noqa: E402
-from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
+from two_rank_ddp import start_two_rank_ddp  # noqa: E402  (this folder)
 
 SEQ = 8
 ACCUMULATION = 2
 
 
 def main() -> None:
-    strategy = plan_strategy(2, 1, "32-true", DistributedArgs(strategy="ddp", timeout=30), accelerator="cpu")
-    fabric = build_fabric(strategy, block_cls=Block)
-    fabric.launch()
-    config = Config.from_name("debug-neox")
-    torch.manual_seed(0)
-    model = fabric.setup_module(GPT(config))
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.01))
-    plan = plan_batches(2, 1, 1, 2 * ACCUMULATION, SEQ)
+    fabric, config, model, optimizer, plan = start_two_rank_ddp(SEQ, ACCUMULATION, timeout=30)
     steps_of_data = 3 if fabric.global_rank == 0 else 2
     generator = torch.Generator().manual_seed(fabric.global_rank)
     batches = []
