@@ -24,6 +24,7 @@ from toolkit.models.param_names import unwrapped_name
 from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
 from toolkit.training.batches import plan_batches
 from toolkit.training.failures import run_on_rank_zero
+from toolkit.training.host_memory import return_large_frees_to_the_system
 from toolkit.training.loop import LoopHooks, TrainState, fit
 from toolkit.training.trackers import finish_tracker_runs, make_loggers, plain, start_tracker_runs
 from toolkit.training.strategy import build_fabric, plan_strategy
@@ -102,6 +103,9 @@ class Session:
         continue_runs = resume not in (False, "false", "False") and (
             bool(list_checkpoints(out_dir)) or resume not in (True, "true", "True", "auto")
         )
+        # Every rank runs this (the launched ones re-run the command): freed step buffers of a few
+        # MiB go back to the system instead of staying in glibc's heap (host_memory.py, measured).
+        return_large_frees_to_the_system()
         # build_fabric checks the launcher of a multi-node run first, before Lightning is imported.
         fabric = build_fabric(strategy, block_cls=Block, loggers=make_loggers(out_dir, log, continue_runs))
         fabric.launch()
