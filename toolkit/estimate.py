@@ -735,6 +735,7 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
         embed = [s for s in edges if s.name == "embed.weight"]
         output = [s for s in edges if s.name != "embed.weight"]  # the final norm and the head
     head = [s for s in output if s.name.startswith("lm_head.")]
+    norm = [s for s in output if not s.name.startswith("lm_head.")]
     block = max(blocks, key=copies, default=[])
     first, last = (blocks[0], blocks[-1]) if blocks else ([], [])
     held_root = copies(root)
@@ -760,24 +761,34 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
         prefetch = 0 if keep_all else in_flight(last)
         m["head reduced"] = larger({GATHERED: rest, UNSHARDED_GRADS: grads(head), REDUCE_SCATTER: reduce_input(head)},
                                    {GATHERED: rest, ALL_GATHER: prefetch, REDUCE_SCATTER: reduce_input(head)})  # fmt: skip
-    # A block's backward pass, the larger of: its end (its copies and the gradients autograd made
-    # for them, the next unit's flat output, the previous block's reduce-scatter input) and the next
-    # block's turn (its copy-out, then the prefetch of the one after it, beside this block's
-    # reduce-scatter input). Gradients are temporaries until FSDP takes them to reduce them.
+    # A block's backward pass: its copies, the unit before it prefetched (its flat output) and the
+    # reduce-scatter input of the unit after it (the last block's: the final norm's, a few KiB; the
+    # head's went when the final norm reduced). A tied root's gradient is a temporary until the end.
+    # (SHARD_GRAD_OP: every unit gathered but those whose backward pass is done.)
     held = held_root + (every_unit - copies(block) if keep_all else 0)
+    done = copies(block) if keep_all else 0  # SHARD_GRAD_OP: the last block, released
 
-    def block_backward(prefetched: list[ParamSpec]) -> Moment:
-        end = {GATHERED: held + copies(block), TEMPORARIES: root_grads + grads(block),
-               ALL_GATHER: 0 if keep_all else flat(prefetched), REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
-        if keep_all:  # nothing is gathered again
-            return end
-        turn = {GATHERED: held + copies(block), TEMPORARIES: root_grads, ALL_GATHER: in_flight(block),
-                REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
-        return larger(end, turn)
+    def backward(prefetched: list[ParamSpec], previous: list[ParamSpec], released: int) -> Moment:
+        return {GATHERED: held + copies(block) - released, TEMPORARIES: root_grads,
+                ALL_GATHER: 0 if keep_all else flat(prefetched), REDUCE_SCATTER: reduce_input(previous)}  # fmt: skip
 
-    m["block backward"] = block_backward(block)
+    m["last block backward"] = backward(block, norm, 0)
+    m["block backward"] = backward(block, block, done)
+    # The end of its backward pass: the gradients autograd made for its weights, not yet taken by FSDP.
+    m["block backward end"] = backward(block, block, done)
+    m["block backward end"][TEMPORARIES] += grads(block)
+    # Its end, the larger of: released, its gradients copied into its reduce-scatter input beside the
+    # prefetched unit's flat output; and the next block's turn (its copy-out, then the prefetch of the
+    # one after it), beside this block's reduce-scatter input.
+    end = {GATHERED: held - done, TEMPORARIES: root_grads, UNSHARDED_GRADS: grads(block),
+           ALL_GATHER: 0 if keep_all else flat(block), REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
+    turn = {GATHERED: held + copies(block), TEMPORARIES: root_grads, ALL_GATHER: in_flight(block),
+            REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
+    m["block reduced"] = end if keep_all else larger(end, turn)
     if embed:  # block 0's backward pass prefetches the embedding
-        m["block 0 backward"] = block_backward(embed)
+        m["block 0 backward"] = backward(embed, block, every_unit - copies(embed) - copies(block) if keep_all else 0)
+        m["block 0 backward end"] = dict(m["block 0 backward"])
+        m["block 0 backward end"][TEMPORARIES] += grads(block)
         m["embedding reduced"] = larger(
             {GATHERED: copies(embed), TEMPORARIES: grads(embed), REDUCE_SCATTER: reduce_input(first)},
             {UNSHARDED_GRADS: grads(embed), REDUCE_SCATTER: reduce_input(embed)},
@@ -790,29 +801,49 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     return {name: {k: v for k, v in moment.items() if v} for name, moment in m.items()}
 
 
+def strategy_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> dict[str, Moment]:
+    """What the strategy holds beside parameters, gradients and optimizer state at each moment:
+    under FSDP, `fsdp_moments`; with DDP its buckets, as large as the gradients, all step."""
+    if column.kind == "fsdp":
+        return fsdp_moments(specs, column, opts)
+    buckets = sum(s.numel * opts.trainable_bytes for s in specs if s.trainable) if column.kind == "ddp" else 0
+    return {name: {BUCKETS: buckets} for name in ("loss forward", "loss backward", "last block backward")}
+
+
 def step_moments(opts: "Options", column: "Column", act: "Activations", checkpointed: bool,
                  specs: list[ParamSpec], step_scratch: int) -> dict[str, Moment]:  # fmt: skip
     """Everything alive on one device beside parameters, gradients and optimizer state, by category,
     at each moment of a step at which it can peak (`column_memory`'s total is the largest).
 
     Activations: in the forward pass a checkpointed block keeps only its input; in the backward
-    pass it is recomputed (its activations and weight copies made again, temporaries then). The
-    loss's saved gradients go with its backward pass; without checkpointing the blocks' backward
-    passes are counted with every activation still alive (true of the last block). On one device
-    and with DDP the strategy's part is DDP's gradient buckets; under FSDP, `fsdp_moments`.
+    pass it is recomputed (its activations and weight copies made again, temporaries then) beside
+    the widest gradients in flight. The loss's saved gradients go with its backward pass, the last
+    block's activations (or input) with its own. The strategy's part is `strategy_moments`.
     """
     saved_forward = sum(act.block_inputs) if checkpointed else act.stored
     saved_backward = sum(act.block_inputs) if checkpointed else act.stored
     copies = act.copies_in_backward(checkpointed)
     recomputed = max(act.blocks) if checkpointed else 0  # one block's activations, again
+    last_block = act.block_inputs[-1] if checkpointed else act.blocks[-1]  # what the last block keeps
     activations: dict[str, Moment] = {
         "loss forward": {ACTIVATIONS: saved_forward + act.head + act.loss_forward + act.weight_copies},
         "loss backward": {ACTIVATIONS: saved_backward + act.head + act.loss_kept + copies,
                           TEMPORARIES: act.loss_backward},
         "head reduced": {ACTIVATIONS: saved_backward + act.head - act.loss_saved + act.loss_kept + copies,
                          TEMPORARIES: act.hidden_grad},
-        "block backward": {ACTIVATIONS: saved_backward + act.loss_kept + copies,
+        # the last block's backward pass, with every block's activations (or inputs) still there
+        "last block backward": {ACTIVATIONS: saved_backward + act.loss_kept + copies,
+                                TEMPORARIES: recomputed + act.backward_in_flight},
+        # the block before it (the reduce-scatter input of the last one alive), and each one's end
+        "block backward": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
                            TEMPORARIES: recomputed + act.backward_in_flight},
+        "block reduced": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
+                          TEMPORARIES: act.hidden_grad},
+        # the end of a block's backward pass: its activations gone but its input's, the gradient
+        # arriving and the one leaving (its weights' gradients are the strategy's part)
+        "block backward end": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
+                               TEMPORARIES: 2 * act.hidden_grad},
+        "block 0 backward end": {ACTIVATIONS: act.block_inputs[0] + act.loss_kept, TEMPORARIES: 2 * act.hidden_grad},
         # block 0's backward pass: only its own activations are left
         "block 0 backward": {ACTIVATIONS: (act.block_inputs[0] if checkpointed else act.blocks[0]) + act.loss_kept,
                              TEMPORARIES: (act.blocks[0] if checkpointed else 0) + act.backward_in_flight},
@@ -820,13 +851,8 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
         "last block gathered": {ACTIVATIONS: saved_forward - (act.block_inputs[-1] if checkpointed else act.blocks[-1])
                                 + act.block_inputs[-1]},
     }  # fmt: skip
-    if column.kind == "fsdp":
-        strategy = fsdp_moments(specs, column, opts)
-    else:  # DDP's buckets, as large as the gradients, all step
-        buckets = sum(s.numel * opts.trainable_bytes for s in specs if s.trainable) if column.kind == "ddp" else 0
-        strategy = {name: {BUCKETS: buckets} for name in ("loss forward", "loss backward", "block backward")}
     moments: dict[str, Moment] = {}
-    for name, held in strategy.items():
+    for name, held in strategy_moments(specs, column, opts).items():
         moment = dict(activations.get(name, {}))
         for key, value in held.items():
             moment[key] = moment.get(key, 0) + value
@@ -944,13 +970,12 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
     out["activations_checkpointed"] = act.checkpointed
     out["logits_and_loss"] = act.logits
     out["weight_copies"] = act.weight_copies
+    # the most the strategy holds at one moment (gradients on their way to be reduced included)
+    out["buffers"] = max(sum(m.values()) for m in strategy_moments(specs, column, opts).values()) + act.dequant_scratch
     persistent = out["parameters"] + out["gradients"] + out["optimizer_state"]
-    strategy_categories = (GATHERED, ALL_GATHER, UNSHARDED_GRADS, REDUCE_SCATTER, BUCKETS, DEQUANTIZED)
     for key, checkpointed in (("total", False), ("total_checkpointed", True)):
         moments = step_moments(opts, column, act, checkpointed, specs, out["step_scratch"])
         out[key] = persistent + max(sum(m.values()) for m in moments.values())
-        if not checkpointed:
-            out["buffers"] = max(sum(m.get(k, 0) for k in strategy_categories) for m in moments.values())
     return out
 
 

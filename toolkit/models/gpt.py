@@ -473,6 +473,8 @@ def linear_cross_entropy_sum(
     through the head). Only those gradients are kept for the backward pass, which scales them by
     the incoming gradient. Next to the plain computation this drops the (B * T, V) float32 logits,
     log-probabilities and their gradients from memory, and the same matrix products are done.
+    Beside the kept gradients nothing of the head's size is made: the weight's 16-bit gradient is
+    added up a piece of vocabulary rows at a time, and its scaled copy written chunk by chunk.
 
     Rows whose label is IGNORE_INDEX are left out before the head when `skip_ignored` (default: on
     CPU), so padding and masked prompts cost nothing; otherwise they are computed and weighted by 0,
