@@ -355,12 +355,12 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
 
 def _traced_bytes(config, precision, lora, r, quantize, B, T, dropout=0.0) -> int:
     """The estimator's saved bytes (blocks + outside them + autocast weight copies), CPU rules."""
-    opts = est.Options(config, precision, "lora" if lora else None, lora, r, quantize, T, cuda=False,
+    opts = est.Options(config, precision, "lora" if lora else None, lora, r, quantize, T, device="cpu",
                        lora_dropout=dropout)  # fmt: skip
     specs = est.parameter_specs(config, lora, r)
     quantized = {s.name for s in specs if quantize and s.kind == "linear" and s.unit >= 0}
     weights, adapters = est.forward_weights(opts, specs, quantized)
-    mode = est.Mode(opts.autocast, opts.compute_bytes, cuda=False, lora_dropout=dropout > 0)
+    mode = est.Mode(opts.autocast, opts.compute_bytes, device="cpu", lora_dropout=dropout > 0)
     act = est.trace_activations(config, mode, weights, adapters, B, T)
     return act.stored + act.head + act.weight_copies
 
@@ -385,7 +385,7 @@ def test_activations_equal_what_autograd_saves(name, precision, lora, dropout):
     """Exact: the walk through GPT.forward names every byte autograd keeps, and nothing else.
 
     CPU kernels differ from CUDA's in what dropout keeps (a scaled copy, not a one-byte mask), so
-    the comparison uses the estimator's CPU rules (`cuda=False`).
+    the comparison uses the estimator's CPU rules (`device="cpu"`).
     """
     config = Config.from_name(name)
     torch.manual_seed(0)
@@ -601,7 +601,7 @@ def _options(setup: str) -> est.Options:
     precision, finetune = setup.split(":")[:2]
     lora = ("q_proj", "v_proj") if finetune == "lora" else ()
     return est.Options(Config(**MEASURED_CONFIG), precision, finetune, lora, MEASURED_LORA_R, None, MEASURED_SEQ,
-                       cuda=False, lora_dropout=0.05 if lora else 0.0)  # fmt: skip
+                       device="cpu", lora_dropout=0.05 if lora else 0.0)  # fmt: skip
 
 
 def test_parameters_gradients_and_optimizer_state_match_real_runs(runs):
@@ -642,7 +642,7 @@ def _traced_in_run(opts: est.Options, column: est.Column, as_stored: bool = Fals
     shows them to the forward pass, or as they are stored."""
     specs = est.parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
     weights, adapters = est.forward_weights(opts, specs, set(), None if as_stored else column)
-    mode = est.Mode(opts.autocast, opts.compute_bytes, cuda=False, lora_dropout=opts.lora_dropout > 0)
+    mode = est.Mode(opts.autocast, opts.compute_bytes, device="cpu", lora_dropout=opts.lora_dropout > 0)
     act = est.trace_activations(opts.config, mode, weights, adapters, MEASURED_BATCH, MEASURED_SEQ)
     return act.stored + act.head + act.weight_copies
 
@@ -668,7 +668,7 @@ def test_activations_in_real_runs_equal_what_autograd_saves(runs):
 def test_estimated_peaks_are_within_4_percent_of_measured(runs):
     """The peak of a training step with gradients and AdamW state in place, on one device and on
     each rank of a 2-process FULL_SHARD run, against the estimated total (CPU rules, see
-    `est.Options.cuda`). Measured on the reference machine (2 CPU cores): every set-up within 2.3%.
+    `est.Options.device`). Measured on the reference machine (2 CPU cores): every set-up within 2.3%.
 
     The figures of the steps are deterministic: the measurement counts the allocator's bytes, not
     the process's memory, and the script takes the smallest of three steps' peaks (a gloo artefact
@@ -688,7 +688,7 @@ def test_estimated_peaks_are_within_4_percent_of_measured(runs):
     overrides = {k: v for k, v in MEASURED_CONFIG.items() if k != "name"}
     result = _quiet_estimate("debug", model_overrides=overrides, devices=2, sharding="FULL_SHARD", finetune="full",
                              micro_batch_size=MEASURED_BATCH, max_seq_length=MEASURED_SEQ)  # fmt: skip
-    gpu = dataclasses.replace(_options("bf16-mixed:full"), cuda=True, config=Config.from_name("debug", **overrides))
+    gpu = dataclasses.replace(_options("bf16-mixed:full"), device="cuda", config=Config.from_name("debug", **overrides))
     column = est.make_column("FULL_SHARD", 2, 1)
     assert result["strategies"]["FULL_SHARD"] == est.column_memory(gpu, column, MEASURED_BATCH)
 

@@ -205,3 +205,60 @@ def test_compiled_model_keeps_the_fused_loss_outside_the_graph(monkeypatch):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     assert calls and not any(calls)  # called, and never while tracing
     got.backward()
+
+
+# ------------------------------------------------------------------------------ memory
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_scaled_gradient_equals_the_plain_product_cast(dtype, monkeypatch):
+    """`_scaled` writes (grad * scale).to(dtype) a chunk of rows at a time: bit for bit the same,
+    whatever the chunking (one row, a few rows, all at once), for a matrix and for a vector."""
+    g = torch.Generator().manual_seed(0)
+    grad, bias, scale = torch.randn(300, 77, generator=g) * 1e-3, torch.randn(1001, generator=g), torch.tensor(0.3712)
+    for chunk_bytes in (1, 77 * 4 * 7, gpt.LOSS_CHUNK_BYTES):
+        monkeypatch.setattr(gpt, "LOSS_CHUNK_BYTES", chunk_bytes)
+        assert torch.equal(gpt._scaled(grad, scale, dtype), (grad * scale).to(dtype))
+        assert torch.equal(gpt._scaled(bias, scale, dtype), (bias * scale).to(dtype))
+
+
+def test_weight_gradient_pieces_give_the_same_gradients(monkeypatch):
+    """Under 16-bit autocast the weight's gradient is added up a piece of vocabulary rows at a time:
+    pieces of 3 rows give the gradients that one piece of the whole vocabulary gives."""
+    h, w, b, labels = _inputs(True, 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        whole = _grads(linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8), (h, w, b))
+        monkeypatch.setattr(gpt, "LOSS_CHUNK_BYTES", 3 * 4 * E)  # 3 vocabulary rows per piece
+        pieces = _grads(linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8), (h, w, b))
+    for got, want in zip(pieces, whole):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_loss_memory_is_bounded_by_its_chunks():
+    """Llama-3.1-8B's head (128256 x 4096, gathered in bf16 as FSDP gathers it) on 2048 tokens, on
+    fake tensors, with torch's memory tracker. Forward: beside the gradients it keeps, the loss holds
+    its chunk buffers and a piece of the weight's gradient, not a 16-bit copy of the whole (V, E)
+    product (1 GB). Backward: it creates the two gradients it returns (the weight's in bf16, the
+    hidden's in float32) and nothing else: no float32 (V, E) product beside the kept one (2 GB)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    n, hidden, vocab = 2048, 4096, 128256
+    with FakeTensorMode():
+        h = torch.empty(n, hidden, requires_grad=True)
+        w = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.zeros(n, dtype=torch.long)
+        forward = MemTracker()
+        forward.track_external(h, w, labels)
+        with forward, torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = linear_cross_entropy_sum(h, w, None, labels)
+        backward = MemTracker()
+        backward.track_external(h, w, labels, loss, *loss.grad_fn.saved_tensors)
+        with backward:
+            loss.backward()
+    ((_, fwd),) = forward.get_tracker_snapshot("peak").items()
+    ((_, bwd),) = backward.get_tracker_snapshot("peak").items()
+    kept = n * hidden * 2 + vocab * hidden * 4  # grad_h (bf16) and grad_w (float32)
+    transient = {str(k): v for k, v in fwd.items()}["_MemRefType.ACT"] - kept
+    assert 0 < transient < vocab * hidden * 2 // 2  # about a third of it: 330 MiB of 1002
+    assert {str(k): v for k, v in bwd.items()}["_MemRefType.TEMP"] == n * hidden * 4 + vocab * hidden * 2

@@ -11,28 +11,32 @@ For every strategy it splits the memory of one device into:
     logits and loss   the head and the loss. A plain head takes the fused loss
                       (`linear_cross_entropy_sum`): it keeps the loss's gradients with respect to the
                       head's input (tokens x E, compute dtype) and trainable weight and bias (float32),
-                      and holds one chunk of logits (at most LOSS_CHUNK_BYTES of float32 rows, with
-                      their float32 log-softmax, and under 16-bit compute a float32 copy that
-                      log_softmax makes and a 16-bit softmax) in the forward pass, or the outgoing
-                      gradients in the backward pass. A LoRA head takes the plain loss: the float32
-                      log-softmax it keeps, plus the two (tokens x vocab) float32 gradients its
-                      backward creates
+                      and holds its input and one chunk of logits (at most LOSS_CHUNK_BYTES of float32
+                      rows, with their float32 log-softmax, and under 16-bit compute a float32 copy
+                      that log_softmax makes, a 16-bit softmax and a piece of the 16-bit weight
+                      gradient) in the forward pass, or the outgoing gradients in the backward pass
+                      (in the dtypes of the head's input and weight). A LoRA head takes the plain
+                      loss: the float32 log-softmax it keeps, plus the two (tokens x vocab) float32
+                      gradients its backward creates
     weight copies     bf16 copies of float32 weights that autocast makes, whole (not shards): on
-                      one device and with DDP, of every linear weight that trains; under FSDP only
-                      of a LoRA head's adapters (counted; an approximation: the head unit now
-                      gathers them in 16 bits too), as blocks arrive in 16 bits
-    buffers           FSDP's gathered (unsharded) weights, all-gather outputs and unreduced
-                      gradients; DDP's gradient buckets; bitsandbytes' dequantized weight
+                      one device and with DDP, of every linear weight that trains; none under FSDP,
+                      which gathers every weight in the compute dtype
+    buffers           FSDP's gathered (unsharded) weights, all-gather outputs, unsharded gradients
+                      and reduce-scatter inputs; DDP's gradient buckets; bitsandbytes' dequantized
+                      weight: the most of them alive at one moment
     step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
 
 These do not all exist at once. The peak is parameters + gradients + optimizer state + the largest
-of what is alive besides them at five moments of a step (`column_memory`): the loss in the forward
-pass (every activation, the loss's chunk buffers, every weight copy: autocast caches them until
-the forward pass ends); the start of the backward pass (FSDP prefetches the last block); the
-loss's backward pass; a block's backward pass (the loss's saved gradients are gone, the block's
-gradients are reduced, and the widest activation gradients are in flight, `_Tracer.mlp`); and
-AdamW's step. Gradients are counted throughout because with gradient accumulation they are alive
-through every micro-batch (without it they grow while activations shrink, so this is an upper bound).
+of what is alive besides them at the moments of a step at which it can peak (`step_moments`, by
+category): FSDP gathering the embedding, block 0 and the last block in the forward pass; the loss
+in the forward pass (every activation, the loss's chunk buffers, every weight copy: autocast caches
+them until the forward pass ends); the loss's backward pass; the head's gradient reduced; a
+block's backward pass (the widest activation gradients in flight, `_Tracer.mlp`); the embedding's
+(or a tied root's) gradient reduced; and AdamW's step. Gradients are counted throughout because
+with gradient accumulation they are alive through every micro-batch (without it they grow while
+activations shrink, so this is an upper bound). Under FSDP the moments follow torch 2.13's
+`fully_shard` (`fsdp_moments`); the simulation (`toolkit.simulate`, tests/test_simulate.py) runs
+the real step and holds them to it category by category.
 
 What is assumed, and where it comes from:
 - Precision: the toolkit's one policy (`toolkit.training.precision.precision_dtypes`). Under
@@ -40,11 +44,11 @@ What is assumed, and where it comes from:
   weights (the LoRA and QLoRA base) are stored in the compute dtype (bf16 under "bf16-mixed");
   under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. On one
   device and with DDP weights are used as they are stored, so autocast copies every float32 weight
-  a linear layer uses; under FSDP each block casts its float32 shards to the compute dtype before
-  the all-gather (its gradients come out 16-bit and are reduced in float32); the edge units (embedding;
-  final norm and head) are gathered in the compute dtype too, but the walk of what autograd saves
-  sees them as stored (`Options.gathered_bytes`, exact against real runs). The residual stream stays float32. AdamW's `step` counters (one 0-dim float32 tensor per parameter) live on the
-  CPU and are not counted.
+  a linear layer uses; under FSDP every unit (each block, the embedding, the final norm, the head)
+  casts its float32 shards to the compute dtype before the all-gather (its gradients come out
+  16-bit and are reduced in float32), and the embedding's output is cast back to its stored dtype
+  (`Options.gathered_bytes`). The residual stream stays float32. AdamW's `step` counters (one 0-dim
+  float32 tensor per parameter) live on the CPU and are not counted.
 - Attention runs in a fused kernel (flash or memory-efficient SDPA, as on GPUs and in torch's CPU
   flash kernel): it keeps the output and a float32 log-sum-exp per query, never the T x T matrix.
   The math fallback (used with explicit masks; possibly also for float32 with grouped-query
@@ -54,7 +58,7 @@ What is assumed, and where it comes from:
   cached); weight casts are cached for the whole forward pass.
 - LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train (float32 under
   "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters (under
-  FSDP, a LoRA head's only: the blocks' adapters are gathered in 16 bits). A frozen
+  FSDP nothing: the adapters are gathered in 16 bits). A frozen
   linear layer does not keep its input. Adapter dropout (finetune_lora's default 0.05) keeps a
   one-byte mask per input element. Frozen parameters have no gradient, under FSDP too.
 - QLoRA (bitsandbytes): the linear layers of the blocks are quantized (embedding, norms and head are
@@ -71,15 +75,22 @@ What is assumed, and where it comes from:
   trainable parameters; AdamW's state follows the unpadded local shard. Gradients accumulate in
   the shards (reduce-scatter every micro-batch; HYBRID_SHARD's cross-node all-reduce waits for the
   last one in a buffer of the same size). What FSDP holds beside the shards, and when, is in
-  `fsdp_buffers`. Transient buffers are counted as the synchronous order of the CPU (gloo) runs
-  them; on GPUs the caching allocator and communication streams add some on top.
+  `fsdp_moments`. Transient buffers are counted in the order the step runs them (gloo, on CPU,
+  stages each all-gather once more); on GPUs the caching allocator and communication streams add
+  some on top.
 - DDP keeps a second copy of the gradients in its communication buckets.
 - The loss (`GPT.head_loss`): a plain `nn.Linear` head goes through the fused
   `linear_cross_entropy_sum`, which computes the loss's gradients in the forward pass in chunks and
   keeps only them (no autocast weight copy of the head). Every label is assumed to count: on CPU,
   ignored rows would be skipped (and their indices kept); on GPUs they are computed and weighted
-  by 0. On CPU the chunk buffers are kept between calls (module-level scratch); on GPUs they are
-  freed after the forward pass. A LoRA head (target "head") takes the plain cross_entropy_sum.
+  by 0. On CPU the chunk buffers are kept between calls (module-level scratch); on GPUs (and on
+  fake tensors) they are freed after the forward pass. A LoRA head (target "head") takes the plain
+  cross_entropy_sum.
+- Whose rules (`Options.device`): CUDA's by default; the tests use the CPU's ("cpu", real runs) and
+  those of fake tensors on the CPU ("fake", `toolkit.simulate`). They differ in what dropout keeps
+  (a one-byte mask on CUDA, a scaled copy on CPU), in the float32 copy log_softmax makes of 16-bit
+  logits (inside the op on fake tensors, where the simulation's tracker does not see it), in the
+  loss's buffers kept between calls (real CPU runs) and in gloo's staging of all-gathers.
 """
 
 from __future__ import annotations
@@ -243,6 +254,7 @@ class _Weight:
     numel: int
     quant: Optional[str] = None  # bitsandbytes kind for quantized linear weights
     key: str = ""  # identifies the tensor (a tied head and the embedding share one)
+    stored: int = 0  # bytes per element as stored (0: b); the embedding's output is in this dtype
 
 
 @dataclass(frozen=True)
@@ -251,9 +263,20 @@ class Mode:
 
     autocast: bool  # *-mixed: matmuls in 16 bits under torch.autocast
     compute: int  # bytes of the compute dtype
-    cuda: bool = True  # CUDA's dropout mask and loss buffers; False: the CPU's (used by the tests)
+    device: Literal["cuda", "cpu", "fake"] = "cuda"  # whose rules: see `Options.device`
     lora_dropout: bool = False  # adapters apply dropout to their input
     float16: bool = False  # the 16-bit compute dtype is float16 (not bfloat16)
+
+    @property
+    def cuda(self) -> bool:
+        """CUDA's kernels (dropout keeps a bool mask); else the CPU's, fake tensors included."""
+        return self.device == "cuda"
+
+    @property
+    def real_cpu(self) -> bool:
+        """Real CPU tensors: the fused loss keeps its chunk buffers between calls
+        (`toolkit.models.gpt._scratch`), and a cast on writing goes through a temporary."""
+        return self.device == "cpu"
 
 
 class _Tracer:
@@ -447,11 +470,13 @@ class Activations:
     block_inputs: list[int]  # each block's input, what a checkpointed block keeps
     head: int  # saved outside the blocks: token ids, final norm, the loss's gradients (fused) or
     # head input, log-softmax and labels (LoRA head)
+    loss_saved: int  # the part of `head` the loss saved: gone after the loss's backward pass
     loss_forward: int  # the loss's transients at their largest in the forward pass (fused: the chunk
     # buffers, the float32 copy log_softmax makes of 16-bit logits, the casts; LoRA head: the logits)
     loss_backward: int  # and in its backward pass: the outgoing gradients (LoRA head: the two float32
     # (tokens x vocab) gradients)
-    loss_kept: int  # the fused loss's chunk buffers that stay allocated between calls (CPU only)
+    loss_kept: int  # the fused loss's chunk buffers that stay allocated between calls (real CPU runs)
+    hidden_grad: int  # the gradient the loss's backward pass hands on (tokens x n_embd)
     backward_in_flight: int  # gradients in flight in a block's backward pass (see _Tracer.mlp)
     weight_copies: int  # autocast's bf16 copies of float32 weights, all of them
     block_weight_copies: list[int]  # those of each block (what a checkpointed block re-creates)
@@ -468,7 +493,7 @@ class Activations:
 
     @property
     def logits(self) -> int:
-        return self.head + max(self.loss_forward, self.loss_backward)
+        return self.head + max(self.loss_forward, self.loss_kept + self.loss_backward)
 
     def copies_in_backward(self, checkpointed: bool) -> int:
         """Weight copies alive in the backward pass. Without checkpointing the graph keeps every one;
@@ -489,7 +514,8 @@ def trace_activations(
     emb = weights["embed.weight"]
     if emb.trainable:
         tr.save(tr.new(n, 8, False))  # the embedding's backward keeps the token ids
-    x = tr.new(n * E, emb.b, emb.trainable)  # embedding lookup (no autocast)
+    # The lookup (no autocast) gives the gathered dtype; FSDP casts it back to the stored one.
+    x = tr.new(n * E, emb.stored or emb.b, emb.trainable)
     if config.scale_embeddings:
         if x.rg:
             tr.save(tr.new(1, x.b, False))  # x * sqrt(n_embd) keeps the scalar
@@ -502,6 +528,7 @@ def trace_activations(
         blocks.append(tr.saved_bytes() - before)
         block_copies.append(sum(tr.weight_copies.values()) - copies_before)
     h = tr.norm(x, "norm_f")
+    before_loss = tr.saved_bytes()
     if "lm_head" in lora:  # a peft LoRA head: GPT.head_loss takes the plain cross_entropy_sum(lm_head(x))
         logits = tr.linear(h, "lm_head", V)
         tr.cast(logits, 4)  # cross_entropy_sum: .float()
@@ -511,12 +538,15 @@ def trace_activations(
             tr.save(tr.new(n, 8, False))  # nll_loss keeps the labels
             tr.save(tr.new(1, 4, False))  # and the total weight
         forward = n * V * (logits.b + (4 if logits.b != 4 else 0))  # the logits and their float32 copy
+        forward += 0 if h.id in tr.saved else h.numel * h.b  # the head's input, alive through the loss
         loss = (forward, 2 * n * V * 4 if lsm.rg else 0, 0)  # backward: two float32 (tokens x vocab) gradients
     else:
         loss = _fused_loss(tr, h, weights["lm_head.weight"], weights.get("lm_head.bias"))
     head = tr.saved_bytes() - sum(blocks)  # everything outside the blocks, token ids included
-    return Activations(blocks, inputs, head, *loss, tr.backward_in_flight, sum(tr.weight_copies.values()), block_copies,
-                       tr.dequant_scratch)  # fmt: skip
+    loss_saved = tr.saved_bytes() - before_loss
+    hidden_grad = h.numel * h.b if h.rg else 0  # what the loss's backward pass hands to the final norm
+    return Activations(blocks, inputs, head, loss_saved, *loss, hidden_grad, tr.backward_in_flight,
+                       sum(tr.weight_copies.values()), block_copies, tr.dequant_scratch)  # fmt: skip
 
 
 def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tuple[int, int, int]:
@@ -527,8 +557,8 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
     the bias trains. `rows` (the non-ignored rows) is not counted: every label is assumed to count
     (on GPUs it is never kept). Returns the loss's transient bytes (forward, backward, kept): the
     forward pass's chunk buffers with the casts and products beside them; the gradients its
-    backward pass creates; and the chunk buffers that stay allocated after the call (CPU only, see
-    `toolkit.models.gpt._scratch`). Weights are not autocast-cached: no weight copy.
+    backward pass creates; and the chunk buffers that stay allocated after the call (real CPU runs
+    only, see `toolkit.models.gpt._scratch`). Weights are not autocast-cached: no weight copy.
     """
     c, mode, n = tr.c, tr.mode, tr.n
     E, V = c.n_embd, c.vocab_size
@@ -544,6 +574,7 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
     need_grad = need_h or need_w or need_b
     if not need_grad:
         return 0, 0, 0
+    hidden_input = h.numel * h.b  # alive through the forward pass, not saved
     # Forward: equal chunks of at most LOSS_CHUNK_BYTES of float32 logits (toolkit.models.gpt).
     chunk = max(1, LOSS_CHUNK_BYTES // (4 * V))
     chunk = -(-n // -(-n // chunk))
@@ -551,27 +582,34 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
     in_place = cdt == 4 and not mode.cuda  # CPU float32: log_softmax writes over the logits
     logits = rows * cdt
     log_probs = 0 if in_place else rows * 4
-    # log_softmax(..., dtype=float32) first copies 16-bit logits to float32 (but float16 on CUDA)
-    widened = rows * 4 if cdt != 4 and not (mode.cuda and mode.float16) else 0
+    # log_softmax(..., dtype=float32) first copies 16-bit logits to float32 (but float16 on CUDA).
+    # On fake tensors the copy is made inside the op, where FSDPMemTracker does not see it.
+    widened = rows * 4 if cdt != 4 and not (mode.cuda and mode.float16) and mode.device != "fake" else 0
     softmax_16 = rows * cdt if cdt != 4 else 0  # the softmax cast back to the compute dtype
     casts = (n * E * cdt if h.b != cdt else 0) + (V * E * cdt if w.b != cdt else 0)  # h.to(dtype), weight.to(dtype)
-    product = V * E * cdt if need_w and cdt != 4 else 0  # grad.t() @ hc, before it is added to the float32 grad_w
+    # grad.t() @ hc in 16 bits, added to the float32 grad_w a piece of vocabulary rows at a time
+    vocab_rows = max(1, LOSS_CHUNK_BYTES // (4 * E))
+    product = min(V, vocab_rows) * E * cdt if need_w and cdt != 4 else 0
     # The float32 copy lives during log_softmax only; the 16-bit softmax and the product come after it.
-    if mode.cuda:  # buffers allocated per call (the 16-bit softmax per chunk) and freed after it
+    if not mode.real_cpu:  # buffers allocated per call (the 16-bit softmax per chunk) and freed after it
         kept = 0
-        forward = logits + log_probs + casts + max(widened, softmax_16 + product)
+        forward = hidden_input + logits + log_probs + casts + max(widened, softmax_16 + product)
     else:  # one buffer per kind, kept between calls (the 16-bit softmax's buffer exists already)
         kept = logits + log_probs + softmax_16
-        forward = kept + casts + max(widened, product)
-    # Backward: the incoming-gradient products and their casts to the inputs' dtypes.
-    backward = 0
-    if need_h:
-        backward += n * E * cdt + (n * E * h.b if h.b != cdt else 0)
-    if need_w:
-        backward += V * E * 4 + (V * E * w.b if w.b != 4 else 0)
-    if need_b:
-        backward += V * 4 + (V * bias.b if bias.b != 4 else 0)  # type: ignore[union-attr]
-    return forward, kept + backward, kept
+        forward = hidden_input + kept + casts + max(widened, product)
+    # Backward: the hidden's gradient scaled in the compute dtype, then cast to the hidden's dtype;
+    # then the weight's and the bias's, scaled in float32 and written into their own dtypes
+    # (`gpt._scaled`; a real CPU run casts through one chunk of float32 rows).
+    def scaled(numel: int, row: int, b: int) -> int:
+        through = min(numel // row, max(1, LOSS_CHUNK_BYTES // (4 * row))) * row * 4 if mode.real_cpu and b != 4 else 0
+        return numel * b + through
+
+    hidden = n * E * h.b if need_h else 0
+    hidden_product = n * E * cdt if need_h and h.b != cdt else 0  # freed once cast
+    weight = scaled(V * E, E, w.b) if need_w else 0
+    bias_grad = scaled(V, 1, bias.b) if need_b else 0  # type: ignore[union-attr]
+    backward = hidden + max(hidden_product, weight + bias_grad)
+    return forward, backward, kept
 
 
 # --------------------------------------------------------------------------------------------
@@ -616,94 +654,213 @@ def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") 
     return [{"parameters": params, "gradients": grads, "optimizer_state": n} for n in states]
 
 
-@dataclass(frozen=True)
-class Buffers:
-    """What the strategy holds beside the shards and the activations, at four points of a step."""
+# What one device holds at a moment of the step besides parameters, gradients and optimizer state,
+# by category. The FSDP categories are those of torch's FSDPMemTracker, whose figures
+# `toolkit.simulate` reports (`toolkit.simulate.CATEGORIES` names them the same way), so that the
+# two can be held to each other category by category (tests/test_simulate.py).
+ACTIVATIONS = "activations"  # made in the forward pass: what autograd saves, the loss's forward buffers, autocast's copies
+TEMPORARIES = "temporaries"  # made in the backward pass or the optimizer step
+GATHERED = "unsharded parameters"
+ALL_GATHER = "all-gather buffers"
+UNSHARDED_GRADS = "unsharded gradients"
+REDUCE_SCATTER = "reduce-scatter buffers"
+BUCKETS = "DDP gradient buckets"
+DEQUANTIZED = "dequantized weight"  # bitsandbytes: one weight at a time
+Moment = dict[str, int]
 
-    loss_forward: int  # while the loss runs in the forward pass
-    backward_start: int  # when the backward pass starts (FSDP prefetches the last block)
-    loss_backward: int  # while the loss's backward pass runs
-    block_backward: int  # while a block's backward pass runs and its gradients are reduced
 
-    @property
-    def largest(self) -> int:
-        return max(self.loss_forward, self.backward_start, self.loss_backward, self.block_backward)
+def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> dict[str, Moment]:
+    """What FSDP2 holds beside the shards on one rank, by category, at each moment of a step at which
+    the step can peak, in the order torch 2.13's `fully_shard` runs. Activations are added by
+    `step_moments`. The units are those of `toolkit.training.strategy.shard_model`: one per block;
+    untied, one for the embedding, one for the final norm and one for the head; tied, the shared
+    matrix with the final norm in the root.
 
-
-def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> Buffers:
-    """What FSDP2 holds beside the shards, on one rank, in the order torch 2.13's `fully_shard` runs.
-
-    - Gathered (unsharded) parameters, in the dtype the unit gathers them in: under "*-mixed"
-      each unit's float32 shards are first copied, cast to the compute dtype, into one flat
-      all-gather input (a shard's worth, alive during the all-gather). A block is gathered before
-      its forward pass and again before its backward pass, and released after each (FULL_SHARD,
-      HYBRID_SHARD, NO_SHARD); SHARD_GRAD_OP keeps every block gathered from its forward to its
-      backward pass. Untied, the embedding is gathered for its forward pass and at the very end of
-      the backward pass, and the (final norm, head) from the end of the forward pass through its
-      own backward pass; tied, the shared matrix stays in the root, gathered all step. NO_SHARD
-      "gathers" by copying its shard.
-    - The all-gather's flat output: each parameter's gathered copy is cut from it, so gathering
-      briefly holds a unit twice (gloo stages a third copy before the flat output is filled, never
-      with the per-parameter copies). In the forward pass the flat output is kept until the next
-      unit is gathered (the last block's, until the forward pass ends); in the backward pass the
-      next block is prefetched when a block starts, and its flat output waits for its turn.
-    - Tied only: the shared matrix's unsharded gradient, from the loss's backward pass until the
-      root is reduced at the end of the backward pass (untied, the head's gradient is
-      reduce-scattered right after the head's own backward pass).
-    - A block's reduce: its unsharded gradients, in the gathered dtype (the compute dtype under
-      "*-mixed": autograd computes them against the gathered weights), and the reduce-scatter
-      input they are copied into, padded to the shard group and in the reduction dtype (the
-      trainable dtype: float32 under "*-mixed"). FSDP keeps a block's reduce-scatter input until
-      the next block reduces.
+    - Gathering: under "*-mixed" each unit's float32 shards are cast to the compute dtype and
+      all-gathered into one flat output (gloo, on CPU, stages it twice); each parameter's copy is
+      then cut from it ("copy-out"). In the forward pass a unit's flat output is freed after the
+      next unit's copy-out, the last one's when the forward pass ends (the head's: it is alive
+      through the loss); in the backward pass right after the unit's own copy-out.
+    - Blocks and the embedding are released after their forward pass (not under SHARD_GRAD_OP) and
+      gathered again for their backward pass, each prefetched when the unit after it starts its
+      backward pass: the last block when the final norm does, the embedding when block 0 does.
+      The final norm and the head stay gathered from their forward pass through their backward
+      pass. A tied root stays gathered all step. NO_SHARD gathers by copying the shard.
+    - Reducing: after a unit's backward pass its gathered copies are released, then its unsharded
+      gradients (in the gathered dtype) are copied into a reduce-scatter input padded to the shard
+      group, in the reduction dtype (the trainable dtype), which FSDP keeps until the next unit
+      reduces. A tied root's gradients stay unsharded until the end of the backward pass.
     """
     W = column.shard_size
+    gloo = opts.device == "cpu"
     units: dict[int, list[ParamSpec]] = {}
     for s in specs:
         units.setdefault(s.unit, []).append(s)
-
-    def gathered(members: list[ParamSpec]) -> int:
-        # every unit, the edges included, is gathered in the compute dtype under FSDP "*-mixed"
-        per = (lambda s: opts.compute_bytes) if opts.autocast else (lambda s: opts.gathered_bytes(s, column))
-        return sum(padded_shard_numel(s, W) * W * per(s) for s in members)
-
-    # The edges (unit -1): untied, the embedding and the (final norm, head) are units of their own.
-    # The embedding is gathered for its forward pass and at the very end of the backward pass, when
-    # the activations are gone; the head from the end of the forward pass through its own backward
-    # pass, after which its gradient is reduce-scattered. Tied, the shared matrix stays in the root,
-    # gathered from the forward pass to the end of the backward pass, its gradient held as long.
+    blocks = [members for unit, members in sorted(units.items()) if unit >= 0]
     edges = units.get(-1, [])
     tied = opts.config.tie_embeddings
-    held_edges = gathered(edges) if tied else 0  # gathered through the blocks' backward passes
-    head_edges = gathered(edges) if tied else gathered([s for s in edges if s.name != "embed.weight"])
-    blocks = [members for unit, members in units.items() if unit >= 0]
-    block = max((gathered(m) for m in blocks), default=0)
-    flat = block if W > 1 else 0  # a block's flat all-gather output, held beside its copies
-    cast_input = block // W if W > 1 and opts.autocast else 0  # "*-mixed": the shard cast for the all-gather
-    ps = opts.trainable_bytes
-    # Untied, the edges' gradients never meet the blocks' backward passes (see above).
-    root_grads = sum(s.numel * ps for s in edges if s.trainable) if tied else 0
 
-    def unsharded_grads(members: list[ParamSpec]) -> int:
+    def copies(members: list[ParamSpec]) -> int:
+        return sum(padded_shard_numel(s, W) * W * opts.gathered_bytes(s, column) for s in members)
+
+    def flat(members: list[ParamSpec]) -> int:
+        return copies(members) if W > 1 else 0
+
+    def in_flight(members: list[ParamSpec]) -> int:
+        """An all-gather before its copy-out: its flat output (twice under gloo) and the shards cast to 16 bits."""
+        cast = copies(members) // W if opts.autocast else 0
+        return (2 if gloo else 1) * flat(members) + cast if W > 1 else copies(members)
+
+    def grads(members: list[ParamSpec]) -> int:
         return sum(s.numel * opts.gathered_bytes(s, column) for s in members if s.trainable)
 
     def reduce_input(members: list[ParamSpec]) -> int:
-        return sum(padded_shard_numel(s, W) * W * ps for s in members if s.trainable)
+        return sum(padded_shard_numel(s, W) * W * opts.trainable_bytes for s in members if s.trainable)
 
-    grads = max((unsharded_grads(m) for m in blocks), default=0)
-    reduce = max((reduce_input(m) for m in blocks), default=0)
-    if column.name == "SHARD_GRAD_OP":  # every unit stays gathered: nothing is gathered again
-        held = gathered(edges) + sum(gathered(m) for m in blocks)
-        return Buffers(held + flat, held, held, held + root_grads + grads + reduce)
-    gather = 2 * flat + cast_input if W > 1 else block  # a block's all-gather in flight (NO_SHARD: its copy)
-    return Buffers(
-        loss_forward=head_edges + flat,  # the head, and the last block's flat output
-        backward_start=head_edges + gather,  # the head still gathered; the last block prefetched
-        loss_backward=head_edges + (flat or block),  # the prefetched block waits (a flat output, or NO_SHARD's copy)
-        # The larger of: the end of a block's backward pass (its copies and unsharded gradients, the
-        # next block's flat output, the previous block's reduce-scatter input) and the next block's
-        # turn (its copy-out, then the prefetch of the one after it, beside this block's reduce input).
-        block_backward=held_edges + root_grads + max(block + flat + reduce + grads, block + gather + reduce),
-    )
+    def larger(*moments: Moment) -> Moment:
+        return max(moments, key=lambda m: sum(m.values()))
+
+    def gather(unit: list[ParamSpec], before: list[ParamSpec], held: int) -> Moment:
+        """`unit` gathered in the forward pass while the flat output of the unit `before` is alive."""
+        if W == 1:
+            return {GATHERED: held + copies(unit)}
+        return larger({GATHERED: held, ALL_GATHER: flat(before) + in_flight(unit)},
+                      {GATHERED: held + copies(unit), ALL_GATHER: flat(before) + flat(unit)})  # fmt: skip
+
+    keep_all = column.name == "SHARD_GRAD_OP"  # every unit stays gathered from its forward to its backward pass
+    if tied:  # the root: the shared matrix, the final norm (and a head bias, LoRA adapters of the head)
+        root, embed, output = edges, [], []
+    else:
+        root = []
+        embed = [s for s in edges if s.name == "embed.weight"]
+        output = [s for s in edges if s.name != "embed.weight"]  # the final norm and the head
+    head = [s for s in output if s.name.startswith("lm_head.")]
+    norm = [s for s in output if not s.name.startswith("lm_head.")]
+    block = max(blocks, key=copies, default=[])
+    first, last = (blocks[0], blocks[-1]) if blocks else ([], [])
+    held_root = copies(root)
+    every_unit = copies(embed) + sum(copies(m) for m in blocks) if keep_all else 0  # SHARD_GRAD_OP, at the loss
+    root_grads = grads(root)  # tied: the head's gradient, held unsharded through the blocks' backward passes
+    m: dict[str, Moment] = {}
+    if embed:
+        m["embedding gathered"] = gather(embed, [], 0)
+    m["block 0 gathered"] = gather(first, root or embed, held_root + (copies(embed) if keep_all else 0))
+    m["last block gathered"] = gather(last, blocks[-2] if len(blocks) > 1 else root or embed,
+                                      held_root + (every_unit - copies(last) if keep_all else 0))  # fmt: skip
+    at_loss = held_root + copies(output) + every_unit
+    m["loss forward"] = {GATHERED: at_loss, ALL_GATHER: flat(head) if head else flat(last)}
+    if tied:  # the root's backward pass starts with the loss's: the last block is prefetched
+        if keep_all:
+            m["loss backward"] = {GATHERED: at_loss}
+        else:
+            m["loss backward"] = {GATHERED: at_loss + (0 if W > 1 else copies(last)), ALL_GATHER: flat(last)}
+    else:
+        m["loss backward"] = {GATHERED: at_loss}
+        # the head released, its gradients reduced; then the last block prefetched beside its input
+        rest = at_loss - copies(head)
+        prefetch = 0 if keep_all else in_flight(last)
+        m["head reduced"] = larger({GATHERED: rest, UNSHARDED_GRADS: grads(head), REDUCE_SCATTER: reduce_input(head)},
+                                   {GATHERED: rest, ALL_GATHER: prefetch, REDUCE_SCATTER: reduce_input(head)})  # fmt: skip
+    # A block's backward pass: its copies, the unit before it prefetched (its flat output) and the
+    # reduce-scatter input of the unit after it (the last block's: the final norm's, a few KiB; the
+    # head's went when the final norm reduced). A tied root's gradient is a temporary until the end.
+    # (SHARD_GRAD_OP: every unit gathered but those whose backward pass is done.)
+    held = held_root + (every_unit - copies(block) if keep_all else 0)
+    done = copies(block) if keep_all else 0  # SHARD_GRAD_OP: the last block, released
+
+    def backward(prefetched: list[ParamSpec], previous: list[ParamSpec], released: int) -> Moment:
+        return {GATHERED: held + copies(block) - released, TEMPORARIES: root_grads,
+                ALL_GATHER: 0 if keep_all else flat(prefetched), REDUCE_SCATTER: reduce_input(previous)}  # fmt: skip
+
+    m["last block backward"] = backward(block, norm, 0)
+    m["block backward"] = backward(block, block, done)
+    # The end of its backward pass: the gradients autograd made for its weights, not yet taken by FSDP.
+    m["block backward end"] = backward(block, block, done)
+    m["block backward end"][TEMPORARIES] += grads(block)
+    # Its end, the larger of: released, its gradients copied into its reduce-scatter input beside the
+    # prefetched unit's flat output; and the next block's turn (its copy-out, then the prefetch of the
+    # one after it), beside this block's reduce-scatter input.
+    end = {GATHERED: held - done, TEMPORARIES: root_grads, UNSHARDED_GRADS: grads(block),
+           ALL_GATHER: 0 if keep_all else flat(block), REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
+    turn = {GATHERED: held + copies(block), TEMPORARIES: root_grads, ALL_GATHER: in_flight(block),
+            REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
+    m["block reduced"] = end if keep_all else larger(end, turn)
+    if embed:  # block 0's backward pass prefetches the embedding
+        m["block 0 backward"] = backward(embed, block, every_unit - copies(embed) - copies(block) if keep_all else 0)
+        m["block 0 backward end"] = dict(m["block 0 backward"])
+        m["block 0 backward end"][TEMPORARIES] += grads(block)
+        m["embedding reduced"] = larger(
+            {GATHERED: copies(embed), TEMPORARIES: grads(embed), REDUCE_SCATTER: reduce_input(first)},
+            {UNSHARDED_GRADS: grads(embed), REDUCE_SCATTER: reduce_input(embed)},
+        )
+    else:  # the embedding's gradient is added to the head's (a third tensor), then the root is reduced
+        m["root reduced"] = larger(
+            {GATHERED: held_root, TEMPORARIES: 3 * root_grads, REDUCE_SCATTER: reduce_input(first)},
+            {UNSHARDED_GRADS: root_grads, REDUCE_SCATTER: reduce_input(root)},
+        )
+    return {name: {k: v for k, v in moment.items() if v} for name, moment in m.items()}
+
+
+def strategy_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> dict[str, Moment]:
+    """What the strategy holds beside parameters, gradients and optimizer state at each moment:
+    under FSDP, `fsdp_moments`; with DDP its buckets, as large as the gradients, all step."""
+    if column.kind == "fsdp":
+        return fsdp_moments(specs, column, opts)
+    buckets = sum(s.numel * opts.trainable_bytes for s in specs if s.trainable) if column.kind == "ddp" else 0
+    return {name: {BUCKETS: buckets} for name in ("loss forward", "loss backward", "last block backward")}
+
+
+def step_moments(opts: "Options", column: "Column", act: "Activations", checkpointed: bool,
+                 specs: list[ParamSpec], step_scratch: int) -> dict[str, Moment]:  # fmt: skip
+    """Everything alive on one device beside parameters, gradients and optimizer state, by category,
+    at each moment of a step at which it can peak (`column_memory`'s total is the largest).
+
+    Activations: in the forward pass a checkpointed block keeps only its input; in the backward
+    pass it is recomputed (its activations and weight copies made again, temporaries then) beside
+    the widest gradients in flight. The loss's saved gradients go with its backward pass, the last
+    block's activations (or input) with its own. The strategy's part is `strategy_moments`.
+    """
+    saved_forward = sum(act.block_inputs) if checkpointed else act.stored
+    saved_backward = sum(act.block_inputs) if checkpointed else act.stored
+    copies = act.copies_in_backward(checkpointed)
+    recomputed = max(act.blocks) if checkpointed else 0  # one block's activations, again
+    last_block = act.block_inputs[-1] if checkpointed else act.blocks[-1]  # what the last block keeps
+    activations: dict[str, Moment] = {
+        "loss forward": {ACTIVATIONS: saved_forward + act.head + act.loss_forward + act.weight_copies},
+        "loss backward": {ACTIVATIONS: saved_backward + act.head + act.loss_kept + copies,
+                          TEMPORARIES: act.loss_backward},
+        "head reduced": {ACTIVATIONS: saved_backward + act.head - act.loss_saved + act.loss_kept + copies,
+                         TEMPORARIES: act.hidden_grad},
+        # the last block's backward pass, with every block's activations (or inputs) still there
+        "last block backward": {ACTIVATIONS: saved_backward + act.loss_kept + copies,
+                                TEMPORARIES: recomputed + act.backward_in_flight},
+        # the block before it (the reduce-scatter input of the last one alive), and each one's end
+        "block backward": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
+                           TEMPORARIES: recomputed + act.backward_in_flight},
+        "block reduced": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
+                          TEMPORARIES: act.hidden_grad},
+        # the end of a block's backward pass: its activations gone but its input's, the gradient
+        # arriving and the one leaving (its weights' gradients are the strategy's part)
+        "block backward end": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
+                               TEMPORARIES: 2 * act.hidden_grad},
+        "block 0 backward end": {ACTIVATIONS: act.block_inputs[0] + act.loss_kept, TEMPORARIES: 2 * act.hidden_grad},
+        # block 0's backward pass: only its own activations are left
+        "block 0 backward": {ACTIVATIONS: (act.block_inputs[0] if checkpointed else act.blocks[0]) + act.loss_kept,
+                             TEMPORARIES: (act.blocks[0] if checkpointed else 0) + act.backward_in_flight},
+        "block 0 gathered": {ACTIVATIONS: act.block_inputs[0]},
+        "last block gathered": {ACTIVATIONS: saved_forward - (act.block_inputs[-1] if checkpointed else act.blocks[-1])
+                                + act.block_inputs[-1]},
+    }  # fmt: skip
+    moments: dict[str, Moment] = {}
+    for name, held in strategy_moments(specs, column, opts).items():
+        moment = dict(activations.get(name, {}))
+        for key, value in held.items():
+            moment[key] = moment.get(key, 0) + value
+        if act.dequant_scratch:
+            moment[DEQUANTIZED] = act.dequant_scratch
+        moments[name] = {k: v for k, v in moment.items() if v}
+    moments["optimizer step"] = {TEMPORARIES: step_scratch}  # AdamW's foreach temporaries
+    return moments
 
 
 # --------------------------------------------------------------------------------------------
@@ -741,7 +898,10 @@ class Options:
     lora_r: int
     quantize: Optional[str]
     max_seq_length: int
-    cuda: bool = True
+    # Whose rules: "cuda" (a GPU run); "cpu" (a real CPU run: the CPU's kernels, the fused loss's
+    # buffers kept between calls, gloo's staging of all-gathers; the tests' real runs); "fake"
+    # (the CPU's kernels on fake tensors, allocating as on a GPU: `toolkit.simulate`).
+    device: Literal["cuda", "cpu", "fake"] = "cuda"
     lora_dropout: float = 0.0
 
     @property
@@ -764,13 +924,11 @@ class Options:
 
     def gathered_bytes(self, s: ParamSpec, column: "Column") -> int:
         """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
-        FSDP with "*-mixed" a block's weights are cast to the compute dtype before the all-gather
-        (the blocks' MixedPrecisionPolicy in toolkit.training.strategy). The edges (embedding,
-        final norm, head) are gathered in the compute dtype too, but what autograd saves around
-        them is what it saves for weights as stored (the embedding's output is cast back to its
-        stored dtype; measured exactly in tests/test_estimate.py), so the walk sees them as stored;
-        `fsdp_buffers` counts their gathered copies in the compute dtype."""
-        if column.kind == "fsdp" and self.autocast and s.unit >= 0:
+        FSDP with "*-mixed" every unit (blocks, embedding, final norm, head) casts its float32
+        shards to the compute dtype before the all-gather (the MixedPrecisionPolicy of
+        toolkit.training.strategy.shard_model). The embedding's output is cast back to its stored
+        dtype (`_Weight.stored`)."""
+        if column.kind == "fsdp" and self.autocast:
             return self.compute_bytes
         return self.param_bytes(s)
 
@@ -778,9 +936,14 @@ class Options:
     def autocast(self) -> bool:
         return self.precision.endswith("-mixed")
 
+    def mode(self) -> "Mode":
+        """The precision and kernel rules of the forward pass."""
+        return Mode(self.autocast, self.compute_bytes, self.device, self.lora_dropout > 0, self.precision.startswith("16-"))
+
 
 def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[str, int]:
-    """Bytes per device of every component for one strategy."""
+    """Bytes per device of every component for one strategy. The totals are the parameters,
+    gradients and optimizer state plus the largest moment of `step_moments`."""
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
     quantized = {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
@@ -796,48 +959,51 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         out["gradients"] = sum(s.numel * opts.trainable_bytes for s in specs if s.trainable)
         out["optimizer_state"] = 2 * out["gradients"]
         out["step_scratch"] = out["gradients"]
-        buckets = out["gradients"] if column.kind == "ddp" else 0  # DDP's gradient buckets
-        buffers = Buffers(buckets, buckets, buckets, buckets)
     else:
         ranks = fsdp_rank_memory(specs, column, opts)
         out["parameters"] = ranks[0]["parameters"]
         out["gradients"] = ranks[0]["gradients"]
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
         out["step_scratch"] = out["optimizer_state"] // 2
-        buffers = fsdp_buffers(specs, column, opts)
-    weights, lora = forward_weights(opts, specs, quantized, column)
-    mode = Mode(opts.autocast, opts.compute_bytes, opts.cuda, opts.lora_dropout > 0, opts.precision.startswith("16-"))
-    act1 = trace_activations(c, mode, weights, lora, 1, opts.max_seq_length)
-    if micro_batch_size == 1:
-        act = act1
-    else:
-        act2 = trace_activations(c, mode, weights, lora, 2, opts.max_seq_length)
-        act = _extrapolate(act1, act2, micro_batch_size)
-        if micro_batch_size > 2:  # the fused loss's chunks are not affine in the batch size
-            full = trace_activations(c, mode, weights, lora, micro_batch_size, opts.max_seq_length)
-            act.loss_forward, act.loss_backward, act.loss_kept = full.loss_forward, full.loss_backward, full.loss_kept
+    act = activations(opts, column, micro_batch_size, specs, quantized)
     out["activations"] = act.stored
     out["activations_checkpointed"] = act.checkpointed
     out["logits_and_loss"] = act.logits
     out["weight_copies"] = act.weight_copies
-    out["buffers"] = buffers.largest + act.dequant_scratch
+    # the most the strategy holds at one moment (gradients on their way to be reduced included)
+    out["buffers"] = max(sum(m.values()) for m in strategy_moments(specs, column, opts).values()) + act.dequant_scratch
     persistent = out["parameters"] + out["gradients"] + out["optimizer_state"]
     for key, checkpointed in (("total", False), ("total_checkpointed", True)):
-        # a checkpointed block keeps its input in the forward pass, and is recomputed in the backward pass
-        saved_forward = sum(act.block_inputs) if checkpointed else act.stored
-        saved = act.checkpointed if checkpointed else act.stored
-        copies = act.copies_in_backward(checkpointed)
-        moments = (
-            # the loss in the forward pass: autocast's cache holds every weight copy until the forward ends
-            saved_forward + act.head + act.loss_forward + act.weight_copies + buffers.loss_forward,
-            saved + act.head + act.loss_kept + copies + buffers.backward_start,
-            saved + act.head + act.loss_backward + copies + buffers.loss_backward,
-            # a block's backward pass: the loss's saved gradients are gone (the last block keeps
-            # nearly every activation still)
-            saved + act.backward_in_flight + act.loss_kept + copies + buffers.block_backward,
-        )
-        out[key] = persistent + max(max(moments) + act.dequant_scratch, out["step_scratch"])
+        moments = step_moments(opts, column, act, checkpointed, specs, out["step_scratch"])
+        out[key] = persistent + max(sum(m.values()) for m in moments.values())
     return out
+
+
+def peak_moment(opts: Options, column: Column, micro_batch_size: int, checkpointed: bool) -> tuple[str, Moment]:
+    """The moment of `step_moments` at which the step peaks, and what is alive then by category."""
+    specs = parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
+    quantized = {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+    act = activations(opts, column, micro_batch_size, specs, quantized)
+    scratch = column_memory(opts, column, micro_batch_size)["step_scratch"]
+    moments = step_moments(opts, column, act, checkpointed, specs, scratch)
+    return max(moments.items(), key=lambda item: sum(item[1].values()))
+
+
+def activations(opts: Options, column: Column, micro_batch_size: int, specs: list[ParamSpec],
+                quantized: set[str]) -> "Activations":  # fmt: skip
+    """What a micro-batch's forward pass leaves for the backward pass on one device (`trace_activations`)."""
+    c = opts.config
+    weights, lora = forward_weights(opts, specs, quantized, column)
+    mode = opts.mode()
+    act1 = trace_activations(c, mode, weights, lora, 1, opts.max_seq_length)
+    if micro_batch_size == 1:
+        return act1
+    act2 = trace_activations(c, mode, weights, lora, 2, opts.max_seq_length)
+    act = _extrapolate(act1, act2, micro_batch_size)
+    if micro_batch_size > 2:  # the fused loss's chunks are not affine in the batch size
+        full = trace_activations(c, mode, weights, lora, micro_batch_size, opts.max_seq_length)
+        act.loss_forward, act.loss_backward, act.loss_kept = full.loss_forward, full.loss_backward, full.loss_kept
+    return act
 
 
 def _extrapolate(a1: Activations, a2: Activations, B: int) -> Activations:
@@ -850,9 +1016,11 @@ def _extrapolate(a1: Activations, a2: Activations, B: int) -> Activations:
         [f(x, y) for x, y in zip(a1.blocks, a2.blocks)],
         [f(x, y) for x, y in zip(a1.block_inputs, a2.block_inputs)],
         f(a1.head, a2.head),
+        f(a1.loss_saved, a2.loss_saved),
         f(a1.loss_forward, a2.loss_forward),
         f(a1.loss_backward, a2.loss_backward),
         f(a1.loss_kept, a2.loss_kept),
+        f(a1.hidden_grad, a2.hidden_grad),
         f(a1.backward_in_flight, a2.backward_in_flight),
         a1.weight_copies,
         a1.block_weight_copies,
@@ -865,16 +1033,14 @@ def forward_weights(opts: Options, specs: list[ParamSpec], quantized: set[str], 
 
     On one device and with DDP (`column` None or not FSDP) every weight is used in the dtype it is
     stored in: trainable float32 weights under "*-mixed" are cast by autocast. Under FSDP with
-    "*-mixed" the blocks' weights (adapters included) arrive in the compute dtype
-    (`Options.gathered_bytes`), so autocast casts only the root's float32 weights that a linear
-    layer uses: a LoRA head's adapters (the embedding is a lookup, the plain head takes the fused
-    loss, which casts per chunk).
+    "*-mixed" every weight (adapters included) arrives in the compute dtype
+    (`Options.gathered_bytes`), so autocast has nothing to cast.
     """
     weights: dict[str, _Weight] = {}
     adapters: dict[str, dict[str, _Weight]] = {}
     for s in specs:
         b = opts.param_bytes(s) if column is None else opts.gathered_bytes(s, column)
-        w = _Weight(b, s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name)
+        w = _Weight(b, s.trainable, s.numel, opts.quantize if s.name in quantized else None, s.name, opts.param_bytes(s))
         name = s.name.replace(".base_layer.", ".")
         if s.kind == "lora":
             module, which = s.name.split(".lora_")

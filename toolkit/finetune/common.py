@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
@@ -43,8 +43,11 @@ def run_finetune(
     export_dtype: Optional[str] = None,
     startup_notes: Sequence[str] = (),
     hparams: Optional[dict] = None,
+    lora: Optional[Any] = None,
+    quantize: Optional[str] = None,
 ):
-    """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model)."""
+    """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model).
+    `lora` and `quantize`: LoRA's adapters and quantized base, for the memory pre-flight."""
     from toolkit.model_dir import export_dtype as resolve_export_dtype
     from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
@@ -69,7 +72,7 @@ def run_finetune(
     session = Session.start(
         kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
-        max_seq_length=max_seq_length, hparams=hparams,
+        max_seq_length=max_seq_length, hparams=hparams, lora=lora, quantize=quantize,
     )
     for note in startup_notes:  # what the entry point decided before launch, e.g. the QLoRA scheme
         session.fabric.print(note)

@@ -473,6 +473,8 @@ def linear_cross_entropy_sum(
     through the head). Only those gradients are kept for the backward pass, which scales them by
     the incoming gradient. Next to the plain computation this drops the (B * T, V) float32 logits,
     log-probabilities and their gradients from memory, and the same matrix products are done.
+    Beside the kept gradients nothing of the head's size is made: the weight's 16-bit gradient is
+    added up a piece of vocabulary rows at a time, and its scaled copy written chunk by chunk.
 
     Rows whose label is IGNORE_INDEX are left out before the head when `skip_ignored` (default: on
     CPU), so padding and masked prompts cost nothing; otherwise they are computed and weighted by 0,
@@ -528,6 +530,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
             if n:  # equal chunks: a small last chunk would stream the whole weight for a few rows
                 chunk_rows = math.ceil(n / math.ceil(n / chunk_rows))
+            vocab_rows = max(1, LOSS_CHUNK_BYTES // (4 * E))
             # One logits buffer and one float32 log-softmax buffer serve every chunk (on CPU, every
             # call: see _scratch). log_softmax may write over its input on CPU (each row is read
             # before it is written).
@@ -563,7 +566,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     torch.mm(grad, w, out=grad_h[start:end])
                 if need_w:
                     if dtype != torch.float32:
-                        grad_w.add_(grad.t() @ hc) if start else grad_w.copy_(grad.t() @ hc)
+                        # The 16-bit product (V, E) is added to the float32 gradient a piece of
+                        # vocabulary rows at a time (as many elements as a chunk of logits): whole,
+                        # it would be a second copy of the head beside grad_w (1 GB for Llama-3).
+                        # (One expression: a named product would stay alive beside the next one.)
+                        for v in range(0, grad_w.shape[0], vocab_rows):
+                            piece = slice(v, v + vocab_rows)
+                            (grad_w[piece].add_ if start else grad_w[piece].copy_)(grad[:, piece].t() @ hc)
                     elif start:
                         grad_w.addmm_(grad.t(), hc)
                     else:
@@ -582,10 +591,27 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if rows is not None:
                 d_hidden = d_hidden.new_zeros((ctx.n_rows, d_hidden.shape[1])).index_copy_(0, rows, d_hidden)
         if grad_w is not None:
-            d_weight = (grad_w * grad_loss).to(w_dtype)
+            d_weight = _scaled(grad_w, grad_loss, w_dtype)
         if grad_b is not None:
-            d_bias = (grad_b * grad_loss).to(b_dtype)
+            d_bias = _scaled(grad_b, grad_loss, b_dtype)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
+
+
+def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`(grad * scale).to(dtype)` for a float32 gradient kept by the forward pass, written into
+    `dtype` LOSS_CHUNK_BYTES of rows at a time.
+
+    Unchunked, the float32 product lives beside the saved gradient and the result: for the head's
+    weight (V, E) gathered in 16 bits, a second float32 V x E matrix at the peak of the step (2 GB
+    for Llama-3's head). `torch.mul(..., out=)` rounds the float32 product once into `dtype`, as
+    `.to` does; CUDA casts as it writes, the CPU through a temporary of one chunk.
+    """
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    row_bytes = grad[0].numel() * 4 if grad.dim() > 1 else 4
+    rows = max(1, LOSS_CHUNK_BYTES // row_bytes)
+    for start in range(0, grad.shape[0], rows):
+        torch.mul(grad[start : start + rows], scale, out=out[start : start + rows])
+    return out
 
 
 _SCRATCH: dict = {}

@@ -78,11 +78,13 @@ class Session:
         cls, kind: str, out_dir: Path, config: Config, train: TrainArgs, eval: EvalArgs, log: LogArgs,
         distributed: DistributedArgs, devices: Union[int, str], num_nodes: int, precision: Optional[str],
         seed: int, resume: Union[bool, str, Path], max_seq_length: int, hparams: Optional[dict] = None,
+        lora: Any = None, quantize: Optional[str] = None,
     ) -> "Session":
         """Validate what can be validated before any process starts, then launch Fabric.
 
         `hparams`: the command's resolved arguments (`trackers.run_config`), logged as
-        hyperparameters with the model config and the batch plan.
+        hyperparameters with the model config and the batch plan. `lora` (LoRAArgs) and `quantize`:
+        finetune_lora's adapters and base, for the memory pre-flight (`check_fits_device`).
         """
         from toolkit.models.gpt import Block
 
@@ -97,7 +99,7 @@ class Session:
         strategy = plan_strategy(devices, num_nodes, precision, distributed)
         plan = plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
         if distributed.preflight and strategy.accelerator == "cuda" and torch.cuda.is_available():
-            check_fits_device(kind, config, strategy, train, max_seq_length, distributed)
+            check_fits_device(kind, config, strategy, train, max_seq_length, distributed, lora, quantize)
         created_out_dir = not out_dir.exists()
         # A start that resumes from a checkpoint of out_dir continues its W&B / MLflow runs.
         continue_runs = resume not in (False, "false", "False") and (
@@ -330,10 +332,10 @@ def rank_seed(seed: int, rank: int) -> int:
 
 
 def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs, max_seq_length: int,
-                      distributed: DistributedArgs) -> None:
+                      distributed: DistributedArgs, lora: Any = None, quantize: Optional[str] = None) -> None:
     """Stop before any weight is read when a step will not fit in GPU 0's memory (see
-    `toolkit.simulate.preflight`). LoRA runs are not checked here: their adapters are chosen later."""
-    if kind not in ("pretrain", "finetune_full"):
+    `toolkit.simulate.preflight`). finetune_lora passes its adapters (`lora`) and `quantize`."""
+    if kind not in ("pretrain", "finetune_full", "finetune_lora"):
         return
     from toolkit.simulate import preflight
 
@@ -341,7 +343,7 @@ def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs
     line = preflight(
         torch.cuda.get_device_properties(0).total_memory, config, strategy.devices, strategy.num_nodes,
         train.micro_batch_size, max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
-        finetune=None if kind == "pretrain" else "full",
+        finetune={"pretrain": None, "finetune_lora": "lora"}.get(kind, "full"), lora=lora, quantize=quantize,
     )
     # Before launch every process of the run gets here (Fabric re-runs the command per local rank,
     # torchrun starts them all): the line that it fits is printed by the first one only.
