@@ -27,6 +27,7 @@ from toolkit.training.batches import plan_batches
 from toolkit.training.strategy import plan_strategy, resolve_precision
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_train.py"
+OFFLOAD_SCRIPT = Path(__file__).parent / "scripts" / "cpu_offload_step.py"
 TIMEOUT = 180  # seconds per multi-process run; they take ~10 s
 
 
@@ -177,6 +178,35 @@ def test_cpu_offload_on_gpus_uses_a_process_group_with_a_cpu_backend():
 
     assert BackendConfig(offload.process_group_backend).get_device_backend_map() == {"cuda": "nccl", "cpu": "gloo"}
     assert "cpu" not in BackendConfig(plain.process_group_backend).get_device_backend_map()
+
+
+def test_cpu_offload_clips_and_steps_on_the_toolkits_process_group(tmp_path):
+    """An offloaded GPU run emulated on 2 CPU processes (tests/scripts/cpu_offload_step.py says how):
+    the process group built from the offload plan carries the clipping of the offloaded (CPU)
+    gradients, and two clipped AdamW steps give the weights of the same run without offload. The
+    group offloading had before (plain "nccl": no CPU backend) fails at that clipping, as it did
+    on GPUs, after FSDP's own collectives (on the stand-in for the device's backend) worked."""
+    import torch
+    from safetensors.torch import load_file
+
+    ports = ",".join(str(_free_port()) for _ in range(3))
+    _run_by_hand(tmp_path, num_nodes=1, devices=2, args=["--ports", ports], script=OFFLOAD_SCRIPT)
+    for rank in range(2):
+        runs = json.loads((tmp_path / f"result_rank{rank}.json").read_text())
+        reference, offload, old_group = runs["reference"], runs["offload"], runs["old_group"]
+        assert offload["failed_at"] is None, f"{offload['backend']}: {offload['failed_at']}: {offload['error']}"
+        assert (offload["backend"], offload["cpu_offload"], offload["offloaded"]) == ("cuda:gloo,cpu:gloo", True, True)
+        # Clipping really scaled the gradients (the norms are above the script's MAX_NORM = 0.5).
+        assert offload["grad_norms"] == reference["grad_norms"] and min(offload["grad_norms"]) > 0.5
+        expected = load_file(str(tmp_path / f"weights_reference_rank{rank}.safetensors"))
+        actual = load_file(str(tmp_path / f"weights_offload_rank{rank}.safetensors"))
+        assert actual.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.equal(actual[name], tensor), name
+        # The emulation reproduces the crash: forward and backward pass, the clipping does not.
+        assert (old_group["backend"], old_group["offloaded"]) == ("cuda:gloo", True)
+        assert old_group["failed_at"] == "clipping and optimizer step"
+        assert old_group["error"] == "No backend type associated with device type cpu"
 
 
 def test_build_fabric_configures_fsdp_strategy(monkeypatch):
@@ -372,14 +402,14 @@ def _run(command: list[str]) -> None:
     assert proc.returncode == 0, f"exit code {proc.returncode}\n{stdout[-3000:]}\n{stderr[-5000:]}"
 
 
-def _run_by_hand(out: Path, num_nodes: int, devices: int, args: list[str]) -> list[str]:
-    """Start every rank ourselves, as a cluster scheduler would; returns each rank's output."""
+def _run_by_hand(out: Path, num_nodes: int, devices: int, args: list[str], script: Path = SCRIPT) -> list[str]:
+    """Start every rank of `script` ourselves, as a cluster scheduler would; returns each rank's output."""
     env = _clean_env() | {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
     procs = []
     for node in range(num_nodes):
         for local in range(devices):
             log = open(out / f"log_node{node}_local{local}.txt", "w+")
-            command = [sys.executable, str(SCRIPT), "--out", str(out), "--devices", str(devices),
+            command = [sys.executable, str(script), "--out", str(out), "--devices", str(devices),
                        "--num-nodes", str(num_nodes), *args]  # fmt: skip
             rank_env = env | {"NODE_RANK": str(node), "LOCAL_RANK": str(local)}
             procs.append((subprocess.Popen(command, env=rank_env, stdout=log, stderr=subprocess.STDOUT), log))

@@ -5,6 +5,7 @@ import logging
 import multiprocessing
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -88,8 +89,10 @@ def test_jsonl_keeps_every_document(tmp_path, corpora, assets, name):
     tok = Tokenizer(assets / "tokenizers" / name)
     data = TextFiles(train_path=corpora["jsonl"], cache_dir=tmp_path / "cache", val_fraction=0.1)
     start_method = multiprocessing.get_start_method(allow_none=True)
+    ctrl_c = signal.getsignal(signal.SIGINT)
     data.prepare(tok, BLOCK, tmp_path)
     # litdata's global side effects are undone.
+    assert signal.getsignal(signal.SIGINT) is ctrl_c  # litdata's ends the process with exit code 0
     assert multiprocessing.get_start_method(allow_none=True) == start_method
     assert not [k for k in os.environ if k.startswith("DATA_OPTIMIZER_")]
     _assert_batch(next(iter(data.train_dataloader(8, BLOCK, seed=0))), 8)

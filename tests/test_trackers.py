@@ -136,3 +136,29 @@ def test_mlflow_killed_and_resumed_run_is_one_run_with_the_metrics_and_the_param
     assert steps == list(range(1, STEPS + 1)), "steps before the kill and after the resume, in one run"
     last = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # the resumed value wins
     assert all(last[s] == pytest.approx(run["csv_losses"][s], rel=1e-6) for s in range(KILL_AT, STEPS + 1))
+
+
+# ------------------------------------------------------------------ a start that crashes
+def test_a_run_that_crashes_mid_training_ends_its_mlflow_run_failed(run):
+    """The first checkpoint (step 2) cannot be written (a file stands where the checkpoint folder
+    goes): the start raises after two logged steps. Its MLflow run is FAILED, not left RUNNING, and
+    the error that ends the command is still the original one. (In this process, with the module
+    run's store and tokenized data: a new SQLite store alone takes seconds to create.)"""
+    from mlflow.tracking import MlflowClient
+
+    from toolkit.cli import run as toolkit
+
+    out, db = run["out"].parent / "crashed", run["db"]
+    out.mkdir()
+    (out / "checkpoints").write_text("a file, not a folder\n")
+    with pytest.raises(NotADirectoryError, match="checkpoints"):
+        toolkit([
+            *tiny_pretrain_args(out, STEPS), "--log.loggers", "[mlflow]", "--log.interval", "1",
+            "--log.project", "crash-test", "--log.tracking_uri", f"sqlite:///{db}",
+            "--resume", "auto",  # (a fresh run refuses a folder that holds "checkpoints")
+        ])
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("crash-test").experiment_id])
+    assert mlrun.info.status == "FAILED" and mlrun.info.end_time is not None
+    # It crashed in mid-run: steps 1 and 2 were trained and logged, the save after step 2 failed.
+    assert sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")) == [1, 2]

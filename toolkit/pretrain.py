@@ -90,35 +90,35 @@ def pretrain(
 
         Tokenizer(tokenizer_dir)  # an unreadable tokenizer fails here, before anything is written
 
-    session = Session.start(
+    with Session.start(
         kind="pretrain", out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
         max_seq_length=max_seq_length, hparams=hparams,
-    )
-    fabric = session.fabric
-    block_size = max_seq_length + 1  # inputs and their next-token targets
-    with session.remove_output_on_error():
-        tokenizer = session.prepare_tokenizer(tokenizer_dir, train_tokenizer_vocab, data)
-        if tokenizer.vocab_size > config.vocab_size:
-            raise UserError(
-                f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} only {config.vocab_size}: "
-                f"pass --model_overrides '{{vocab_size: {tokenizer.vocab_size}}}' or a matching model."
-            )
-        run_on_rank_zero(fabric, lambda: data.prepare(tokenizer, block_size, session.work_dir))
-        if fabric.global_rank != 0:
-            data.connect(tokenizer, block_size, session.work_dir)
-        rank, world_size = fabric.global_rank, fabric.world_size
-        train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed, rank=rank, world_size=world_size)
-        val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
+    ) as session:
+        fabric = session.fabric
+        block_size = max_seq_length + 1  # inputs and their next-token targets
+        with session.remove_output_on_error():
+            tokenizer = session.prepare_tokenizer(tokenizer_dir, train_tokenizer_vocab, data)
+            if tokenizer.vocab_size > config.vocab_size:
+                raise UserError(
+                    f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} only {config.vocab_size}: "
+                    f"pass --model_overrides '{{vocab_size: {tokenizer.vocab_size}}}' or a matching model."
+                )
+            run_on_rank_zero(fabric, lambda: data.prepare(tokenizer, block_size, session.work_dir))
+            if fabric.global_rank != 0:
+                data.connect(tokenizer, block_size, session.work_dir)
+            rank, world_size = fabric.global_rank, fabric.world_size
+            train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed, rank=rank, world_size=world_size)
+            val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
 
-    from toolkit.model_dir import export_dtype as resolve_export_dtype
+        from toolkit.model_dir import export_dtype as resolve_export_dtype
 
-    session.export_dtype = resolve_export_dtype(export_dtype, initial_checkpoint_dir)
-    model = session.build_model(weights=initial_checkpoint_dir if initial_checkpoint_dir is not None else "random")
-    optimizer = session.build_optimizer(model)
-    tokens_per_step = session.plan.tokens_per_step
-    total_steps = None
-    if train.max_steps or train.max_tokens:
-        total_steps = min(s for s in (train.max_steps, (train.max_tokens or 0) // tokens_per_step or None) if s)
-    session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=tokens_per_step)
-    session.export_final(model)
+        session.export_dtype = resolve_export_dtype(export_dtype, initial_checkpoint_dir)
+        model = session.build_model(weights=initial_checkpoint_dir if initial_checkpoint_dir is not None else "random")
+        optimizer = session.build_optimizer(model)
+        tokens_per_step = session.plan.tokens_per_step
+        total_steps = None
+        if train.max_steps or train.max_tokens:
+            total_steps = min(s for s in (train.max_steps, (train.max_tokens or 0) // tokens_per_step or None) if s)
+        session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=tokens_per_step)
+        session.export_final(model)

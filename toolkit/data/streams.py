@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -486,8 +487,10 @@ def _optimize_units(
 
     litdata keeps working files in one folder shared by every process (/tmp/chunks by default), so
     two preparations at once would corrupt each other: point its caches at `scratch` instead. It
-    also sets the global multiprocessing start method and leaves DATA_OPTIMIZER_* variables behind;
-    both are restored afterwards.
+    also sets the global multiprocessing start method and leaves DATA_OPTIMIZER_* variables behind,
+    and its Ctrl-C handler, which ends the process with exit code 0 (`os._exit(0)`): a training
+    that follows in the same process would stop on Ctrl-C silently, as if it had succeeded, and
+    leave its tracker runs running. All three are restored afterwards.
     """
     from litdata import TokensLoader, optimize
 
@@ -496,6 +499,7 @@ def _optimize_units(
     total_bytes = sum(u.end - u.start for u in units)
     saved_env = {k: v for k, v in os.environ.items() if k.startswith("DATA_OPTIMIZER_")}
     saved_start_method = multiprocessing.get_start_method(allow_none=True)
+    saved_sigint = signal.getsignal(signal.SIGINT)
     os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(scratch / "chunks")
     os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(scratch / "data")
     try:
@@ -517,6 +521,8 @@ def _optimize_units(
                 del os.environ[key]
         os.environ.update(saved_env)
         multiprocessing.set_start_method(saved_start_method, force=True)
+        if saved_sigint is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGINT, saved_sigint)
         shutil.rmtree(scratch, ignore_errors=True)
     if not (out_dir / "index.json").is_file():
         raise RuntimeError(f"litdata.optimize wrote no index.json into {out_dir}")

@@ -69,43 +69,43 @@ def run_finetune(
         train = dataclasses.replace(train, epochs=1)
 
     hparams = dict(hparams or {}, train=plain(train))  # with the epochs default resolved
-    session = Session.start(
+    with Session.start(
         kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
         max_seq_length=max_seq_length, hparams=hparams, lora=lora, quantize=quantize,
-    )
-    for note in startup_notes:  # what the entry point decided before launch, e.g. the QLoRA scheme
-        session.fabric.print(note)
-    session.export_dtype = dtype
-    session.checkpoint_filter = checkpoint_filter
-    fabric = session.fabric
-    with session.remove_output_on_error():
-        # Chat data whose template is not the checkpoint's writes it into <out_dir>/tokenizer.
-        session.tokenizer_dir = data.output_tokenizer_dir(checkpoint_dir, out_dir)
-        train_loader = data.train_dataloader(
-            train.micro_batch_size, seed, fabric.global_rank, fabric.world_size, global_batch_size=train.global_batch_size
-        )
-        val_loader = data.val_dataloader(train.micro_batch_size, fabric.global_rank, fabric.world_size)
-        steps_per_epoch = len(train_loader) // session.plan.gradient_accumulation_iters
-        if steps_per_epoch == 0:
-            raise UserError(
-                f"The training data gives {len(train_loader)} micro-batches per device per epoch, fewer than one "
-                f"optimizer step needs ({session.plan.gradient_accumulation_iters}); lower --train.global_batch_size."
+    ) as session:
+        for note in startup_notes:  # what the entry point decided before launch, e.g. the QLoRA scheme
+            session.fabric.print(note)
+        session.export_dtype = dtype
+        session.checkpoint_filter = checkpoint_filter
+        fabric = session.fabric
+        with session.remove_output_on_error():
+            # Chat data whose template is not the checkpoint's writes it into <out_dir>/tokenizer.
+            session.tokenizer_dir = data.output_tokenizer_dir(checkpoint_dir, out_dir)
+            train_loader = data.train_dataloader(
+                train.micro_batch_size, seed, fabric.global_rank, fabric.world_size, global_batch_size=train.global_batch_size
             )
-    stats = data.stats
-    fabric.print(
-        f"Data: {stats.get('train_samples', '?')} training samples"
-        + (f" packed into {stats['packed_sequences']} sequences" if "packed_sequences" in stats else "")
-        + f", {steps_per_epoch} optimizer steps per epoch, "
-        f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
-    )
-    model = session.build_model(weights=checkpoint_dir, prepare=prepare_model)
-    optimizer = session.build_optimizer(model)
-    limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
-    total_steps = min(limits) if limits else None
-    session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=None)
-    if export is not None:
-        export(session, model)
-    else:
-        session.export_final(model)
-    return session, model
+            val_loader = data.val_dataloader(train.micro_batch_size, fabric.global_rank, fabric.world_size)
+            steps_per_epoch = len(train_loader) // session.plan.gradient_accumulation_iters
+            if steps_per_epoch == 0:
+                raise UserError(
+                    f"The training data gives {len(train_loader)} micro-batches per device per epoch, fewer than one "
+                    f"optimizer step needs ({session.plan.gradient_accumulation_iters}); lower --train.global_batch_size."
+                )
+        stats = data.stats
+        fabric.print(
+            f"Data: {stats.get('train_samples', '?')} training samples"
+            + (f" packed into {stats['packed_sequences']} sequences" if "packed_sequences" in stats else "")
+            + f", {steps_per_epoch} optimizer steps per epoch, "
+            f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
+        )
+        model = session.build_model(weights=checkpoint_dir, prepare=prepare_model)
+        optimizer = session.build_optimizer(model)
+        limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
+        total_steps = min(limits) if limits else None
+        session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=None)
+        if export is not None:
+            export(session, model)
+        else:
+            session.export_final(model)
+        return session, model

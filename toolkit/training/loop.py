@@ -151,10 +151,7 @@ def fit(
             running_loss += loss_sum.detach().float()
             state.micro_step += 1
         running_targets += targets
-        if train.max_norm is not None:
-            fabric.clip_gradients(model, optimizer, max_norm=train.max_norm, error_if_nonfinite=False)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer_step(fabric, model, optimizer, train.max_norm)
         state.step += 1
         if tokens_per_step is not None:
             step_tokens = tokens_per_step
@@ -196,6 +193,21 @@ def fit(
 
 
 # ---------------------------------------------------------------------------- helpers
+def optimizer_step(fabric, model, optimizer, max_norm: Optional[float]) -> Optional[torch.Tensor]:
+    """Clip the gradients to `max_norm` (none when None), step, and free the gradients.
+
+    Returns the total gradient norm before clipping (None without clipping). Under FSDP the norm
+    is all-reduced over the mesh where the gradients are: on the CPU when they are offloaded
+    (`--distributed.cpu_offload`), so the process group needs a CPU backend (see `plan_strategy`).
+    """
+    norm = None
+    if max_norm is not None:
+        norm = fabric.clip_gradients(model, optimizer, max_norm=max_norm, error_if_nonfinite=False)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
 def _step_limit(train: TrainArgs, tokens_per_step: Optional[int], total_steps: Optional[int]) -> Optional[int]:
     limits = [train.max_steps] if train.max_steps else []
     if train.max_tokens and tokens_per_step:

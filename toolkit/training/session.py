@@ -8,6 +8,7 @@ export the result; each keeps only what is really different about it.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -34,6 +35,8 @@ if TYPE_CHECKING:
 
 RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
 
+logger = logging.getLogger(__name__)
+
 
 def check_out_dir(out_dir: Path, resume: Union[bool, str, Path]) -> None:
     """Refuse to start a fresh run in a directory that holds another run (nothing is overwritten)."""
@@ -51,6 +54,10 @@ def check_out_dir(out_dir: Path, resume: Union[bool, str, Path]) -> None:
 
 @dataclass
 class Session:
+    """One start of a training run. Entry points use it as a context manager around everything
+    after `Session.start`: a start that raises ends its tracker runs (W&B, MLflow) as failed, or
+    killed on Ctrl-C, instead of leaving them running; `fit` ends them as finished."""
+
     kind: str
     fabric: Any
     out_dir: Path
@@ -68,6 +75,7 @@ class Session:
     precision: str = "32-true"  # the resolved Fabric precision
     # dtype of the exported model's floating-point weights; None keeps the trained dtype.
     export_dtype: Optional[torch.dtype] = None
+    trackers_finished: bool = False  # the tracker runs have been ended (finish_trackers)
 
     @property
     def work_dir(self) -> Path:
@@ -120,16 +128,43 @@ class Session:
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
                    plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision)
 
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        if error is not None:
+            self.finish_trackers_after(error)
+        return False  # the error goes on, as it was
+
+    def finish_trackers(self, status: str) -> None:
+        """End the tracker runs once, with `status`: "success", "failed" or "killed" (every rank)."""
+        if self.trackers_finished:
+            return
+        self.trackers_finished = True
+        finish_tracker_runs(self.fabric, status)
+
+    def finish_trackers_after(self, error: BaseException) -> None:
+        """End the tracker runs of a start that `error` stops: killed for Ctrl-C, else failed. A
+        tracker that cannot be reached is logged and left; `error` stays the one that is reported."""
+        status = "killed" if isinstance(error, KeyboardInterrupt) else "failed"
+        try:
+            self.finish_trackers(status)
+        except Exception as failure:
+            reason = f"{type(failure).__name__}: {failure}".splitlines()[0]
+            logger.warning("Could not mark the tracker runs %s: %s", status, reason)
+
     @contextmanager
     def remove_output_on_error(self):
         """Bad input found while preparing (data, tokenizer) leaves no output behind.
 
         A directory this run created is removed again; one that existed before is left as it was
-        (apart from caches, which are written atomically and are safe to keep).
+        (apart from caches, which are written atomically and are safe to keep). The tracker runs are
+        ended first: the default MLflow store lives in that directory.
         """
         try:
             yield
-        except UserError:
+        except UserError as error:
+            self.finish_trackers_after(error)
             if self.created_out_dir and self.fabric.global_rank == 0:
                 shutil.rmtree(self.out_dir, ignore_errors=True)
             raise
@@ -280,7 +315,7 @@ class Session:
         )
         if self.state.step not in saved_steps and self.state.step > 0:
             save(self.state)
-        finish_tracker_runs(self.fabric, "success")  # flushes buffered metrics to disk
+        self.finish_trackers("success")  # flushes buffered metrics to disk
         if self.fabric.global_rank == 0:
             (self.out_dir / "summary.json").write_text(json.dumps(self.state.to_dict(), indent=2) + "\n")
         return self.state

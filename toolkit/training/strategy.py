@@ -540,7 +540,10 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
     precision = plan.precision
     compute_dtype = precision_dtypes(precision)[1]
     reduce_dtype = None if precision.endswith("-true") and precision != "32-true" else torch.float32
-    offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+    # Pinned host memory makes the copies to and from the accelerator asynchronous, and needs one
+    # (a CPU build of torch refuses it): plan_strategy never offloads on the CPU, but the test that
+    # emulates an offloaded GPU run on CPU processes shards with this plan.
+    offload = CPUOffloadPolicy(pin_memory=plan.accelerator != "cpu") if plan.cpu_offload else OffloadPolicy()
     # Blocks: under "*-mixed" the float32 weights are cast to the compute dtype before the
     # all-gather, so the gathered copy is 16-bit and autocast has nothing to cast (left to
     # autocast, it would keep a 16-bit copy of every block's weights until the backward

@@ -133,6 +133,8 @@ def start_tracker_runs(fabric, out_dir: Path, hparams: dict, continue_runs: bool
             run = logger.experiment
             record["wandb"] = {"id": run.id, "project": run.project, "name": run.name, "dir": str(logger.save_dir)}
         elif kind == "mlflow":
+            if kind in previous:  # the start that left it ended it FAILED or KILLED (or left it RUNNING)
+                logger.experiment.update_run(logger.run_id, status="RUNNING")
             record["mlflow"] = {
                 "run_id": logger.run_id, "experiment_id": logger.experiment_id, "tracking_uri": logger._tracking_uri,
             }
@@ -146,11 +148,20 @@ def start_tracker_runs(fabric, out_dir: Path, hparams: dict, continue_runs: bool
         os.replace(tmp, path)
 
 
+# How a start of the training run ended -> MLflow's run status (Lightning maps only "success" and "failed").
+RUN_STATUSES = {"success": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+
+
 def finish_tracker_runs(fabric, status: str = "success") -> None:
-    """Flush every logger; end the W&B run (its files are complete only then)."""
+    """Flush every logger; end the tracker runs with `status` (a key of RUN_STATUSES): MLflow's run
+    is FINISHED, FAILED or KILLED, the W&B run ends with exit code 0 or 1 (its files are complete
+    only then). Every rank calls it; the tracker loggers act on global rank 0."""
+    if status not in RUN_STATUSES:
+        raise ValueError(f"status must be one of {sorted(RUN_STATUSES)}, got {status!r}")
     for logger in fabric.loggers:
-        logger.finalize(status)
-        if tracker_kind(logger) == "wandb" and fabric.global_rank == 0 and logger._experiment is not None:
+        kind = tracker_kind(logger)
+        logger.finalize(RUN_STATUSES[status] if kind == "mlflow" else status)
+        if kind == "wandb" and fabric.global_rank == 0 and logger._experiment is not None:
             logger.experiment.finish(exit_code=0 if status == "success" else 1)
 
 
