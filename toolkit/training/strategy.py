@@ -572,6 +572,10 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
             fully_shard(part, mesh=mesh, offload_policy=offload,
                         mp_policy=replace(block_policy, output_dtype=_output_dtype([part], block_policy)),
                         reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
+            if isinstance(part, torch.nn.Embedding):
+                # An embedding's gradient needs the token ids, not the weight: it is not gathered
+                # again for the backward pass (a whole embedding, twice during gloo's gather).
+                part.set_unshard_in_backward(False)
         for part in edges.output:
             fully_shard(part, mesh=mesh, mp_policy=block_policy, offload_policy=offload, reshard_after_forward=False)
             part.register_forward_pre_hook(_free_flat_gather_output)
