@@ -71,6 +71,24 @@ def bf16_base(base, tmp_path_factory) -> Path:
     return checkpoint
 
 
+def scale_weights_in_place(path: Path, factor: float) -> None:
+    """Every floating-point weight of a safetensors file times `factor`, written over its own bytes:
+    header, layout and size stay as they were (a fine-tuned sibling of the same model)."""
+    import struct
+
+    data = bytearray(path.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    layout = json.loads(data[8:8 + length])
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    for name, entry in layout.items():
+        if name == "__metadata__" or entry["dtype"] not in dtypes:
+            continue
+        start, stop = (8 + length + offset for offset in entry["data_offsets"])
+        tensor = torch.frombuffer(bytes(data[start:stop]), dtype=dtypes[entry["dtype"]]) * factor
+        data[start:stop] = tensor.view(torch.uint8).numpy().tobytes()
+    path.write_bytes(bytes(data))
+
+
 @pytest.fixture(scope="session")
 def sums(tmp_path_factory) -> Path:
     """64 short instruction records ("Add 3 and 4." -> "7"), generated."""

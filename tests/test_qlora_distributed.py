@@ -13,6 +13,7 @@ import json
 import os
 import random
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_group_at_step, run_toolkit, torchrun_nodes
+from conftest import REPO, kill_group_at_step, launch_env, run_toolkit, scale_weights_in_place, torchrun_nodes
 from toolkit.cli import run
 from toolkit.errors import UserError
 from toolkit.training.args import DistributedArgs
@@ -213,16 +214,86 @@ def test_nf4_on_two_processes_is_sharded_and_trains_the_adapter_of_one_process(w
     torch.testing.assert_close(merged[f"{name}.weight"].float(), expected, atol=1e-2 * expected.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("resume_devices", ["1", pytest.param("2", marks=pytest.mark.slow)])
-def test_nf4_killed_on_two_processes_resumes_to_the_uninterrupted_weights(wide_base, sums, single, tmp_path, resume_devices):
-    """Killed in mid-run on 2 processes, resumed on `resume_devices`: the sharded checkpoint reshards."""
+# The default format (sharded) runs by default; the one-file format (the adapters gathered on rank 0) with -m slow.
+@pytest.mark.parametrize("resume_devices, state_dict_type", [("1", "sharded"), pytest.param("2", "full", marks=pytest.mark.slow)])
+def test_nf4_killed_on_two_processes_resumes_to_the_uninterrupted_weights(wide_base, sums, tmp_path, resume_devices,
+                                                                          state_dict_type):
+    """Killed in mid-run on 2 processes, resumed on `resume_devices`: the checkpoint holds only the
+    adapters and their optimizer state and reshards, and the adapter equals the uninterrupted run's
+    bit for bit; a base with other weights is refused.
+
+    With one micro-batch per process per step (global batch 4) in 32-true and without clipping, 2
+    processes compute what 1 does bit for bit: the same micro-batches, and each step's gradient is
+    the sum of the same 2 terms, scaled by powers of 2. So one uninterrupted process is the
+    reference for every world size. (Clipping sums the squares of the gradient's shards in another
+    order, and under bf16-mixed the final norm and head run in bfloat16 under FSDP but in float32
+    on one device: either makes 2 processes differ from 1 by about 1e-8.)"""
+    extra = ("--train.global_batch_size", "4", "--precision", "32-true", "--train.max_norm", "null",
+             "--distributed.state_dict_type", state_dict_type)
+    reference = tmp_path / "one"
+    run_toolkit(_args(wide_base, sums, reference, "nf4", *extra))
     out = tmp_path / "killed"
     k = random.Random(os.getpid()).randint(3, STEPS - 1)  # past the first checkpoint (step 2)
-    kill_group_at_step([sys.executable, "-m", "toolkit", *_args(wide_base, sums, out, "nf4", "--devices", "2")], k)
+    kill_group_at_step([sys.executable, "-m", "toolkit", *_args(wide_base, sums, out, "nf4", "--devices", "2", *extra)], k)
     assert not (out / "final").exists()
-    log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", resume_devices))
+    _assert_holds_only_the_adapters(out, wide_base, state_dict_type)
+
+    # The same architecture with other weights (same header and size): refused by every rank, in one line.
+    sibling = tmp_path / "sibling"
+    shutil.copytree(wide_base, sibling)
+    scale_weights_in_place(sibling / "model.safetensors", 1.05)
+    before = _snapshot(out)
+    result = subprocess.run([sys.executable, "-m", "toolkit", *_args(sibling, sums, out, "nf4", "--devices", "2", *extra)],
+                            capture_output=True, text=True, env=launch_env(), timeout=600, cwd=REPO)
+    assert result.returncode != 0
+    lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 2 and lines[0] == lines[1], result.stderr[-3000:]  # every rank, the same line
+    assert f"it was trained on the base checkpoint {wide_base.resolve()}" in lines[0], lines[0]
+    assert f"pass {wide_base.resolve()} (or an exact copy) as checkpoint_dir" in lines[0], lines[0]
+    assert "Traceback" not in result.stderr
+    assert _snapshot(out) == before  # nothing written
+
+    log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", resume_devices, *extra))
     assert "Resumed from" in log
-    _assert_same_adapter(out, single("nf4"), f"nf4: 2 processes killed at step {k}, resumed on {resume_devices}")
+    expected, resumed = _adapter(reference), _adapter(out)
+    assert resumed.keys() == expected.keys()
+    for name in expected:
+        assert torch.equal(resumed[name], expected[name]), f"2 processes killed at step {k}, resumed on {resume_devices}: {name}"
+
+
+# Bytes a trainable-only checkpoint holds beyond 12 per adapter parameter (measured: about 350 per
+# stored tensor in one file, about 2,070 per piece in torch's distributed checkpoint), with headroom.
+ONE_FILE_OVERHEAD_PER_TENSOR, SHARDED_OVERHEAD_PER_PIECE = 1024, 3072
+
+
+def _snapshot(folder: Path) -> dict:
+    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
+
+
+def _assert_holds_only_the_adapters(out: Path, base: Path, state_dict_type: str) -> None:
+    """Size arithmetic on the real save of 2 FSDP processes: 12 bytes per adapter parameter (float32
+    weight and AdamW's two moments) and a small overhead per saved tensor, nothing of the NF4 base.
+
+    The one-file format adds names and zip records, about 350 bytes per stored tensor (21 KB over
+    60 here: 20 adapter matrices and their 2 moments each). torch's distributed checkpoint (sharded)
+    writes every rank's piece of every tensor as a `torch.save` of its own and lists it in
+    `.metadata`: about 2 KiB per piece (289 KB over 140 pieces here: the 60 tensors on each of 2
+    ranks, and the 20 optimizer step counts, saved once)."""
+    checkpoint = sorted(p for p in (out / "checkpoints").iterdir() if not p.name.endswith(".tmp"))[-1]
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    assert meta["sharded"] == (state_dict_type == "sharded")
+    state = checkpoint / ("state" if meta["sharded"] else "state.pt")
+    state_bytes = sum(p.stat().st_size for p in state.rglob("*")) if state.is_dir() else state.stat().st_size
+    # r 8 on q, v (256 -> 256), gate and up (256 -> 512) and down (512 -> 256), 2 blocks: A and B each.
+    adapters = 2 * (2 * (8 * 256 + 256 * 8) + 2 * (8 * 256 + 512 * 8) + (8 * 512 + 256 * 8))
+    tensors = 2 * 5 * 2  # adapter matrices
+    overhead = state_bytes - 12 * adapters
+    if meta["sharded"]:  # a weight and two moments per matrix per rank, and the step counts (saved once)
+        assert 0 <= overhead <= SHARDED_OVERHEAD_PER_PIECE * (tensors * 3 * 2 + tensors), (state_bytes, adapters)
+    else:
+        assert 0 <= overhead <= ONE_FILE_OVERHEAD_PER_TENSOR * tensors * 3, (state_bytes, adapters)
+    assert state_bytes < (base / "model.safetensors").stat().st_size / 20  # the bf16 base, which is not there
+    assert meta["frozen_base"]["checkpoint"] == str(base.resolve())
 
 
 @pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, kill_group_at_step
+from conftest import ASSETS, kill_group_at_step, scale_weights_in_place
 from test_resume import _losses, _run
 
 ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
@@ -58,6 +58,92 @@ def test_finetuning_killed_at_a_random_step_resumes_exactly(base, tmp_path, comm
     _assert_identical(reference, killed)
     ref_losses, resumed = _losses(reference), _losses(killed)
     assert all(resumed[s] == ref_losses[s] for s in range(k, steps + 1)), (k, resumed, ref_losses)
+    _assert_checkpoint_holds_what_trains(reference / "checkpoints" / "step-00000006", base["checkpoint"], command)
+
+
+# Bytes per trainable float32 parameter in a training checkpoint: the weight and AdamW's two moments.
+BYTES_PER_TRAINED = 4 + 8
+# Everything else in the model + optimizer state: pickled names, optimizer groups and steps.
+STATE_OVERHEAD = 16 << 10
+
+
+def _assert_checkpoint_holds_what_trains(checkpoint: Path, base_checkpoint: Path, command: str) -> None:
+    """Size arithmetic on a real save: LoRA's state is its adapters and their AdamW moments, nothing of
+    the base; full fine-tuning's is every weight and its moments, as before."""
+    from toolkit.model_dir import checkpoint_fingerprint
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT
+
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    state_bytes = (checkpoint / "state.pt").stat().st_size
+    with torch.device("meta"):
+        model_parameters = sum(p.numel() for p in GPT(Config.from_file(base_checkpoint)).parameters())
+    if command == "finetune_full":
+        assert "frozen_base" not in meta
+        assert state_bytes >= BYTES_PER_TRAINED * model_parameters
+        return
+    adapters = sum(t.numel() for t in _final_weights(checkpoint.parent.parent).values())
+    assert adapters and all(t.dtype == torch.float32 for t in _final_weights(checkpoint.parent.parent).values())
+    assert BYTES_PER_TRAINED * adapters <= state_bytes <= BYTES_PER_TRAINED * adapters + STATE_OVERHEAD, (state_bytes, adapters)
+    assert state_bytes < 4 * model_parameters / 50  # the float32 base alone would be 50 times more
+    saved = torch.load(checkpoint / "state.pt", weights_only=True, mmap=True)
+    assert saved["model"] and all("lora_" in name for name in saved["model"])
+    assert meta["frozen_base"] == {"checkpoint": str(base_checkpoint.resolve()), "fingerprint": checkpoint_fingerprint(base_checkpoint)}
+    # The rest of the folder does not grow with the model: per-rank RNG and data position, meta.json,
+    # and the config and tokenizer files copied from the base.
+    copied = sum(p.stat().st_size for p in base_checkpoint.iterdir() if p.is_file() and (checkpoint / p.name).exists())
+    rest = sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file()) - state_bytes - copied
+    assert rest < 32 << 10, rest
+    # Not a model on its own: converting it is refused in one line that says where the base is.
+    from toolkit.convert import convert_pretrained_checkpoint
+    from toolkit.errors import UserError
+
+    with pytest.raises(UserError, match="LoRA training checkpoint.*not the base weights"):
+        convert_pretrained_checkpoint(checkpoint, checkpoint.parent / "converted")
+    assert not (checkpoint.parent / "converted").exists()
+
+
+def test_seventy_billion_lora_checkpoint_by_size_arithmetic():
+    """What the LoRA checkpoint of a Llama-3.1-70B-shaped model holds, from the model itself (meta
+    device, peft's own adapters) and the bytes measured on real saves: 12 per trainable parameter
+    (above), and at most 1 KiB per stored tensor in one file (tests/test_qlora_distributed.py)."""
+    from peft import get_peft_model
+
+    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT
+
+    config = Config.from_name("llama-3.1-70b")
+    with torch.device("meta"):
+        model = get_peft_model(GPT(config), LoRAArgs(r=8, targets=("query", "value")).peft_config())
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    adapters = sum(p.numel() for p in trainable)
+    base = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+    # Per block: q_proj 8 x 8192 + 8192 x 8, v_proj 8 x 8192 + 1024 x 8 (8 key-value heads of 128).
+    assert adapters == 80 * (8 * 8192 + 8192 * 8 + 8 * 8192 + 1024 * 8) == 16_384_000 and len(trainable) == 320
+    payload = BYTES_PER_TRAINED * adapters
+    most = payload + STATE_OVERHEAD + 1024 * 3 * len(trainable)  # a weight and two moments per tensor
+    assert 196_600_000 < payload < most < 197_700_000  # about 197 MB per save
+    assert 140e9 < 2 * base < 142e9  # the bfloat16 base, which a save does not hold: about 141 GB
+
+
+def test_the_base_fingerprint_tells_same_shaped_weights_apart(base, tmp_path):
+    """A copy has the base's fingerprint; the same architecture with other weights (an instruction-tuned
+    sibling: every header byte and the size equal) has another."""
+    import shutil
+
+    from toolkit.model_dir import checkpoint_fingerprint
+
+    copy, sibling = tmp_path / "copy", tmp_path / "sibling"
+    shutil.copytree(base["checkpoint"], copy)
+    shutil.copytree(base["checkpoint"], sibling)
+    scale_weights_in_place(sibling / "model.safetensors", 1.001)
+    original = (base["checkpoint"] / "model.safetensors").read_bytes()
+    changed = (sibling / "model.safetensors").read_bytes()
+    header = 8 + int.from_bytes(original[:8], "little")
+    assert len(changed) == len(original) and changed[:header] == original[:header] and changed != original
+    assert checkpoint_fingerprint(copy) == checkpoint_fingerprint(base["checkpoint"])
+    assert checkpoint_fingerprint(sibling) != checkpoint_fingerprint(base["checkpoint"])
 
 
 def test_resuming_in_the_second_epoch_continues_that_epoch(base, tmp_path):
@@ -107,7 +193,7 @@ def test_two_fsdp_processes_killed_and_resumed_from_a_sharded_checkpoint(tmp_pat
 
 
 def test_lora_killed_in_the_middle_of_saving_its_adapter_checkpoint(base, tmp_path):
-    """The adapter-only (filtered) checkpoint is as crash-safe as a full one."""
+    """The adapter-only checkpoint is as crash-safe as a full one."""
     reference, killed = tmp_path / "reference", tmp_path / "killed"
     cmd = lambda out, steps: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.max_steps", str(steps))  # noqa: E731
     _run(cmd(reference, 6))

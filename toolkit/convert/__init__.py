@@ -39,6 +39,22 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'toolkit.convert' has no attribute {name!r}")
 
 
+def _refuse_frozen_base_checkpoint(folder: Path) -> None:
+    """A LoRA run's training checkpoint holds its adapters, not a model: say so in one line."""
+    import json
+
+    try:
+        base = json.loads((folder / "meta.json").read_text()).get("frozen_base")
+    except (OSError, ValueError, AttributeError):
+        return
+    if base:
+        raise UserError(
+            f"{folder} is a LoRA training checkpoint: it holds the adapters and their optimizer state, not the "
+            f"base weights (those are in {base['checkpoint']}); merge an adapter with `toolkit merge_lora <run out_dir>` "
+            "after training, or resume the run with `--resume`."
+        )
+
+
 def _load_training_model_state(training_checkpoint: Path) -> tuple[dict, Path]:
     """(model state dict, directory holding model_config.json) of a training checkpoint.
 
@@ -63,6 +79,7 @@ def _load_training_model_state(training_checkpoint: Path) -> tuple[dict, Path]:
         state_file, folder, config_dir = None, path / "state", path
     else:
         raise UserError(f"{path} is not a training checkpoint: expected state.pt or a state/ folder in it")
+    _refuse_frozen_base_checkpoint(config_dir)
 
     if state_file is not None:
         try:

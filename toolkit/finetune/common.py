@@ -1,7 +1,8 @@
 """What full and LoRA fine-tuning share: loading the base checkpoint, instruction data, the loop.
 
 Each entry point passes in only what differs: how the model is prepared before sharding (LoRA
-injection, quantization), which weights a checkpoint keeps, and what the final export writes.
+injection, quantization), whether the base stays frozen (then checkpoints keep only what trains),
+and what the final export writes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def run_finetune(
     seed: int,
     resume: Union[bool, str, Path],
     prepare_model: Optional[Callable] = None,
-    checkpoint_filter: Optional[Callable[[str], bool]] = None,
+    frozen_base: bool = False,
     export: Optional[Callable] = None,
     check_args: Optional[Callable] = None,
     export_dtype: Optional[str] = None,
@@ -47,7 +48,10 @@ def run_finetune(
     quantize: Optional[str] = None,
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model).
-    `lora` and `quantize`: LoRA's adapters and quantized base, for the memory pre-flight."""
+    `lora` and `quantize`: LoRA's adapters and quantized base, for the memory pre-flight.
+    `frozen_base`: the weights of `checkpoint_dir` stay frozen (LoRA): training checkpoints hold only
+    what trains, and a resume is refused if `checkpoint_dir` is not the base they were trained on.
+    """
     from toolkit.model_dir import export_dtype as resolve_export_dtype
     from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
@@ -73,11 +77,11 @@ def run_finetune(
         kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
         devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
         max_seq_length=max_seq_length, hparams=hparams, lora=lora, quantize=quantize,
+        frozen_base=checkpoint_dir if frozen_base else None,
     ) as session:
         for note in startup_notes:  # what the entry point decided before launch, e.g. the QLoRA scheme
             session.fabric.print(note)
         session.export_dtype = dtype
-        session.checkpoint_filter = checkpoint_filter
         fabric = session.fabric
         with session.remove_output_on_error():
             # Chat data whose template is not the checkpoint's writes it into <out_dir>/tokenizer.

@@ -263,7 +263,7 @@ def finetune_lora(
 
     _, model = run_finetune(
         "finetune_lora", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
-        precision, seed, resume, prepare_model=prepare, checkpoint_filter=is_adapter_weight, export=export,
+        precision, seed, resume, prepare_model=prepare, frozen_base=True, export=export,
         check_args=check_args, startup_notes=startup_notes, hparams=hparams, lora=lora, quantize=quantize,
     )
     return model

@@ -5,6 +5,7 @@
 - `stream_weights`: the final export, gathered and written one tensor at a time.
 - `full_state_dict`: the complete weights on rank 0 (small things only: the whole model at once).
 - `load_resharded`: a `fabric.save` checkpoint written by another number of processes.
+- `save_trainable`: what trains, without the frozen weights (LoRA), in the layout `load_resharded` reads.
 - `gather_objects`: small per-rank facts (digests) on every rank.
 
 Importing this module is cheap: torch and lightning are imported inside the functions.
@@ -166,7 +167,95 @@ def gather_objects(fabric: Fabric, obj: Any) -> list[Any]:
     return gathered
 
 
-def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict: bool = True) -> dict[str, Any]:
+def save_trainable(fabric: Fabric, path: Any, model: Any, optimizer: Any, other: dict[str, Any], sharded: bool) -> None:
+    """Write the trainable parameters, the optimizer's state and `other` to `path` (collective call).
+
+    Frozen parameters (LoRA's base, NF4 or not) are left out before anything is gathered or copied:
+    under FSDP torch's state-dict API skips them (`ignore_frozen_params`); otherwise the trainable
+    parameters are taken as they are (`_trainable_parameters`). The layout is that of
+    `fabric.save`, which `load_resharded` reads on any number of processes:
+
+        sharded (FSDP)   `path/`: torch's distributed checkpoint ("model", "optimizer"), each rank
+                         writing its own shards, and `path/meta.pt` with `other` (rank 0)
+        otherwise        the file `path` (rank 0): {"model", "optimizer", **other}; under FSDP
+                         only the trainable parameters and their state are gathered to rank 0
+
+    Tensors are keyed by parameter name; optimizer state too.
+    """
+    from pathlib import Path
+
+    import torch
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    from torch.distributed.fsdp import FSDPModule
+
+    path = Path(path)
+    root, optim = _user_module(model), _unwrap_optimizer(optimizer)
+    fsdp = isinstance(root, FSDPModule)
+    # Under FSDP the state goes to the CPU (gathered to rank 0's CPU in the one-file format); one
+    # process or DDP keeps its tensors where they are: there is nothing to gather.
+    options = StateDictOptions(full_state_dict=fsdp and not sharded, cpu_offload=fsdp, ignore_frozen_params=True)
+    if fsdp:
+        weights = get_model_state_dict(root, options=options)
+    else:
+        weights = {name: param.detach() for name, param in _trainable_parameters(root).items()}
+    state = {"model": weights, "optimizer": get_optimizer_state_dict(root, optim, options=options)}
+    if sharded:
+        import torch.distributed.checkpoint as dcp
+        from lightning.fabric.utilities.load import _METADATA_FILENAME
+
+        dcp.save(state, checkpoint_id=path)
+        if fabric.global_rank == 0:
+            torch.save(other, path / _METADATA_FILENAME)
+    elif fabric.global_rank == 0:
+        torch.save({**state, **other}, path)
+
+
+def saved_trainable_shapes(path: Any) -> dict[str, tuple[int, ...]]:
+    """{parameter name: full shape} of the model in a checkpoint of `save_trainable`, read without the tensors."""
+    from pathlib import Path
+
+    import torch
+
+    path = Path(path)
+    if path.is_dir():
+        from torch.distributed.checkpoint import FileSystemReader
+
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        return {key.removeprefix("model."): tuple(value.size) for key, value in metadata.items()
+                if key.startswith("model.") and hasattr(value, "size")}
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+    return {name: tuple(tensor.shape) for name, tensor in checkpoint["model"].items()}
+
+
+def trainable_shapes(model: Any) -> dict[str, tuple[int, ...]]:
+    """{parameter name, as `save_trainable` names it: full shape} of what trains in `model` (nothing is gathered)."""
+    return {name: tuple(param.shape) for name, param in _trainable_parameters(_user_module(model)).items()}
+
+
+def _trainable_parameters(root: Any) -> dict[str, Any]:
+    """{name: parameter} of the trainable parameters, named as torch's state-dict API names them (no
+    wrapper segments such as torch.compile's `_orig_mod`). A DTensor's shape is the full one.
+
+    Read off the parameters, not `state_dict()`: bitsandbytes layers add state-dict entries that name
+    no attribute (an 8-bit layer's `SCB`), which the state-dict API cannot name."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    found = {}
+    for name, param in root.named_parameters():
+        if param.requires_grad:
+            for fqn in _get_fqns(root, name):
+                found[fqn] = param
+    return found
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    from lightning.fabric.wrappers import _unwrap_objects
+
+    return _unwrap_objects(optimizer)
+
+
+def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict: bool = True,
+                   trainable_only: bool = False) -> dict[str, Any]:
     """Load a `fabric.save` checkpoint written by another number of processes; return its other entries.
 
     `path` is what `fabric.save` wrote: a folder of torch's distributed checkpoint (FSDP, sharded),
@@ -182,6 +271,10 @@ def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict
     is built the same way on every run, so position i of group g is the i-th parameter of group g
     now: that gives each state its parameter name. Fabric's own conversion assumes the optimizer
     holds `model.parameters()` in order, which ours (decay and no-decay groups) does not.
+
+    `trainable_only`: a checkpoint of `save_trainable` (on any number of processes, this one's
+    too): only the trainable parameters are read; the frozen ones keep the values the model was
+    set up with.
     """
     from pathlib import Path
 
@@ -198,9 +291,11 @@ def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict
 
     path = Path(path)
     root, optim = _unwrap_objects(model), _unwrap_objects(optimizer)
+    from torch.distributed.fsdp import FSDPModule
+
     if path.is_dir():
         # Model first, then the optimizer (whose state is created at its parameters' current shards).
-        model_state = {"model": get_model_state_dict(root)}
+        model_state = {"model": get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=trainable_only))}
         dcp.load(model_state, checkpoint_id=path)
         set_model_state_dict(root, model_state["model"], options=StateDictOptions(strict=strict))
         optim_state = {"optimizer": get_optimizer_state_dict(root, optim)}
@@ -211,7 +306,10 @@ def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict
         return torch.load(path / _METADATA_FILENAME, weights_only=True)
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-    full = StateDictOptions(full_state_dict=True, strict=strict)
+    # Full tensors in the file: under FSDP each rank keeps its own rows of them. Without FSDP, a
+    # checkpoint of what trains is loaded into those parameters only (full_state_dict would have
+    # every other parameter loaded into itself, which a bitsandbytes layer does not survive).
+    full = StateDictOptions(full_state_dict=not trainable_only or isinstance(root, FSDPModule), strict=strict)
     set_model_state_dict(root, checkpoint.pop("model"), options=full)
     saved = checkpoint.pop("optimizer")
     if any(isinstance(key, int) for key in saved["state"]):

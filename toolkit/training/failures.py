@@ -4,6 +4,7 @@
 - `prepare_failure_handling` (called by `build_fabric`): watch the node's other ranks (in the
   process that starts them) or the launching process (in the ranks it started).
 - `run_on_rank_zero`: work only rank 0 does, with every rank learning how it went.
+- `check_on_every_rank`: a check each rank makes on its own, refused on every rank if one refuses.
 - `explain_peer_failure`: one line for an error a dead peer caused in this process.
 - `release_process_group`: tear the process group down after a run that ended normally.
 
@@ -240,6 +241,26 @@ def run_on_rank_zero(fabric: Fabric, work: Callable[[], Any]) -> Any:
             raise UserError(message)
         raise PeerFailure(f"rank 0 failed ({message}); its traceback is above")
     return result
+
+
+def check_on_every_rank(fabric: Fabric, check: Callable[[], None]) -> None:
+    """Run `check()` on every rank; if it raises a UserError on any, every rank raises the first
+    one (by rank), so that all of them stop with the same line. A collective call.
+
+    For what each rank must see for itself (a file on each node's own disk), where one rank's
+    refusal alone would leave the others waiting at their next collective.
+    """
+    message = None
+    try:
+        check()
+    except UserError as error:
+        message = str(error)
+    if fabric.world_size > 1:
+        from toolkit.training.checkpoint_io import gather_objects
+
+        message = next((m for m in gather_objects(fabric, message) if m is not None), None)
+    if message is not None:
+        raise UserError(message)
 
 
 def explain_peer_failure(error: BaseException) -> Optional[str]:

@@ -70,8 +70,11 @@ class Session:
     resume: Union[bool, str, Path]
     tokenizer_dir: Optional[Path] = None
     created_out_dir: bool = False
-    # Which model weights training checkpoints keep (None: all). LoRA keeps only its adapters.
-    checkpoint_filter: Optional[Callable[[str], bool]] = None
+    # The checkpoint whose weights stay frozen (LoRA) and its fingerprint, {"checkpoint", "fingerprint"};
+    # training checkpoints then hold only what trains. None: every weight trains and is saved.
+    frozen_base: Optional[dict] = None
+    # The verified checkpoint this start resumes from (None: a fresh run), found before anything is read or written.
+    resume_from: Optional[Path] = None
     precision: str = "32-true"  # the resolved Fabric precision
     # dtype of the exported model's floating-point weights; None keeps the trained dtype.
     export_dtype: Optional[torch.dtype] = None
@@ -86,13 +89,16 @@ class Session:
         cls, kind: str, out_dir: Path, config: Config, train: TrainArgs, eval: EvalArgs, log: LogArgs,
         distributed: DistributedArgs, devices: Union[int, str], num_nodes: int, precision: Optional[str],
         seed: int, resume: Union[bool, str, Path], max_seq_length: int, hparams: Optional[dict] = None,
-        lora: Any = None, quantize: Optional[str] = None,
+        lora: Any = None, quantize: Optional[str] = None, frozen_base: Optional[Path] = None,
     ) -> "Session":
         """Validate what can be validated before any process starts, then launch Fabric.
 
         `hparams`: the command's resolved arguments (`trackers.run_config`), logged as
         hyperparameters with the model config and the batch plan. `lora` (LoRAArgs) and `quantize`:
         finetune_lora's adapters and base, for the memory pre-flight (`check_fits_device`).
+        `frozen_base`: the checkpoint whose weights the run keeps frozen (LoRA); its training
+        checkpoints then hold only what trains, and a resume onto another base is refused here,
+        before anything is read or written.
         """
         from toolkit.models.gpt import Block
 
@@ -121,12 +127,17 @@ class Session:
         fabric.launch()
         fabric.print(strategy.describe())
         fabric.print(plan.table())
+        from toolkit.training.checkpoint import find_resume_checkpoint
+
+        resume_from = find_resume_checkpoint(fabric, out_dir, resume)
+        base_record = _frozen_base_record(fabric, frozen_base, resume_from) if frozen_base is not None else None
         run_on_rank_zero(fabric, lambda: _make_out_dir(out_dir))
         all_hparams = {"command": kind, **(hparams or {}), "model_config": config.to_dict(), "batch_plan": plain(plan)}
         start_tracker_runs(fabric, out_dir, all_hparams, continue_runs)
         fabric.seed_everything(rank_seed(seed, fabric.global_rank))
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
-                   plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision)
+                   plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision,
+                   frozen_base=base_record, resume_from=resume_from)
 
     def __enter__(self) -> "Session":
         return self
@@ -269,7 +280,7 @@ class Session:
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
         state = TrainState()
         run_shape = self.run_shape()
-        resume_from = checkpoint.find_resume_checkpoint(self.fabric, self.out_dir, self.resume)
+        resume_from = self.resume_from
         if resume_from is not None:
             checkpoint.check_compatible(resume_from, run_shape)
             state = TrainState(**checkpoint.load(self.fabric, resume_from, model, optimizer, train_loader))
@@ -288,7 +299,7 @@ class Session:
         def save(current: TrainState) -> None:
             checkpoint.save(
                 self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape,
-                self.config, self.train.keep_last, model_filter=self.checkpoint_filter, tokenizer_dir=self.tokenizer_dir,
+                self.config, self.train.keep_last, frozen_base=self.frozen_base, tokenizer_dir=self.tokenizer_dir,
             )
             saved_steps.add(current.step)
 
@@ -354,6 +365,25 @@ class Session:
             run_on_rank_zero(self.fabric, finish)
         self.fabric.print(f"Saved the final model to {target} in {time.perf_counter() - start:.1f} s")
         return target
+
+
+def _frozen_base_record(fabric, frozen_base: Path, resume_from: Optional[Path]) -> dict:
+    """{"checkpoint", "fingerprint"} of the run's frozen base; refuses (every rank, one line) to resume
+    `resume_from` if it was trained on another base. Each rank fingerprints the base it will read
+    (on several nodes, each its own copy): 1 MiB read, whatever the model's size."""
+    from toolkit.model_dir import checkpoint_fingerprint
+    from toolkit.training.checkpoint import check_frozen_base
+    from toolkit.training.failures import check_on_every_rank
+
+    record: dict = {}
+
+    def check() -> None:
+        record.update(checkpoint=str(Path(frozen_base).resolve()), fingerprint=checkpoint_fingerprint(frozen_base))
+        if resume_from is not None:
+            check_frozen_base(resume_from, record)
+
+    check_on_every_rank(fabric, check)
+    return record
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -282,7 +282,7 @@ def plan_quantized_base(
     """The scheme for a quantized frozen base (`--quantize`). Raises UserError.
 
     One device: the base is quantized on the CPU and moved, as always. More than one, with `nf4`
-    (torchao's NF4Tensor): sharded, by FSDP2 like every frozen weight (full checkpoints). More than
+    (torchao's NF4Tensor): sharded, by FSDP2 like every frozen weight. More than
     one, with bitsandbytes (`bnb.*`): the replicated scheme. Every rank builds and quantizes the whole base exactly as one device does
     (the same checkpoint, the same deterministic quantization, so the same bytes everywhere), and
     DDP synchronises what trains, the LoRA adapters: their gradients are averaged over all ranks
@@ -298,9 +298,9 @@ def plan_quantized_base(
         if dist.strategy == "ddp":
             raise UserError("--quantize nf4 shards the base with FSDP: drop --distributed.strategy ddp "
                             "(or use --quantize bnb.nf4, which replicates it).")
-        # Checkpoints are "full" so that they can keep only the adapters: a sharded one keeps every
-        # weight, and torch's distributed checkpoint cannot reshard an NF4 weight on load.
-        return QuantizedBasePlan("sharded", replace(dist, strategy="fsdp", state_dict_type="full"),
+        # Checkpoints hold only what trains (`checkpoint_io.save_trainable`): no NF4 weight is in them,
+        # so either --distributed.state_dict_type works and reshards.
+        return QuantizedBasePlan("sharded", replace(dist, strategy="fsdp"),
                                  f"the nf4 base is sharded by FSDP2 over the {world} processes like every frozen weight")
     if dist.strategy == "fsdp":
         raise UserError(
