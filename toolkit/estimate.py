@@ -785,12 +785,12 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     turn = {GATHERED: held + copies(block), TEMPORARIES: root_grads, ALL_GATHER: in_flight(block),
             REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
     m["block reduced"] = end if keep_all else larger(end, turn)
-    if embed:  # block 0's backward pass prefetches the embedding
-        m["block 0 backward"] = backward(embed, block, every_unit - copies(embed) - copies(block) if keep_all else 0)
+    if embed:  # the embedding is not gathered for its backward pass (set_unshard_in_backward(False))
+        m["block 0 backward"] = backward([], block, every_unit - copies(embed) - copies(block) if keep_all else 0)
         m["block 0 backward end"] = dict(m["block 0 backward"])
         m["block 0 backward end"][TEMPORARIES] += grads(block)
         m["embedding reduced"] = larger(
-            {GATHERED: copies(embed), TEMPORARIES: grads(embed), REDUCE_SCATTER: reduce_input(first)},
+            {GATHERED: copies(embed) if keep_all else 0, TEMPORARIES: grads(embed), REDUCE_SCATTER: reduce_input(first)},
             {UNSHARDED_GRADS: grads(embed), REDUCE_SCATTER: reduce_input(embed)},
         )
     else:  # the embedding's gradient is added to the head's (a third tensor), then the root is reduced
