@@ -198,7 +198,7 @@ def run(argv: Optional[list[str]] = None) -> int:
     if name not in COMMANDS:
         matches = closest(name, COMMANDS)
         hint = f" Did you mean: {', '.join(matches)}?" if matches else ""
-        print(f"toolkit: error: unknown command {name!r}.{hint} Run `toolkit --help` for the list.", file=sys.stderr)
+        _say(f"toolkit: error: unknown command {name!r}.{hint} Run `toolkit --help` for the list.")
         return 2
     return run_function(f"toolkit {name}", _load(COMMANDS[name][0]), rest)
 
@@ -217,7 +217,7 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse's ArgumentError and friends
         cause = _user_error_in(error)
-        print(f"{prog}: error: {cause or _explain_parse_error(parser, argv, error)}", file=sys.stderr)
+        _say(f"{prog}: error: {cause or _explain_parse_error(parser, argv, error)}")
         return 2
     try:
         init = parser.instantiate(cfg)
@@ -225,24 +225,34 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
         cause = _user_error_in(error)
         if cause is None:
             raise
-        print(f"{prog}: error: {cause}", file=sys.stderr)
+        _say(f"{prog}: error: {cause}")
         return 2
     try:
         function(**{k: v for k, v in init.items() if k != "config"})
     except UserError as error:
-        print(f"{prog}: error: {error}", file=sys.stderr)
+        _say(f"{prog}: error: {error}")
         return 1
     except KeyboardInterrupt:
-        print(f"{prog}: interrupted", file=sys.stderr)
+        _say(f"{prog}: interrupted")
         return 130
     except Exception as error:
         failure = _peer_failure_line(error)
         if failure is None:
             raise
-        print(f"{prog}: error: {failure}", file=sys.stderr)
+        _say(f"{prog}: error: {failure}")
         return 1
     _release_process_group()
     return 0
+
+
+def _say(line: str) -> None:
+    """Write `line` to stderr in one system call: the ranks of a run share one stderr, and
+    `print`'s separate write of the newline lets their identical error lines run together."""
+    sys.stderr.flush()
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):  # a stderr with no file behind it (captured by a test)
+        sys.stderr.write(line + "\n")
 
 
 def _release_process_group() -> None:
