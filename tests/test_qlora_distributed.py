@@ -21,8 +21,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import kill_group_at_step, run_toolkit, torchrun_nodes
+from toolkit import estimate as est
 from toolkit.cli import run
 from toolkit.errors import UserError
+from toolkit.models.config import Config
 from toolkit.training.args import DistributedArgs
 from toolkit.training.strategy import plan_quantized_base
 
@@ -187,6 +189,13 @@ def test_nf4_on_two_processes_is_sharded_and_trains_the_adapter_of_one_process(w
     assert len(halves) == 2 and whole > 500_000
     for half in halves:
         assert whole / 2 <= half <= whole / 2 + 14 * 2, (whole, halves)
+    # The estimator (`toolkit estimate --quantize nf4`) predicts these bytes exactly, per rank.
+    config = Config.from_file(wide_base)
+    opts = est.Options(config, "bf16-mixed", "lora", ("down_proj", "gate_proj", "q_proj", "up_proj", "v_proj"), 8,
+                       "nf4", 64)  # fmt: skip
+    specs = est.parameter_specs(config, opts.lora_modules, opts.lora_r)
+    assert [est.fsdp_rank_memory(specs, est.make_column("single", 1, 1), opts)[0]["quantized_base"]] == [whole]
+    assert [r["quantized_base"] for r in est.fsdp_rank_memory(specs, est.make_column("FULL_SHARD", 2, 1), opts)] == halves
 
     # Exports: the peft copy loads on the bf16 base in transformers and changes its output by
     # exactly the adapter; merge_lora merges into the bf16 base.

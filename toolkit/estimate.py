@@ -61,9 +61,21 @@ What is assumed, and where it comes from:
   not, and are stored in the compute dtype): 4-bit = half a byte per weight + a float32 absmax per
   64 weights (double quantization: one byte per 64, plus a float32 per 256 of those); int8 = one
   byte per weight + a float32 scale per row. No LoRA head, as in finetune_lora. On more than one
-  device finetune_lora replicates the quantized base and synchronises only the adapters with DDP
+  device finetune_lora replicates a bitsandbytes base and synchronises only the adapters with DDP
   (`toolkit.training.strategy.plan_quantized_base`), so that is the one column shown: the whole
   quantized base on every device, and DDP's bucket copy of the adapters' gradients.
+- QLoRA with torchao's NF4 (`--quantize nf4`, `toolkit.training.nf4`): half a byte per weight, an
+  int8 scale per 64 and a 16-bit factor per 16384, a 16-bit mean per weight. On more than one
+  device FSDP2 shards it like every frozen weight (the FSDP columns): each rank stores the NF4
+  bytes of its own rows (no padding: finetune_lora refuses shapes that do not split into whole
+  groups of 16384 values, and so does the estimate), and gathers a block's NF4 bytes, not 16-bit
+  weights, for its forward and backward passes. `linear_nf4` keeps no input; it dequantizes the
+  whole weight in every forward and backward call, with torchao's unfused ops: two int64 code
+  tensors and three tensors of the compute dtype, all of the weight's size, alive at once
+  (`NF4_DEQUANT_BYTES`, measured in tests/test_estimate.py), one weight at a time.
+- CPU offload (`--distributed.cpu_offload`, FSDP columns only, as training): the sharded
+  parameters, their gradients and AdamW state live in host memory (counted apart, `host_offload`;
+  the optimizer step runs on the CPU); the device holds what a step gathers and computes.
 - FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block, one each for the embedding, the final
   norm and the head (a tied embedding and head stay in the root), on the mesh of `toolkit.training.strategy.mesh_layout`): every parameter is
   split along dim 0 and each rank's shard is padded to ceil(rows / shard group) rows; a gradient
@@ -219,6 +231,32 @@ def quantized_bytes(shape: tuple[int, ...], quantize: str) -> int:
     return packed + 4 * blocks + code
 
 
+def nf4_dequant_bytes(numel: int, compute_bytes: int) -> int:
+    """The transient peak of torchao's `NF4Tensor.get_original_weight` (every `linear_nf4` call, forward
+    and backward): the high and low 4-bit codes as two int64 tensors of numel / 2 each, beside the
+    looked-up values, the scaled values and their interleaved result, each of numel / 2 or numel
+    values of the compute dtype: 8 + 3 x compute bytes per weight (14 under bf16)."""
+    return numel * (8 + 3 * compute_bytes)
+
+
+def quantized_names(opts: "Options", specs: list["ParamSpec"]) -> set[str]:
+    """The parameters stored quantized: the linear weights of the blocks (not embedding, norms, head)."""
+    return {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+
+
+def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
+    """The first block linear weight (toolkit name, shape) that does not split into `shards` row
+    ranges of whole NF4 groups (`toolkit.training.nf4.check_nf4_shardable`'s rule), or None."""
+    from toolkit.training.nf4 import ROW_ALIGN  # no torch import
+
+    for s in parameter_specs(config):
+        if s.kind == "linear" and s.unit >= 0:
+            out, inp = s.shape
+            if out % shards or (out // shards) * inp % ROW_ALIGN:
+                return f"{s.name.removesuffix('.weight')} ({out} x {inp})"
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Activations: a symbolic walk through GPT.forward that tracks what autograd saves
 # --------------------------------------------------------------------------------------------
@@ -298,7 +336,12 @@ class _Tracer:
         n_in = x.numel // self.n
         adapters = self.lora.get(name)
         ac = self.mode.autocast
-        if w.quant == "bnb.int8":
+        if w.quant == "nf4":
+            # torchao's LinearNF4 keeps only its NF4 weight; it dequantizes the whole weight to the
+            # input's dtype (`nf4_dequant_bytes`) and computes in 16 bits under autocast.
+            self.dequant_scratch = max(self.dequant_scratch, nf4_dequant_bytes(w.numel, self.mode.compute))
+            out_b = 2 if ac else x.b
+        elif w.quant == "bnb.int8":
             if x.rg:
                 self.save(x)  # MatMul8bitLt keeps its input
             self.dequant_scratch = max(self.dequant_scratch, w.numel * self.mode.compute)
@@ -600,20 +643,28 @@ def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") 
     (trainable or frozen, `Options.param_bytes`). A trainable parameter's gradient shard has the
     same padded size: a view into the unit's reduce-scatter output, in the trainable dtype. Frozen
     parameters get no gradient. AdamW keeps two states shaped like the unpadded local shard, so
-    the first ranks, whose shards are fullest, hold the most.
+    the first ranks, whose shards are fullest, hold the most. A quantized (NF4) weight's shard is
+    the NF4 bytes of its rows / W rows (`quantized_base`: those bytes alone).
     """
     W = column.shard_size
-    params = grads = 0
+    params = grads = quantized_base = 0
     states = [0] * W
+    quantized = quantized_names(opts, specs)
     for s in specs:
         padded = padded_shard_numel(s, W)
+        if s.name in quantized:
+            shard = quantized_bytes((s.shape[0] // W, *s.shape[1:]), opts.quantize)  # type: ignore[arg-type]
+            params += shard
+            quantized_base += shard
+            continue
         params += padded * opts.param_bytes(s)
         if s.trainable:
             grads += padded * opts.trainable_bytes
             row = s.numel // s.shape[0]
             for r, rows in enumerate(shard_rows(s.shape[0], W)):
                 states[r] += 2 * rows * row * opts.trainable_bytes
-    return [{"parameters": params, "gradients": grads, "optimizer_state": n} for n in states]
+    return [{"parameters": params, "gradients": grads, "optimizer_state": n, "quantized_base": quantized_base}
+            for n in states]
 
 
 @dataclass(frozen=True)
@@ -661,10 +712,14 @@ def fsdp_buffers(specs: list[ParamSpec], column: "Column", opts: "Options") -> B
     for s in specs:
         units.setdefault(s.unit, []).append(s)
 
+    quantized = quantized_names(opts, specs)
+
     def gathered(members: list[ParamSpec]) -> int:
-        # every unit, the edges included, is gathered in the compute dtype under FSDP "*-mixed"
+        # every unit, the edges included, is gathered in the compute dtype under FSDP "*-mixed";
+        # an NF4 weight is gathered as its NF4 bytes (codes, scales, factors)
         per = (lambda s: opts.compute_bytes) if opts.autocast else (lambda s: opts.gathered_bytes(s, column))
-        return sum(padded_shard_numel(s, W) * W * per(s) for s in members)
+        return sum(quantized_bytes(s.shape, opts.quantize) if s.name in quantized  # type: ignore[arg-type]
+                   else padded_shard_numel(s, W) * W * per(s) for s in members)
 
     # The edges (unit -1): untied, the embedding and the (final norm, head) are units of their own.
     # The embedding is gathered for its forward pass and at the very end of the backward pass, when
@@ -743,6 +798,7 @@ class Options:
     max_seq_length: int
     cuda: bool = True
     lora_dropout: float = 0.0
+    cpu_offload: bool = False  # FSDP's CPUOffloadPolicy: shards, gradients and AdamW state in host memory
 
     @property
     def compute_bytes(self) -> int:
@@ -783,7 +839,7 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
     """Bytes per device of every component for one strategy."""
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
-    quantized = {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+    quantized = quantized_names(opts, specs)
 
     def stored(s: ParamSpec) -> int:
         if s.name in quantized:
@@ -805,6 +861,14 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
         out["step_scratch"] = out["optimizer_state"] // 2
         buffers = fsdp_buffers(specs, column, opts)
+    out["host_offload"] = 0
+    if column.kind == "fsdp" and opts.cpu_offload:
+        # CPUOffloadPolicy: the shards, their gradients and AdamW state are host memory, and the
+        # step runs there. Each unit's shards are copied to the device for its all-gather (the
+        # all-gather input that `fsdp_buffers` counts) and its reduced gradients copied back.
+        out["host_offload"] = out["parameters"] + out["gradients"] + out["optimizer_state"] + out["step_scratch"]
+        for key in ("parameters", "gradients", "optimizer_state", "step_scratch"):
+            out[key] = 0
     weights, lora = forward_weights(opts, specs, quantized, column)
     mode = Mode(opts.autocast, opts.compute_bytes, opts.cuda, opts.lora_dropout > 0, opts.precision.startswith("16-"))
     act1 = trace_activations(c, mode, weights, lora, 1, opts.max_seq_length)
@@ -910,6 +974,7 @@ def estimate(
     memory_budget_gb: Optional[float] = None,
     model_overrides: Optional[dict[str, Any]] = None,
     simulate: bool = False,
+    cpu_offload: bool = False,
 ) -> dict[str, Any]:
     """Estimate the memory per device of a training step, for each distributed strategy.
 
@@ -930,7 +995,8 @@ def estimate(
         lora_r: LoRA rank.
         lora_targets: Layers that get adapters: query, key, value, projection, mlp, head.
         lora_dropout: Dropout on the adapters' input (finetune_lora's default 0.05; 0 saves a mask per input).
-        quantize: bitsandbytes quantization of the frozen linear weights (QLoRA; needs finetune lora).
+        quantize: Quantization of the frozen linear weights (QLoRA; needs finetune lora): nf4
+            (torchao, sharded by FSDP2 on several devices) or bnb.* (bitsandbytes, replicated).
         activation_checkpointing: Recompute each block in the backward pass (true), store its
             activations (false), or show both (default).
         memory_budget_gb: Memory per device in GiB; recommends the cheapest configuration that fits.
@@ -938,11 +1004,14 @@ def estimate(
         simulate: Also run the real training step (FSDP2, LoRA, precision, AdamW) on fake tensors
             and devices x num_nodes fake ranks, and print each rank's peak by category and the
             bytes it sends per step (`toolkit.simulate`; up to a minute for 70B). For the FSDP
-            sharding given (default HYBRID_SHARD); not for QLoRA (bitsandbytes needs real data).
+            sharding given (default HYBRID_SHARD); not for QLoRA (quantized weights need real data).
+        cpu_offload: FSDP's CPU offload (--distributed.cpu_offload): the shards, gradients and AdamW
+            state of each device live in host memory (shown apart); FSDP columns only.
     """
     opts, columns, notes, chosen_ckpt = _resolve(
         model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
         lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
+        cpu_offload,
     )  # fmt: skip
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
@@ -959,11 +1028,16 @@ def estimate(
         "quantize": quantize,
         "lora_dropout": opts.lora_dropout,
         "activation_checkpointing": activation_checkpointing,
+        "cpu_offload": opts.cpu_offload,
         "columns": [col.name for col in columns],
         "strategies": {col.name: column_memory(opts, col, micro_batch_size) for col in columns},
         "notes": notes,
         "recommendation": None,
     }
+    if opts.cpu_offload:
+        host = max(figures["host_offload"] for figures in result["strategies"].values())
+        notes.append(f"CPU offload: each device's parameter shards, gradients and AdamW state ({host / GiB:.2f} GiB "
+                     "at most, shown as 0 above) live in host memory, and the optimizer step runs on the CPU.")
     if memory_budget_gb is not None:
         result["recommendation"] = recommend(
             opts, columns, micro_batch_size, memory_budget_gb, chosen_ckpt, devices, num_nodes
@@ -979,7 +1053,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
               checkpointing: bool):  # fmt: skip
     """Run `toolkit.simulate` for the set-up, print its table; None (with a note) where it cannot run."""
     if opts.quantize is not None:
-        print(f"note: {opts.quantize} cannot be simulated (bitsandbytes kernels need real data): the figures above "
+        print(f"note: {opts.quantize} cannot be simulated (quantized weights need real data): the figures above "
               "are the analytic estimate.")
         return None
     if devices * num_nodes == 1:
@@ -1004,6 +1078,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
 def _resolve(
     model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
     lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
+    cpu_offload=False,
 ):  # fmt: skip
     """Validate the arguments (UserError) and decide the columns to show."""
     from toolkit.training.precision import PRECISION_ALIASES, PRECISIONS
@@ -1061,6 +1136,8 @@ def _resolve(
         raise UserError(
             f"activation_checkpointing must be true, false or left out, got {activation_checkpointing!r}."
         )
+    if cpu_offload not in (True, False):
+        raise UserError(f"cpu_offload must be true or false, got {cpu_offload!r}.")
 
     notes: list[str] = []
     world = devices * num_nodes
@@ -1070,7 +1147,14 @@ def _resolve(
         if strategy != "auto" or sharding is not None:
             notes.append("One device in total: a single device is used whatever the strategy.")
     else:
-        if quantize is not None:
+        if quantize == "nf4":
+            # finetune_lora shards torchao's NF4 base with FSDP2 (`plan_quantized_base`), never DDP.
+            if strategy == "ddp":
+                raise UserError("quantize nf4 shards the base with FSDP: leave strategy out (or use quantize "
+                                "bnb.nf4, which DDP replicates).")
+            notes.append(f"QLoRA nf4 on {world} devices runs as finetune_lora runs it: FSDP2 shards the NF4 base "
+                         "like every frozen weight, so its bytes per device fall as 1/N.")
+        if quantize is not None and quantize != "nf4":
             from toolkit.training.strategy import QUANTIZED_BASE_NOT_SHARDED
 
             if strategy == "fsdp" or sharding is not None:
@@ -1088,6 +1172,11 @@ def _resolve(
                 columns.append(make_column("DDP", devices, num_nodes))
             else:
                 wanted = [sharding] if sharding else ["NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
+                if quantize == "nf4" and not sharding:
+                    # QLoRA shards its base to fit: finetune_lora's default sharding (HYBRID_SHARD, which
+                    # is FULL_SHARD on one node) and FULL_SHARD; NO_SHARD and SHARD_GRAD_OP keep every
+                    # device's whole base (on the device, or in host memory with CPU offload).
+                    wanted = ["HYBRID_SHARD", "FULL_SHARD"]
                 for s in wanted:
                     if s == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
                         why = "one node" if num_nodes == 1 else "one device per node"
@@ -1096,11 +1185,21 @@ def _resolve(
                             columns.append(make_column("FULL_SHARD", devices, num_nodes))
                         continue
                     columns.append(make_column(s, devices, num_nodes))
-                if strategy == "auto" and sharding is None:
+                if strategy == "auto" and sharding is None and quantize is None:
                     columns.append(make_column("DDP", devices, num_nodes))
+        if quantize == "nf4":
+            for col in columns:
+                weight = nf4_unshardable(config, col.shard_size)
+                if weight is not None:
+                    raise UserError(
+                        f"quantize nf4 cannot split {weight} over {col.shard_size} shards ({col.name}): each needs "
+                        "whole groups of 16384 values; use fewer devices or quantize bnb.nf4."
+                    )
+    if cpu_offload and not any(col.kind == "fsdp" for col in columns):
+        notes.append("cpu_offload applies to FSDP only (more than one device, not DDP): ignored.")
     columns.sort(key=lambda col: COLUMN_ORDER.index(col.name))
     opts = Options(config, name, finetune, lora_modules, lora_r, quantize, max_seq_length,
-                   lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0)  # fmt: skip
+                   lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0, cpu_offload=cpu_offload)  # fmt: skip
     return opts, columns, notes, activation_checkpointing
 
 
@@ -1155,12 +1254,12 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
             "max_micro_batch_size": m,
             "total": total,
             "budget": budget,
-            "options": _training_options(col, micro, ckpt),
+            "options": _training_options(col, micro, ckpt, opts.cpu_offload),
             "message": (
                 f"Fits in {budget_gb:g} GiB per device: {_describe(col)}, micro batch {micro}"
                 f"{'' if micro == m else f' (up to {m} fits)'}, activation checkpointing "
                 f"{'on' if ckpt else 'off'}: {total / GiB:.2f} GiB.\n"
-                f"Training options: {_training_options(col, micro, ckpt)}"
+                f"Training options: {_training_options(col, micro, ckpt, opts.cpu_offload)}"
             ),
         }
     # Nothing fits: say by how much and what would help.
@@ -1170,7 +1269,7 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
     if opts.finetune != "lora":
         hints.append("fine-tune with LoRA (--finetune lora)")
     elif opts.quantize is None:
-        hints.append("quantize the frozen weights (--quantize bnb.nf4)")
+        hints.append("quantize the frozen weights (--quantize nf4)")
     more = _devices_needed(opts, budget)
     if more and more > devices * num_nodes:
         hints.append(f"more devices (FULL_SHARD fits on {more} devices in total, micro batch 1, checkpointing)")
@@ -1180,7 +1279,7 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
         hints.append(
             f"a shorter --max_seq_length (one sequence's activations and logits alone take {sequence / GiB:.2f} GiB)"
         )
-    if opts.quantize is None and devices * num_nodes > 1:
+    if opts.quantize in (None, "nf4") and devices * num_nodes > 1 and not opts.cpu_offload:
         hints.append(
             "CPU offload of FSDP parameters, gradients and optimizer state (--distributed.cpu_offload true; slow)"
         )
@@ -1199,10 +1298,12 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
 
 
 def _devices_needed(opts: Options, budget: int) -> Optional[int]:
-    if opts.quantize is not None:
+    if opts.quantize not in (None, "nf4"):  # bitsandbytes: replicated, more devices do not help
         return None
     world = 2
     while world <= 8192:
+        if opts.quantize == "nf4" and nf4_unshardable(opts.config, world):
+            return None
         if column_memory(opts, make_column("FULL_SHARD", world, 1), 1)["total_checkpointed"] <= budget:
             return world
         world *= 2
@@ -1213,13 +1314,15 @@ def _describe(col: Column) -> str:
     return {"single": "one device", "ddp": "DDP"}.get(col.kind, f"FSDP {col.name}")
 
 
-def _training_options(col: Column, micro_batch_size: int, checkpointing: bool) -> str:
+def _training_options(col: Column, micro_batch_size: int, checkpointing: bool, cpu_offload: bool = False) -> str:
     """The same set-up as options of the training commands."""
     options = []
     if col.kind == "ddp":
         options.append("--distributed.strategy ddp")
     elif col.kind == "fsdp":
         options.append(f"--distributed.sharding {col.name}")
+        if cpu_offload:
+            options.append("--distributed.cpu_offload true")
     options.append(f"--train.micro_batch_size {micro_batch_size}")
     options.append(f"--distributed.activation_checkpointing {'true' if checkpointing else 'false'}")
     return " ".join(options)

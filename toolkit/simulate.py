@@ -386,6 +386,7 @@ def preflight(
     device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
     precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
     lora_modules: tuple[str, ...] = (), lora_r: int = 8, headroom: float = 0.95,
+    quantize: Optional[str] = None, cpu_offload: bool = False,
 ) -> str:
     """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
     `device_bytes`; return the line saying it fits otherwise.
@@ -393,11 +394,13 @@ def preflight(
     Uses the analytic estimator (`toolkit.estimate.column_memory`, milliseconds; tests hold it to
     the simulation), because a simulated 70B step takes most of a minute. The refusal names the
     estimate and the nearest settings that fit: FULL_SHARD instead of HYBRID_SHARD, activation
-    checkpointing, a smaller micro-batch (tried in that order, and combined).
+    checkpointing, a smaller micro-batch (tried in that order, and combined). `quantize` and
+    `cpu_offload` are those of the run (QLoRA's frozen base; FSDP's CPU offload).
     """
     from toolkit.estimate import Options, column_memory, make_column
 
-    opts = Options(config, precision, finetune, lora_modules, lora_r, None, max_seq_length)
+    opts = Options(config, precision, finetune, lora_modules, lora_r, quantize, max_seq_length,
+                   cpu_offload=cpu_offload and devices * num_nodes > 1)
     budget = int(device_bytes * headroom)
 
     def need(shard: str, ckpt: bool, micro: int) -> int:
