@@ -2,8 +2,10 @@
 
 `setup_model` shards the meta model (under FSDP) and then fills each rank's own rows of every
 parameter from a `ReadRows` function (the checkpoint, memory-mapped, or the initialiser), so no
-rank ever holds the whole model. `materialize` does the same for one device. The host-memory
-helpers measure what the set-up cost.
+rank ever holds the whole model. `materialize` does the same for one device. NF4 weights
+(`toolkit.training.nf4`) are quantized one weight at a time as their rows are read, on N devices
+and on one, so no process holds the 16-bit base. The host-memory helpers measure what the set-up
+cost.
 
 Importing this module is cheap: torch and lightning are imported inside the functions.
 """
@@ -121,7 +123,13 @@ def _refuse_meta_buffers(model: nn.Module) -> None:
 
 
 def materialize(model: nn.Module, read_rows: ReadRows) -> None:
-    """Give every parameter still on the meta device its full value from `read_rows` (one device)."""
+    """Give every parameter still on the meta device its full value from `read_rows` (one device).
+
+    An NF4 weight still on the meta device (`quantize_blocks_nf4` on a meta model) is read whole in
+    the checkpoint's dtype, quantized on the device that holds its level table (where this process
+    trains: on the GPU when there is one), and let go before the next weight is read: the 16-bit
+    base is never held, only one weight of it at a time.
+    """
     names = {}
     for name, param in model.named_parameters(remove_duplicate=True):
         names[id(param)] = unwrapped_name(name)
@@ -129,10 +137,19 @@ def materialize(model: nn.Module, read_rows: ReadRows) -> None:
     def fill(param):
         if not param.is_meta:
             return None
+        if is_nf4(param):
+            return _quantize_nf4_weight(param, read_rows(names[id(param)], 0, None))
         # Kept in the dtype it is stored in: the precision policy, applied next, casts only what it must.
         return read_rows(names[id(param)], 0, None)
 
     replace_parameters(model, fill)
+
+
+def _quantize_nf4_weight(meta_weight, rows: Tensor):
+    """The NF4Tensor of a whole weight `rows`, in `meta_weight`'s dtype, on the device of its level table."""
+    from toolkit.training.nf4 import nf4_quantize
+
+    return nf4_quantize(rows.to(meta_weight.nf4.device), meta_weight.dtype)
 
 
 def start_host_memory_window() -> int:

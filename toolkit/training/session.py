@@ -148,16 +148,19 @@ class Session:
         return Tokenizer(target)
 
     # ------------------------------------------------------------------ model and optimizer
-    def build_model(self, weights: Union[str, Path] = "random", prepare: Optional[Callable] = None):
+    def build_model(self, weights: Union[str, Path] = "random", prepare: Optional[Callable] = None,
+                    prepare_on_meta: bool = False):
         """The model set up by Fabric (sharded when distributed).
 
         `weights` is "random" (pretraining) or a toolkit checkpoint directory. The model is built
         on the meta device. On one device its full weights are filled in before `prepare(model)`
-        (LoRA injection, freezing, quantization); under FSDP `prepare` runs on the meta model, the
-        model is sharded, and each rank then reads only its own rows of each weight (memory-mapped
-        from the checkpoint, or drawn from per-parameter generators, which give the same model
-        whatever the world size). The precision policy (`precision_dtypes`) is applied before
-        anything is allocated.
+        (LoRA injection, freezing, quantization), unless `prepare_on_meta` says `prepare` works on
+        the meta model (torchao NF4: the weights are then quantized one at a time as they are
+        read, `toolkit.training.model_setup.materialize`); under FSDP `prepare` always runs on the
+        meta model, the model is sharded, and each rank then reads only its own rows of each
+        weight (memory-mapped from the checkpoint, or drawn from per-parameter generators, which
+        give the same model whatever the world size). The precision policy (`precision_dtypes`) is
+        applied before anything is allocated.
         """
         from toolkit.models.gpt import GPT
         from toolkit.training.model_setup import host_memory_growth, materialize, setup_model, start_host_memory_window
@@ -168,8 +171,8 @@ class Session:
         with torch.device("meta"):
             model = GPT(self.config)
         read_rows = self._weight_reader(model, weights)
-        if not is_fsdp(self.fabric):
-            materialize(model, read_rows)  # quantization (QLoRA) needs real weights before `prepare`
+        if not is_fsdp(self.fabric) and not prepare_on_meta:
+            materialize(model, read_rows)  # bitsandbytes quantization (QLoRA) needs real weights before `prepare`
         if prepare is not None:
             model = prepare(model) or model
         policy = apply_precision_policy(model, self.precision)
