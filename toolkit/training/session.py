@@ -206,7 +206,7 @@ class Session:
         """Host memory each rank's model set-up took (growth of its peak RSS), on rank 0's log."""
         mine = torch.tensor([setup_bytes], dtype=torch.float64)
         per_rank = self.fabric.all_gather(mine).flatten().tolist() if self.fabric.world_size > 1 else [setup_bytes]
-        gib = ", ".join(f"{b / 2**30:.2f}" for b in per_rank)
+        gib = ", ".join(f"{b / 2**30:.3f}" for b in per_rank)
         self.fabric.print(f"Model set-up took {gib} GiB of host memory per rank (peak RSS growth)")
 
     def build_optimizer(self, model):
