@@ -72,7 +72,7 @@ What is assumed, and where it comes from:
   weights, for its forward and backward passes. `linear_nf4` keeps no input; it dequantizes the
   whole weight in every forward and backward call, with torchao's unfused ops: two int64 code
   tensors and three tensors of the compute dtype, all of the weight's size, alive at once
-  (`NF4_DEQUANT_BYTES`, measured in tests/test_estimate.py), one weight at a time.
+  (`nf4_dequant_bytes`, measured in tests/test_estimate.py), one weight at a time.
 - CPU offload (`--distributed.cpu_offload`, FSDP columns only, as training): the sharded
   parameters, their gradients and AdamW state live in host memory (counted apart, `host_offload`;
   the optimizer step runs on the CPU); the device holds what a step gathers and computes.
