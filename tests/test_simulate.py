@@ -87,16 +87,19 @@ def _holds_to_the_analytic_peak(sim, opts: Options, column, checkpointed: bool, 
 def test_simulated_step_matches_the_analytic_estimate(step_8b):
     """Measured: every category and the total within 0.05% (4 MiB of 30 GiB)."""
     opts = Options(Config.from_name("llama-3.1-8b"), "bf16-mixed", None, (), 8, None, 2048, device="fake")
-    # The peak is the loss's forward pass: sharded parameters 3.74 + optimizer state 7.48 +
-    # activations 17.21 (every block's saved tensors 14.82, the loss's kept gradients 2.0, its
-    # input and chunk buffers 0.32) + the (final norm, head) unit gathered in bf16 0.98 + the head's
-    # flat all-gather output 0.98 (FSDP frees the last one when the forward pass ends) = 30.39 GiB.
+    # The peak is the loss's backward pass: sharded parameters 3.74 + optimizer state 7.48 +
+    # activations 16.86 (every block's saved tensors 14.82, the loss's kept gradients 2.0, the
+    # token ids and the final norm's) + the gradients the loss's backward pass writes 1.01 (the
+    # head's weight gradient in bf16 0.98, the hidden one) + the (final norm, head) unit gathered
+    # in bf16 0.98 = 30.06 GiB. It had been the loss's forward pass (30.39 GiB) while the head's
+    # flat all-gather output (0.98) stayed alive through the loss; the output units' forward
+    # pre-hook (`strategy._free_flat_gather_output`) frees it after the copy-out.
     # The analytic walk sees the head as gathered (bf16): before, it saw it as stored (float32) and
     # counted a bf16 cast of it that the gathered head does not need, 12% too many activations. The
     # peak had been in the loss's backward pass (32.0 GiB), where the fused loss wrote its float32
     # weight gradient scaled in float32 beside the kept one before casting it (2 GB of waste, fixed
     # in toolkit.models.gpt._scaled; its 16-bit product, 1 GB, is now added up in pieces too).
-    assert _holds_to_the_analytic_peak(step_8b, opts, make_column("FULL_SHARD", 8, 1), False, 1) == "loss forward"
+    assert _holds_to_the_analytic_peak(step_8b, opts, make_column("FULL_SHARD", 8, 1), False, 1) == "loss backward"
     # At the peak, of the edges only the (final norm, head) unit is gathered, in bf16 like a block
     # (0.98 GiB); the embedding was released after its forward pass.
     head = 2 * (128256 * 4096 + 4096)
@@ -114,10 +117,12 @@ def test_simulated_step_matches_the_analytic_estimate(step_8b):
 @pytest.mark.parametrize(
     "name, seq, moment",
     [
-        # Llama-3.1-8B's blocks, 4 of them: the peak is the loss's forward pass, as with 32 (4.64
-        # GiB simulated, 4.64 analytic), where the (final norm, head) unit and its flat all-gather
-        # output sit beside the checkpointed blocks' inputs.
-        ("llama-3.1-8b", 2048, "loss forward"),
+        # Llama-3.1-8B's blocks, 4 of them: the peak is the head's gathering (2.52 GiB simulated,
+        # 2.52 analytic), its copy and its flat all-gather output (0.98 GiB each) beside the
+        # checkpointed blocks' inputs and the final norm's output, just before the output units'
+        # hook frees the flat output (without the hook both stayed through the loss's forward
+        # pass, then the peak).
+        ("llama-3.1-8b", 2048, "head gathered"),
         # Gemma-2B (its 256000 x 2048 embedding tied to the head, in the root unit; small blocks),
         # 512 tokens: the peak is block 0's gathering, when the root's flat all-gather output is
         # still alive beside the root's copies and block 0's flat output and copies (FSDP frees a
@@ -157,7 +162,8 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
 
 def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
     """LoRA runs with their adapters; a quantized base by the analytic figure, since fake tensors
-    cannot run the 4-bit kernels (held to real bitsandbytes layers in tests/test_estimate.py)."""
+    cannot run the 4-bit kernels (held to real bitsandbytes layers and torchao's NF4 in
+    tests/test_estimate.py): replicated (bnb.*) or sharded by FSDP (nf4)."""
     from toolkit.finetune.lora import LoRAArgs
 
     eighty, config, lora = 80 * 10**9, Config.from_name("llama-3.1-70b"), LoRAArgs()
@@ -172,9 +178,18 @@ def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
     # QLoRA on one GPU and replicated on two (bnb.nf4): the quantized base (37 GB) fits.
     for devices, layout in ((1, "single"), (2, "DDP")):
         assert "fits." in preflight(eighty, config, devices, 1, 1, 2048, "bf16-mixed", layout, True, "lora", lora, "bnb.nf4")
-    # An nf4 base sharded by FSDP is not in the analytic model: not checked, and the line says so.
+    # An nf4 base sharded by FSDP: the estimator's nf4 column (NF4 shards, gathered NF4 blocks,
+    # the dequantized weight), below the bf16 base's figure.
     line = preflight(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
-    assert line.startswith("memory pre-flight: not checked") and "nf4" in line
+    opts = Options(config, "bf16-mixed", "lora", tuple(lora.module_names()), lora.r, "nf4", 2048, lora_dropout=lora.dropout)
+    nf4_total = column_memory(opts, make_column("FULL_SHARD", 8, 1), 1)["total_checkpointed"]
+    assert f"about {nf4_total / 2**30:.1f} GiB" in line and line.endswith("fits.") and nf4_total < lora_total
+    # On two 24 GB GPUs each stores half the NF4 base: the refusal names CPU offload, which fits.
+    with pytest.raises(UserError, match=r"does not fit\. --distributed\.cpu_offload true fits"):
+        preflight(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
+    line = preflight(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4",
+                     cpu_offload=True)  # fmt: skip
+    assert line.endswith("fits.")
 
 
 def test_preflight_refuses_what_the_simulation_says_does_not_fit(step_8b):
@@ -184,7 +199,8 @@ def test_preflight_refuses_what_the_simulation_says_does_not_fit(step_8b):
     # any activation: the simulation's peak is far above 80 GB.
     two = simulate(config, 2, 1, sharding="FULL_SHARD", forward=False)
     assert two.params_grads_optimizer + step_8b.peak["Activation"] > eighty
-    with pytest.raises(UserError, match=r"[0-9.]+ GiB per device .* does not fit\. no sharding") as refused:
+    # Only CPU offload (the shards, gradients and AdamW state in host memory) makes it fit.
+    with pytest.raises(UserError, match=r"[0-9.]+ GiB per device .* does not fit\. --distributed\.cpu_offload true fits") as refused:
         preflight(eighty, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
     assert "\n" not in str(refused.value)
     # On 8 ranks the simulated peak is about 30 GiB: accepted.

@@ -37,6 +37,7 @@ def run_finetune(
     seed: int,
     resume: Union[bool, str, Path],
     prepare_model: Optional[Callable] = None,
+    prepare_on_meta: bool = False,
     checkpoint_filter: Optional[Callable[[str], bool]] = None,
     export: Optional[Callable] = None,
     check_args: Optional[Callable] = None,
@@ -99,7 +100,7 @@ def run_finetune(
             + f", {steps_per_epoch} optimizer steps per epoch, "
             f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
         )
-        model = session.build_model(weights=checkpoint_dir, prepare=prepare_model)
+        model = session.build_model(weights=checkpoint_dir, prepare=prepare_model, prepare_on_meta=prepare_on_meta)
         optimizer = session.build_optimizer(model)
         limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
         total_steps = min(limits) if limits else None
