@@ -22,8 +22,10 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, kill_group_at_step, launch_env, run_toolkit, scale_weights_in_place, torchrun_nodes
+from toolkit import estimate as est
 from toolkit.cli import run
 from toolkit.errors import UserError
+from toolkit.models.config import Config
 from toolkit.training.args import DistributedArgs
 from toolkit.training.strategy import plan_quantized_base
 
@@ -188,6 +190,13 @@ def test_nf4_on_two_processes_is_sharded_and_trains_the_adapter_of_one_process(w
     assert len(halves) == 2 and whole > 500_000
     for half in halves:
         assert whole / 2 <= half <= whole / 2 + 14 * 2, (whole, halves)
+    # The estimator (`toolkit estimate --quantize nf4`) predicts these bytes exactly, per rank.
+    config = Config.from_file(wide_base)
+    opts = est.Options(config, "bf16-mixed", "lora", ("down_proj", "gate_proj", "q_proj", "up_proj", "v_proj"), 8,
+                       "nf4", 64)  # fmt: skip
+    specs = est.parameter_specs(config, opts.lora_modules, opts.lora_r)
+    assert [est.fsdp_rank_memory(specs, est.make_column("single", 1, 1), opts)[0]["quantized_base"]] == [whole]
+    assert [r["quantized_base"] for r in est.fsdp_rank_memory(specs, est.make_column("FULL_SHARD", 2, 1), opts)] == halves
 
     # Exports: the peft copy loads on the bf16 base in transformers and changes its output by
     # exactly the adapter; merge_lora merges into the bf16 base.
@@ -309,3 +318,51 @@ def test_nf4_that_cannot_be_split_is_one_clear_line(bf16_base, sums, tmp_path, c
     assert run(_args(bf16_base, sums, tmp_path / "narrow", "nf4", "--devices", "2")) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--quantize nf4 cannot split blocks.0.attn" in err[0], err
+
+
+def test_one_device_quantizes_nf4_weights_one_at_a_time(tmp_path):
+    """Start-up on one device (one process, as finetune_lora runs it: `prepare` on the meta model,
+    then `materialize`): each NF4 weight is read whole from the checkpoint, quantized and let go
+    before the next one is read, so no process holds the bf16 base; the bytes are those of
+    quantizing the loaded weight. The reader only watches (weak references to what it hands out).
+    (Peak host memory on a model large enough to see it: benchmarks/qlora_startup_memory.py.)"""
+    import weakref
+
+    from safetensors.torch import save_file
+
+    from toolkit.model_dir import checkpoint_row_reader
+    from toolkit.models.gpt import GPT
+    from toolkit.training.model_setup import materialize
+    from toolkit.training.nf4 import is_nf4, nf4_quantize, quantize_blocks_nf4
+
+    config = Config(name="nf4-tiny", vocab_size=512, block_size=64, n_layer=2, n_embd=128, n_head=2,
+                    n_query_groups=2, intermediate_size=256)  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(config)
+    torch.manual_seed(0)
+    weights = {name: torch.randn(p.shape).to(torch.bfloat16) for name, p in model.named_parameters()}
+    config.save(tmp_path)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    quantize_blocks_nf4(model, torch.bfloat16, "cpu")
+    nf4_names = {name for name, p in model.named_parameters() if is_nf4(p)}
+    assert len(nf4_names) == 7 * config.n_layer
+
+    reader, handed_out = checkpoint_row_reader(tmp_path), []
+
+    def read_rows(name, start=0, stop=None, out=None):
+        held = [n for n, rows in handed_out if rows() is not None]
+        assert not held, f"reading {name} while the bf16 rows of {held} are still held"
+        rows = reader(name, start, stop, out=out)
+        if name in nf4_names:
+            handed_out.append((name, weakref.ref(rows)))
+        return rows
+
+    materialize(model, read_rows)
+    assert {name for name, _ in handed_out} == nf4_names
+    params = dict(model.named_parameters())
+    for name in nf4_names:
+        expected = nf4_quantize(weights[name], torch.bfloat16)
+        assert is_nf4(params[name]) and not params[name].is_meta
+        for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
+            assert torch.equal(getattr(params[name], part), getattr(expected, part)), (name, part)
+    torch.testing.assert_close(params["embed.weight"], weights["embed.weight"], atol=0, rtol=0)

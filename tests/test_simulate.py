@@ -158,7 +158,8 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
 
 def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
     """LoRA runs with their adapters; a quantized base by the analytic figure, since fake tensors
-    cannot run the 4-bit kernels (held to real bitsandbytes layers in tests/test_estimate.py)."""
+    cannot run the 4-bit kernels (held to real bitsandbytes layers and torchao's NF4 in
+    tests/test_estimate.py): replicated (bnb.*) or sharded by FSDP (nf4)."""
     from toolkit.finetune.lora import LoRAArgs
 
     eighty, config, lora = 80 * 10**9, Config.from_name("llama-3.1-70b"), LoRAArgs()
@@ -173,9 +174,18 @@ def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
     # QLoRA on one GPU and replicated on two (bnb.nf4): the quantized base (37 GB) fits.
     for devices, layout in ((1, "single"), (2, "DDP")):
         assert "fits." in preflight(eighty, config, devices, 1, 1, 2048, "bf16-mixed", layout, True, "lora", lora, "bnb.nf4")
-    # An nf4 base sharded by FSDP is not in the analytic model: not checked, and the line says so.
+    # An nf4 base sharded by FSDP: the estimator's nf4 column (NF4 shards, gathered NF4 blocks,
+    # the dequantized weight), below the bf16 base's figure.
     line = preflight(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
-    assert line.startswith("memory pre-flight: not checked") and "nf4" in line
+    opts = Options(config, "bf16-mixed", "lora", tuple(lora.module_names()), lora.r, "nf4", 2048, lora_dropout=lora.dropout)
+    nf4_total = column_memory(opts, make_column("FULL_SHARD", 8, 1), 1)["total_checkpointed"]
+    assert f"about {nf4_total / 2**30:.1f} GiB" in line and line.endswith("fits.") and nf4_total < lora_total
+    # On two 24 GB GPUs each stores half the NF4 base: the refusal names CPU offload, which fits.
+    with pytest.raises(UserError, match=r"does not fit\. --distributed\.cpu_offload true fits"):
+        preflight(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
+    line = preflight(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4",
+                     cpu_offload=True)  # fmt: skip
+    assert line.endswith("fits.")
 
 
 def test_preflight_refuses_what_the_simulation_says_does_not_fit(step_8b):
@@ -185,7 +195,8 @@ def test_preflight_refuses_what_the_simulation_says_does_not_fit(step_8b):
     # any activation: the simulation's peak is far above 80 GB.
     two = simulate(config, 2, 1, sharding="FULL_SHARD", forward=False)
     assert two.params_grads_optimizer + step_8b.peak["Activation"] > eighty
-    with pytest.raises(UserError, match=r"[0-9.]+ GiB per device .* does not fit\. no sharding") as refused:
+    # Only CPU offload (the shards, gradients and AdamW state in host memory) makes it fit.
+    with pytest.raises(UserError, match=r"[0-9.]+ GiB per device .* does not fit\. --distributed\.cpu_offload true fits") as refused:
         preflight(eighty, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
     assert "\n" not in str(refused.value)
     # On 8 ranks the simulated peak is about 30 GiB: accepted.

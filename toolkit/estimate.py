@@ -22,19 +22,21 @@ For every strategy it splits the memory of one device into:
                       one device and with DDP, of every linear weight that trains; none under FSDP,
                       which gathers every weight in the compute dtype
     buffers           FSDP's gathered (unsharded) weights, all-gather outputs, unsharded gradients
-                      and reduce-scatter inputs; DDP's gradient buckets; bitsandbytes' dequantized
-                      weight: the most of them alive at one moment
+                      and reduce-scatter inputs; DDP's gradient buckets; a quantized base's
+                      dequantized weight (bitsandbytes, torchao NF4): the most of them alive at one
+                      moment, and the dequantized weight
     step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
 
 These do not all exist at once. The peak is parameters + gradients + optimizer state + the largest
 of what is alive besides them at the moments of a step at which it can peak (`step_moments`, by
 category): FSDP gathering the embedding, block 0 and the last block in the forward pass; the loss
 in the forward pass (every activation, the loss's chunk buffers, every weight copy: autocast caches
-them until the forward pass ends); the loss's backward pass; the head's gradient reduced; a
-block's backward pass (the widest activation gradients in flight, `_Tracer.mlp`); the embedding's
-(or a tied root's) gradient reduced; and AdamW's step. Gradients are counted throughout because
-with gradient accumulation they are alive through every micro-batch (without it they grow while
-activations shrink, so this is an upper bound). Under FSDP the moments follow torch 2.13's
+them until the forward pass ends); the loss's backward pass; the head's gradient reduced; a block's
+backward pass (the widest activation gradients in flight, `_Tracer.mlp`; a quantized base's
+dequantized weight while a block computes); the embedding's (or a tied root's) gradient reduced;
+and AdamW's step. Gradients are counted throughout because with gradient accumulation they are
+alive through every micro-batch (without it they grow while activations shrink, so this is an
+upper bound). Under FSDP the moments follow torch 2.13's
 `fully_shard` (`fsdp_moments`); the simulation (`toolkit.simulate`, tests/test_simulate.py) runs
 the real step and holds them to it category by category.
 
@@ -65,9 +67,21 @@ What is assumed, and where it comes from:
   not, and are stored in the compute dtype): 4-bit = half a byte per weight + a float32 absmax per
   64 weights (double quantization: one byte per 64, plus a float32 per 256 of those); int8 = one
   byte per weight + a float32 scale per row. No LoRA head, as in finetune_lora. On more than one
-  device finetune_lora replicates the quantized base and synchronises only the adapters with DDP
+  device finetune_lora replicates a bitsandbytes base and synchronises only the adapters with DDP
   (`toolkit.training.strategy.plan_quantized_base`), so that is the one column shown: the whole
   quantized base on every device, and DDP's bucket copy of the adapters' gradients.
+- QLoRA with torchao's NF4 (`--quantize nf4`, `toolkit.training.nf4`): half a byte per weight, an
+  int8 scale per 64 and a 16-bit factor per 16384, a 16-bit mean per weight. On more than one
+  device FSDP2 shards it like every frozen weight (the FSDP columns): each rank stores the NF4
+  bytes of its own rows (no padding: finetune_lora refuses shapes that do not split into whole
+  groups of 16384 values, and so does the estimate), and gathers a block's NF4 bytes, not 16-bit
+  weights, for its forward and backward passes. `linear_nf4` keeps no input; it dequantizes the
+  whole weight in every forward and backward call, with torchao's unfused ops: two int64 code
+  tensors and three tensors of the compute dtype, all of the weight's size, alive at once
+  (`nf4_dequant_bytes`, measured in tests/test_estimate.py), one weight at a time.
+- CPU offload (`--distributed.cpu_offload`, FSDP columns only, as training): the sharded
+  parameters, their gradients and AdamW state live in host memory (counted apart, `host_offload`;
+  the optimizer step runs on the CPU); the device holds what a step gathers and computes.
 - FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block, one each for the embedding, the final
   norm and the head (a tied embedding and head stay in the root), on the mesh of `toolkit.training.strategy.mesh_layout`): every parameter is
   split along dim 0 and each rank's shard is padded to ceil(rows / shard group) rows; a gradient
@@ -230,6 +244,32 @@ def quantized_bytes(shape: tuple[int, ...], quantize: str) -> int:
     return packed + 4 * blocks + code
 
 
+def nf4_dequant_bytes(numel: int, compute_bytes: int) -> int:
+    """The transient peak of torchao's `NF4Tensor.get_original_weight` (every `linear_nf4` call, forward
+    and backward): the high and low 4-bit codes as two int64 tensors of numel / 2 each, beside the
+    looked-up values, the scaled values and their interleaved result, each of numel / 2 or numel
+    values of the compute dtype: 8 + 3 x compute bytes per weight (14 under bf16)."""
+    return numel * (8 + 3 * compute_bytes)
+
+
+def quantized_names(opts: "Options", specs: list["ParamSpec"]) -> set[str]:
+    """The parameters stored quantized: the linear weights of the blocks (not embedding, norms, head)."""
+    return {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+
+
+def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
+    """The first block linear weight (toolkit name, shape) that does not split into `shards` row
+    ranges of whole NF4 groups (`toolkit.training.nf4.check_nf4_shardable`'s rule), or None."""
+    from toolkit.training.nf4 import ROW_ALIGN  # no torch import
+
+    for s in parameter_specs(config):
+        if s.kind == "linear" and s.unit >= 0:
+            out, inp = s.shape
+            if out % shards or (out // shards) * inp % ROW_ALIGN:
+                return f"{s.name.removesuffix('.weight')} ({out} x {inp})"
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # Activations: a symbolic walk through GPT.forward that tracks what autograd saves
 # --------------------------------------------------------------------------------------------
@@ -321,7 +361,12 @@ class _Tracer:
         n_in = x.numel // self.n
         adapters = self.lora.get(name)
         ac = self.mode.autocast
-        if w.quant == "bnb.int8":
+        if w.quant == "nf4":
+            # torchao's LinearNF4 keeps only its NF4 weight; it dequantizes the whole weight to the
+            # input's dtype (`nf4_dequant_bytes`) and computes in 16 bits under autocast.
+            self.dequant_scratch = max(self.dequant_scratch, nf4_dequant_bytes(w.numel, self.mode.compute))
+            out_b = 2 if ac else x.b
+        elif w.quant == "bnb.int8":
             if x.rg:
                 self.save(x)  # MatMul8bitLt keeps its input
             self.dequant_scratch = max(self.dequant_scratch, w.numel * self.mode.compute)
@@ -480,7 +525,7 @@ class Activations:
     backward_in_flight: int  # gradients in flight in a block's backward pass (see _Tracer.mlp)
     weight_copies: int  # autocast's bf16 copies of float32 weights, all of them
     block_weight_copies: list[int]  # those of each block (what a checkpointed block re-creates)
-    dequant_scratch: int  # bitsandbytes: one dequantized weight at a time
+    dequant_scratch: int  # a quantized block weight dequantized (bitsandbytes, torchao NF4): the largest, one at a time
 
     @property
     def stored(self) -> int:
@@ -631,6 +676,15 @@ def padded_shard_numel(s: ParamSpec, shards: int) -> int:
     return -(-rows // shards) * (s.numel // rows)
 
 
+def shard_bytes(s: ParamSpec, shards: int, opts: "Options", quantized: set[str]) -> int:
+    """Bytes of one rank's shard of `s` as stored: its padded rows in `Options.param_bytes`; for a
+    quantized (NF4) weight, the NF4 bytes of its rows / `shards` rows (not padded: finetune_lora
+    and the estimate refuse shapes that do not split into whole NF4 groups, `nf4_unshardable`)."""
+    if s.name in quantized:
+        return quantized_bytes((s.shape[0] // shards, *s.shape[1:]), opts.quantize)  # type: ignore[arg-type]
+    return padded_shard_numel(s, shards) * opts.param_bytes(s)
+
+
 def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") -> list[dict[str, int]]:
     """Parameter, gradient and optimizer-state bytes on each rank of one shard group (FSDP2).
 
@@ -638,20 +692,25 @@ def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") 
     (trainable or frozen, `Options.param_bytes`). A trainable parameter's gradient shard has the
     same padded size: a view into the unit's reduce-scatter output, in the trainable dtype. Frozen
     parameters get no gradient. AdamW keeps two states shaped like the unpadded local shard, so
-    the first ranks, whose shards are fullest, hold the most.
+    the first ranks, whose shards are fullest, hold the most. A quantized (NF4) weight's shard is
+    the NF4 bytes of its rows / W rows (`quantized_base`: those bytes alone).
     """
     W = column.shard_size
-    params = grads = 0
+    params = grads = quantized_base = 0
     states = [0] * W
+    quantized = quantized_names(opts, specs)
     for s in specs:
-        padded = padded_shard_numel(s, W)
-        params += padded * opts.param_bytes(s)
+        shard = shard_bytes(s, W, opts, quantized)
+        params += shard
+        if s.name in quantized:
+            quantized_base += shard
         if s.trainable:
-            grads += padded * opts.trainable_bytes
+            grads += padded_shard_numel(s, W) * opts.trainable_bytes
             row = s.numel // s.shape[0]
             for r, rows in enumerate(shard_rows(s.shape[0], W)):
                 states[r] += 2 * rows * row * opts.trainable_bytes
-    return [{"parameters": params, "gradients": grads, "optimizer_state": n} for n in states]
+    return [{"parameters": params, "gradients": grads, "optimizer_state": n, "quantized_base": quantized_base}
+            for n in states]
 
 
 # What one device holds at a moment of the step besides parameters, gradients and optimizer state,
@@ -665,7 +724,7 @@ ALL_GATHER = "all-gather buffers"
 UNSHARDED_GRADS = "unsharded gradients"
 REDUCE_SCATTER = "reduce-scatter buffers"
 BUCKETS = "DDP gradient buckets"
-DEQUANTIZED = "dequantized weight"  # bitsandbytes: one weight at a time
+DEQUANTIZED = "dequantized weight"  # a quantized weight dequantized for a block's compute, one at a time
 Moment = dict[str, int]
 
 
@@ -678,9 +737,11 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
 
     - Gathering: under "*-mixed" each unit's float32 shards are cast to the compute dtype and
       all-gathered into one flat output (gloo, on CPU, stages it twice); each parameter's copy is
-      then cut from it ("copy-out"). In the forward pass a unit's flat output is freed after the
-      next unit's copy-out, the last one's when the forward pass ends (the head's: it is alive
-      through the loss); in the backward pass right after the unit's own copy-out.
+      then cut from it ("copy-out"). An NF4 weight (`--quantize nf4`) is gathered as its NF4 bytes,
+      not cast. Under CPU offload each shard is first copied to the device. In the forward pass a
+      unit's flat output is freed after the next unit's copy-out, the last one's when the forward
+      pass ends (the head's: it is alive through the loss); in the backward pass right after the
+      unit's own copy-out.
     - Blocks and the embedding are released after their forward pass (not under SHARD_GRAD_OP) and
       gathered again for their backward pass, each prefetched when the unit after it starts its
       backward pass: the last block when the final norm does, the embedding when block 0 does.
@@ -697,19 +758,35 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     for s in specs:
         units.setdefault(s.unit, []).append(s)
     blocks = [members for unit, members in sorted(units.items()) if unit >= 0]
+    quantized = quantized_names(opts, specs)
     edges = units.get(-1, [])
     tied = opts.config.tie_embeddings
 
+    def gathered(s: ParamSpec) -> int:
+        """`s` gathered whole: an NF4 weight as its NF4 bytes (torchao's NF4Tensor all-gathers its
+        codes, scales and factors as they are stored), any other in `Options.gathered_bytes`,
+        padded to the shard group."""
+        if s.name in quantized:
+            return quantized_bytes(s.shape, opts.quantize)  # type: ignore[arg-type]
+        return padded_shard_numel(s, W) * W * opts.gathered_bytes(s, column)
+
     def copies(members: list[ParamSpec]) -> int:
-        return sum(padded_shard_numel(s, W) * W * opts.gathered_bytes(s, column) for s in members)
+        return sum(gathered(s) for s in members)
 
     def flat(members: list[ParamSpec]) -> int:
         return copies(members) if W > 1 else 0
 
+    def sent(members: list[ParamSpec]) -> int:
+        """The all-gather's inputs made for it: the shards stored in another dtype than the one they
+        are gathered in (float32 under "*-mixed"), cast to it (a frozen 16-bit or NF4 shard is sent
+        as stored); under CPU offload every shard copied to the device first."""
+        cast = sum(gathered(s) // W for s in members
+                   if s.name not in quantized and opts.gathered_bytes(s, column) != opts.param_bytes(s))  # fmt: skip
+        return cast + (sum(shard_bytes(s, W, opts, quantized) for s in members) if opts.cpu_offload else 0)
+
     def in_flight(members: list[ParamSpec]) -> int:
-        """An all-gather before its copy-out: its flat output (twice under gloo) and the shards cast to 16 bits."""
-        cast = copies(members) // W if opts.autocast else 0
-        return (2 if gloo else 1) * flat(members) + cast if W > 1 else copies(members)
+        """An all-gather before its copy-out: its flat output (twice under gloo) and its inputs (`sent`)."""
+        return (2 if gloo else 1) * flat(members) + sent(members) if W > 1 else copies(members)
 
     def grads(members: list[ParamSpec]) -> int:
         return sum(s.numel * opts.gathered_bytes(s, column) for s in members if s.trainable)
@@ -810,6 +887,11 @@ def strategy_moments(specs: list[ParamSpec], column: "Column", opts: "Options") 
     return {name: {BUCKETS: buckets} for name in ("loss forward", "loss backward", "last block backward")}
 
 
+# The moments of `step_moments` at which a block computes (a quantized base's weight dequantized).
+BLOCK_COMPUTE = ("block 0 gathered", "last block gathered", "last block backward", "block backward",
+                 "block backward end", "block 0 backward", "block 0 backward end")
+
+
 def step_moments(opts: "Options", column: "Column", act: "Activations", checkpointed: bool,
                  specs: list[ParamSpec], step_scratch: int) -> dict[str, Moment]:  # fmt: skip
     """Everything alive on one device beside parameters, gradients and optimizer state, by category,
@@ -818,7 +900,9 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
     Activations: in the forward pass a checkpointed block keeps only its input; in the backward
     pass it is recomputed (its activations and weight copies made again, temporaries then) beside
     the widest gradients in flight. The loss's saved gradients go with its backward pass, the last
-    block's activations (or input) with its own. The strategy's part is `strategy_moments`.
+    block's activations (or input) with its own. The strategy's part is `strategy_moments`. A
+    quantized base's dequantized weight (`Activations.dequant_scratch`) exists while a block
+    computes: in its forward pass (counted at its gathering) and its backward pass.
     """
     saved_forward = sum(act.block_inputs) if checkpointed else act.stored
     saved_backward = sum(act.block_inputs) if checkpointed else act.stored
@@ -856,7 +940,7 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
         moment = dict(activations.get(name, {}))
         for key, value in held.items():
             moment[key] = moment.get(key, 0) + value
-        if act.dequant_scratch:
+        if name in BLOCK_COMPUTE:
             moment[DEQUANTIZED] = act.dequant_scratch
         moments[name] = {k: v for k, v in moment.items() if v}
     moments["optimizer step"] = {TEMPORARIES: step_scratch}  # AdamW's foreach temporaries
@@ -903,6 +987,7 @@ class Options:
     # (the CPU's kernels on fake tensors, allocating as on a GPU: `toolkit.simulate`).
     device: Literal["cuda", "cpu", "fake"] = "cuda"
     lora_dropout: float = 0.0
+    cpu_offload: bool = False  # FSDP's CPUOffloadPolicy: shards, gradients and AdamW state in host memory
 
     @property
     def compute_bytes(self) -> int:
@@ -946,7 +1031,7 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
     gradients and optimizer state plus the largest moment of `step_moments`."""
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
-    quantized = {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+    quantized = quantized_names(opts, specs)
 
     def stored(s: ParamSpec) -> int:
         if s.name in quantized:
@@ -965,6 +1050,14 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         out["gradients"] = ranks[0]["gradients"]
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
         out["step_scratch"] = out["optimizer_state"] // 2
+    out["host_offload"] = 0
+    if column.kind == "fsdp" and opts.cpu_offload:
+        # CPUOffloadPolicy: the shards, their gradients and AdamW state are host memory, and the
+        # step runs there. Each unit's shards are copied to the device for its all-gather (the
+        # all-gather inputs of `fsdp_moments`) and its reduced gradients copied back.
+        out["host_offload"] = out["parameters"] + out["gradients"] + out["optimizer_state"] + out["step_scratch"]
+        for key in ("parameters", "gradients", "optimizer_state", "step_scratch"):
+            out[key] = 0
     act = activations(opts, column, micro_batch_size, specs, quantized)
     out["activations"] = act.stored
     out["activations_checkpointed"] = act.checkpointed
@@ -1076,6 +1169,7 @@ def estimate(
     memory_budget_gb: Optional[float] = None,
     model_overrides: Optional[dict[str, Any]] = None,
     simulate: bool = False,
+    cpu_offload: bool = False,
 ) -> dict[str, Any]:
     """Estimate the memory per device of a training step, for each distributed strategy.
 
@@ -1096,7 +1190,8 @@ def estimate(
         lora_r: LoRA rank.
         lora_targets: Layers that get adapters: query, key, value, projection, mlp, head.
         lora_dropout: Dropout on the adapters' input (finetune_lora's default 0.05; 0 saves a mask per input).
-        quantize: bitsandbytes quantization of the frozen linear weights (QLoRA; needs finetune lora).
+        quantize: Quantization of the frozen linear weights (QLoRA; needs finetune lora): nf4
+            (torchao, sharded by FSDP2 on several devices) or bnb.* (bitsandbytes, replicated).
         activation_checkpointing: Recompute each block in the backward pass (true), store its
             activations (false), or show both (default).
         memory_budget_gb: Memory per device in GiB; recommends the cheapest configuration that fits.
@@ -1104,11 +1199,14 @@ def estimate(
         simulate: Also run the real training step (FSDP2, LoRA, precision, AdamW) on fake tensors
             and devices x num_nodes fake ranks, and print each rank's peak by category and the
             bytes it sends per step (`toolkit.simulate`; up to a minute for 70B). For the FSDP
-            sharding given (default HYBRID_SHARD); not for QLoRA (bitsandbytes needs real data).
+            sharding given (default HYBRID_SHARD); not for QLoRA (quantized weights need real data).
+        cpu_offload: FSDP's CPU offload (--distributed.cpu_offload): the shards, gradients and AdamW
+            state of each device live in host memory (shown apart); FSDP columns only.
     """
     opts, columns, notes, chosen_ckpt = _resolve(
         model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
         lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
+        cpu_offload,
     )  # fmt: skip
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
@@ -1125,11 +1223,16 @@ def estimate(
         "quantize": quantize,
         "lora_dropout": opts.lora_dropout,
         "activation_checkpointing": activation_checkpointing,
+        "cpu_offload": opts.cpu_offload,
         "columns": [col.name for col in columns],
         "strategies": {col.name: column_memory(opts, col, micro_batch_size) for col in columns},
         "notes": notes,
         "recommendation": None,
     }
+    if opts.cpu_offload:
+        host = max(figures["host_offload"] for figures in result["strategies"].values())
+        notes.append(f"CPU offload: each device's parameter shards, gradients and AdamW state ({host / GiB:.2f} GiB "
+                     "at most, shown as 0 above) live in host memory, and the optimizer step runs on the CPU.")
     if memory_budget_gb is not None:
         result["recommendation"] = recommend(
             opts, columns, micro_batch_size, memory_budget_gb, chosen_ckpt, devices, num_nodes
@@ -1145,7 +1248,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
               checkpointing: bool):  # fmt: skip
     """Run `toolkit.simulate` for the set-up, print its table; None (with a note) where it cannot run."""
     if opts.quantize is not None:
-        print(f"note: {opts.quantize} cannot be simulated (bitsandbytes kernels need real data): the figures above "
+        print(f"note: {opts.quantize} cannot be simulated (quantized weights need real data): the figures above "
               "are the analytic estimate.")
         return None
     if devices * num_nodes == 1:
@@ -1170,6 +1273,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
 def _resolve(
     model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
     lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
+    cpu_offload=False,
 ):  # fmt: skip
     """Validate the arguments (UserError) and decide the columns to show."""
     from toolkit.training.precision import PRECISION_ALIASES, PRECISIONS
@@ -1227,6 +1331,8 @@ def _resolve(
         raise UserError(
             f"activation_checkpointing must be true, false or left out, got {activation_checkpointing!r}."
         )
+    if cpu_offload not in (True, False):
+        raise UserError(f"cpu_offload must be true or false, got {cpu_offload!r}.")
 
     notes: list[str] = []
     world = devices * num_nodes
@@ -1236,7 +1342,14 @@ def _resolve(
         if strategy != "auto" or sharding is not None:
             notes.append("One device in total: a single device is used whatever the strategy.")
     else:
-        if quantize is not None:
+        if quantize == "nf4":
+            # finetune_lora shards torchao's NF4 base with FSDP2 (`plan_quantized_base`), never DDP.
+            if strategy == "ddp":
+                raise UserError("quantize nf4 shards the base with FSDP: leave strategy out (or use quantize "
+                                "bnb.nf4, which DDP replicates).")
+            notes.append(f"QLoRA nf4 on {world} devices runs as finetune_lora runs it: FSDP2 shards the NF4 base "
+                         "like every frozen weight, so its bytes per device fall as 1/N.")
+        if quantize is not None and quantize != "nf4":
             from toolkit.training.strategy import QUANTIZED_BASE_NOT_SHARDED
 
             if strategy == "fsdp" or sharding is not None:
@@ -1254,6 +1367,11 @@ def _resolve(
                 columns.append(make_column("DDP", devices, num_nodes))
             else:
                 wanted = [sharding] if sharding else ["NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD"]
+                if quantize == "nf4" and not sharding:
+                    # QLoRA shards its base to fit: finetune_lora's default sharding (HYBRID_SHARD, which
+                    # is FULL_SHARD on one node) and FULL_SHARD; NO_SHARD and SHARD_GRAD_OP keep every
+                    # device's whole base (on the device, or in host memory with CPU offload).
+                    wanted = ["HYBRID_SHARD", "FULL_SHARD"]
                 for s in wanted:
                     if s == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
                         why = "one node" if num_nodes == 1 else "one device per node"
@@ -1262,11 +1380,21 @@ def _resolve(
                             columns.append(make_column("FULL_SHARD", devices, num_nodes))
                         continue
                     columns.append(make_column(s, devices, num_nodes))
-                if strategy == "auto" and sharding is None:
+                if strategy == "auto" and sharding is None and quantize is None:
                     columns.append(make_column("DDP", devices, num_nodes))
+        if quantize == "nf4":
+            for col in columns:
+                weight = nf4_unshardable(config, col.shard_size)
+                if weight is not None:
+                    raise UserError(
+                        f"quantize nf4 cannot split {weight} over {col.shard_size} shards ({col.name}): each needs "
+                        "whole groups of 16384 values; use fewer devices or quantize bnb.nf4."
+                    )
+    if cpu_offload and not any(col.kind == "fsdp" for col in columns):
+        notes.append("cpu_offload applies to FSDP only (more than one device, not DDP): ignored.")
     columns.sort(key=lambda col: COLUMN_ORDER.index(col.name))
     opts = Options(config, name, finetune, lora_modules, lora_r, quantize, max_seq_length,
-                   lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0)  # fmt: skip
+                   lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0, cpu_offload=cpu_offload)  # fmt: skip
     return opts, columns, notes, activation_checkpointing
 
 
@@ -1321,12 +1449,12 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
             "max_micro_batch_size": m,
             "total": total,
             "budget": budget,
-            "options": _training_options(col, micro, ckpt),
+            "options": _training_options(col, micro, ckpt, opts.cpu_offload),
             "message": (
                 f"Fits in {budget_gb:g} GiB per device: {_describe(col)}, micro batch {micro}"
                 f"{'' if micro == m else f' (up to {m} fits)'}, activation checkpointing "
                 f"{'on' if ckpt else 'off'}: {total / GiB:.2f} GiB.\n"
-                f"Training options: {_training_options(col, micro, ckpt)}"
+                f"Training options: {_training_options(col, micro, ckpt, opts.cpu_offload)}"
             ),
         }
     # Nothing fits: say by how much and what would help.
@@ -1336,7 +1464,7 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
     if opts.finetune != "lora":
         hints.append("fine-tune with LoRA (--finetune lora)")
     elif opts.quantize is None:
-        hints.append("quantize the frozen weights (--quantize bnb.nf4)")
+        hints.append("quantize the frozen weights (--quantize nf4)")
     more = _devices_needed(opts, budget)
     if more and more > devices * num_nodes:
         hints.append(f"more devices (FULL_SHARD fits on {more} devices in total, micro batch 1, checkpointing)")
@@ -1346,7 +1474,7 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
         hints.append(
             f"a shorter --max_seq_length (one sequence's activations and logits alone take {sequence / GiB:.2f} GiB)"
         )
-    if opts.quantize is None and devices * num_nodes > 1:
+    if opts.quantize in (None, "nf4") and devices * num_nodes > 1 and not opts.cpu_offload:
         hints.append(
             "CPU offload of FSDP parameters, gradients and optimizer state (--distributed.cpu_offload true; slow)"
         )
@@ -1365,10 +1493,12 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
 
 
 def _devices_needed(opts: Options, budget: int) -> Optional[int]:
-    if opts.quantize is not None:
+    if opts.quantize not in (None, "nf4"):  # bitsandbytes: replicated, more devices do not help
         return None
     world = 2
     while world <= 8192:
+        if opts.quantize == "nf4" and nf4_unshardable(opts.config, world):
+            return None
         if column_memory(opts, make_column("FULL_SHARD", world, 1), 1)["total_checkpointed"] <= budget:
             return world
         world *= 2
@@ -1379,13 +1509,15 @@ def _describe(col: Column) -> str:
     return {"single": "one device", "ddp": "DDP"}.get(col.kind, f"FSDP {col.name}")
 
 
-def _training_options(col: Column, micro_batch_size: int, checkpointing: bool) -> str:
+def _training_options(col: Column, micro_batch_size: int, checkpointing: bool, cpu_offload: bool = False) -> str:
     """The same set-up as options of the training commands."""
     options = []
     if col.kind == "ddp":
         options.append("--distributed.strategy ddp")
     elif col.kind == "fsdp":
         options.append(f"--distributed.sharding {col.name}")
+        if cpu_offload:
+            options.append("--distributed.cpu_offload true")
     options.append(f"--train.micro_batch_size {micro_batch_size}")
     options.append(f"--distributed.activation_checkpointing {'true' if checkpointing else 'false'}")
     return " ".join(options)

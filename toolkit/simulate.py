@@ -400,7 +400,7 @@ def _collective_size(name: str, args) -> tuple[Optional[int], float]:
 def preflight(
     device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
     precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
-    lora: Any = None, quantize: Optional[str] = None, headroom: float = 0.95,
+    lora: Any = None, quantize: Optional[str] = None, headroom: float = 0.95, cpu_offload: bool = False,
 ) -> str:
     """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
     `device_bytes`; return the line saying it fits otherwise.
@@ -410,13 +410,14 @@ def preflight(
     Uses the analytic estimator (`toolkit.estimate.column_memory`, milliseconds; tests hold it to
     the simulation), because a simulated 70B step takes most of a minute. The refusal names the
     estimate and the nearest settings that fit: FULL_SHARD instead of HYBRID_SHARD, activation
-    checkpointing, a smaller micro-batch (tried in that order, and combined).
+    checkpointing, a smaller micro-batch (tried in that order, and combined), and last FSDP's CPU
+    offload. `cpu_offload` is the run's (FSDP only: ignored on one device and with DDP, as training
+    ignores it).
 
     `quantize` (QLoRA): fake tensors cannot run the 4-bit kernels, so the figure for the quantized
-    base is the analytic one in any case (its bytes and one dequantized weight at a time, held to
-    real bitsandbytes layers in tests/test_estimate.py). It covers the base on one device and the
-    bnb.* base replicated on every device (the DDP scheme); an nf4 base sharded by FSDP is not in
-    the analytic model, and such a run is not checked: the line returned says so.
+    base is the analytic one in any case: its bytes (per rank for an nf4 base, which FSDP shards;
+    the whole bnb.* base, which every device holds) and one dequantized weight at a time, held to
+    real bitsandbytes layers and torchao's NF4 in tests/test_estimate.py.
     """
     from toolkit.estimate import Options, column_memory, make_column
 
@@ -432,15 +433,16 @@ def preflight(
     shard = sharding if world > 1 else "single"
     if shard == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
         shard = "FULL_SHARD"
-    if quantize is not None and shard not in ("single", "DDP"):
-        return (f"memory pre-flight: not checked: the analytic estimate has no model of a --quantize {quantize} base "
-                "sharded by FSDP (see `toolkit estimate`).")
-    opts = Options(config, precision, finetune, lora_modules, lora.r if lora_modules else 8, quantize,
-                   max_seq_length, lora_dropout=lora_dropout)  # fmt: skip
+    sharded = shard not in ("single", "DDP")
+
+    def options(offload: bool) -> Options:
+        return Options(config, precision, finetune, lora_modules, lora.r if lora_modules else 8, quantize,
+                       max_seq_length, lora_dropout=lora_dropout, cpu_offload=offload and sharded)  # fmt: skip
+
     budget = int(device_bytes * headroom)
 
-    def need(shard: str, ckpt: bool, micro: int) -> int:
-        figures = column_memory(opts, make_column(shard, devices, num_nodes), micro)
+    def need(shard: str, ckpt: bool, micro: int, offload: bool = cpu_offload) -> int:
+        figures = column_memory(options(offload), make_column(shard, devices, num_nodes), micro)
         return figures["total_checkpointed" if ckpt else "total"]
 
     wanted = need(shard, activation_checkpointing, micro_batch_size)
@@ -448,30 +450,35 @@ def preflight(
             f"(analytic estimate) of {device_bytes / GiB:.1f} GiB")
     if wanted <= budget:
         return line + ": fits."
+    # (offload turned on, sharding changed, checkpointing turned on, micro-batch lowered): the fewest changes first
     tries = []
     shards = [shard] + (["FULL_SHARD"] if shard == "HYBRID_SHARD" else [])
-    for s in shards:
-        for ckpt in sorted({activation_checkpointing, True}):
-            micro = micro_batch_size
-            while micro >= 1:
-                if (s, ckpt, micro) != (shard, activation_checkpointing, micro_batch_size):
-                    total = need(s, ckpt, micro)
-                    if total <= budget:
-                        tries.append((s != shard, ckpt != activation_checkpointing, micro_batch_size - micro, s, ckpt, micro, total))
-                        break
-                micro //= 2
+    for offload in sorted({cpu_offload, cpu_offload or sharded}):
+        for s in shards:
+            for ckpt in sorted({activation_checkpointing, True}):
+                micro = micro_batch_size
+                while micro >= 1:
+                    if (offload, s, ckpt, micro) != (cpu_offload, shard, activation_checkpointing, micro_batch_size):
+                        total = need(s, ckpt, micro, offload)
+                        if total <= budget:
+                            tries.append((offload != cpu_offload, s != shard, ckpt != activation_checkpointing,
+                                          micro_batch_size - micro, offload, s, ckpt, micro, total))  # fmt: skip
+                            break
+                    micro //= 2
     if tries:
-        *_, s, ckpt, micro, total = min(tries)
-        options = []
+        *_, offload, s, ckpt, micro, total = min(tries)
+        changes = []
         if s != shard:
-            options.append(f"--distributed.sharding {s}")
+            changes.append(f"--distributed.sharding {s}")
         if ckpt != activation_checkpointing:
-            options.append("--distributed.activation_checkpointing true")
+            changes.append("--distributed.activation_checkpointing true")
         if micro != micro_batch_size:
-            options.append(f"--train.micro_batch_size {micro}")
-        advice = f"{' '.join(options)} fits ({total / GiB:.1f} GiB)"
+            changes.append(f"--train.micro_batch_size {micro}")
+        if offload != cpu_offload:
+            changes.append("--distributed.cpu_offload true")
+        advice = f"{' '.join(changes)} fits ({total / GiB:.1f} GiB)"
     else:
         instead = {None: "LoRA", "full": "LoRA"}.get(finetune, "a quantized base (--quantize nf4)" if quantize is None else None)
-        advice = ("no sharding, checkpointing or micro-batch setting fits: use more devices"
+        advice = ("no sharding, checkpointing, micro-batch or CPU offload setting fits: use more devices"
                   + (f" or {instead}" if instead else "") + " (see `toolkit estimate`)")
     raise UserError(f"{line}: does not fit. {advice}; or skip this check with --distributed.preflight false.")

@@ -39,6 +39,7 @@ def run_finetune(
     resume: Union[bool, str, Path],
     prepare_model: Optional[Callable] = None,
     frozen_base: bool = False,
+    prepare_on_meta: bool = False,
     export: Optional[Callable] = None,
     check_args: Optional[Callable] = None,
     export_dtype: Optional[str] = None,
@@ -51,6 +52,7 @@ def run_finetune(
     `lora` and `quantize`: LoRA's adapters and quantized base, for the memory pre-flight.
     `frozen_base`: the weights of `checkpoint_dir` stay frozen (LoRA): training checkpoints hold only
     what trains, and a resume is refused if `checkpoint_dir` is not the base they were trained on.
+    `prepare_on_meta`: `prepare_model` works on the meta model (nf4 quantizes each weight as it is read).
     """
     from toolkit.model_dir import export_dtype as resolve_export_dtype
     from toolkit.model_dir import require_checkpoint_dir
@@ -103,7 +105,7 @@ def run_finetune(
             + f", {steps_per_epoch} optimizer steps per epoch, "
             f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
         )
-        model = session.build_model(weights=checkpoint_dir, prepare=prepare_model)
+        model = session.build_model(weights=checkpoint_dir, prepare=prepare_model, prepare_on_meta=prepare_on_meta)
         optimizer = session.build_optimizer(model)
         limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
         total_steps = min(limits) if limits else None

@@ -247,7 +247,8 @@ def finetune_lora(
             from toolkit.training.nf4 import quantize_blocks_nf4
             from toolkit.training.precision import precision_dtypes
 
-            # Under FSDP the model is still on the meta device: each rank quantizes its own rows later.
+            # The model is still on the meta device (prepare_on_meta below): each weight is quantized
+            # as it is read, its own rows on each rank under FSDP, whole on one device.
             quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1], current_device())
         elif quantize is not None:
             model = quantize_linears(model, quantize, resolved_precision)
@@ -264,6 +265,8 @@ def finetune_lora(
     _, model = run_finetune(
         "finetune_lora", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
         precision, seed, resume, prepare_model=prepare, frozen_base=True, export=export,
+        # nf4 quantizes the meta model's weights one at a time as they are read, on one device too
+        prepare_on_meta=quantize == "nf4",
         check_args=check_args, startup_notes=startup_notes, hparams=hparams, lora=lora, quantize=quantize,
     )
     return model

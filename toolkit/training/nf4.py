@@ -107,10 +107,12 @@ def nf4_linear_class() -> type:
 def quantize_blocks_nf4(model, dtype: Any, device: Any = "cpu") -> None:
     """Replace every Linear inside the blocks by an NF4Linear holding its weight in NF4 (`dtype` to compute).
 
-    On the meta device (the sharded path) the NF4 weights are empty, filled later rank by rank
-    (`toolkit.training.model_setup.setup_model`), except for two small tensors FSDP does not shard
-    and `to_empty` does not allocate: the mean and the 16-level table, made here on `device` (where
-    the rank trains) and filled in place later. With real weights they are quantized here.
+    On the meta device (how finetune_lora builds it) the NF4 weights are empty, filled later weight
+    by weight as they are read (`toolkit.training.model_setup.setup_model`: each rank's own rows
+    under FSDP; whole weights on one device), except for two small tensors FSDP does not shard and
+    `to_empty` does not allocate: the mean and the 16-level table, made here on `device` (where the
+    rank trains; one device quantizes there) and filled in place later. With real weights they are
+    quantized here.
     """
     import torch
     import torch.nn as nn

@@ -200,16 +200,19 @@ class Session:
         return Tokenizer(target)
 
     # ------------------------------------------------------------------ model and optimizer
-    def build_model(self, weights: Union[str, Path] = "random", prepare: Optional[Callable] = None):
+    def build_model(self, weights: Union[str, Path] = "random", prepare: Optional[Callable] = None,
+                    prepare_on_meta: bool = False):
         """The model set up by Fabric (sharded when distributed).
 
         `weights` is "random" (pretraining) or a toolkit checkpoint directory. The model is built
         on the meta device. On one device its full weights are filled in before `prepare(model)`
-        (LoRA injection, freezing, quantization); under FSDP `prepare` runs on the meta model, the
-        model is sharded, and each rank then reads only its own rows of each weight (memory-mapped
-        from the checkpoint, or drawn from per-parameter generators, which give the same model
-        whatever the world size). The precision policy (`precision_dtypes`) is applied before
-        anything is allocated.
+        (LoRA injection, freezing, quantization), unless `prepare_on_meta` says `prepare` works on
+        the meta model (torchao NF4: the weights are then quantized one at a time as they are
+        read, `toolkit.training.model_setup.materialize`); under FSDP `prepare` always runs on the
+        meta model, the model is sharded, and each rank then reads only its own rows of each
+        weight (memory-mapped from the checkpoint, or drawn from per-parameter generators, which
+        give the same model whatever the world size). The precision policy (`precision_dtypes`) is
+        applied before anything is allocated.
         """
         from toolkit.models.gpt import GPT
         from toolkit.training.model_setup import host_memory_growth, materialize, setup_model, start_host_memory_window
@@ -220,8 +223,8 @@ class Session:
         with torch.device("meta"):
             model = GPT(self.config)
         read_rows = self._weight_reader(model, weights)
-        if not is_fsdp(self.fabric):
-            materialize(model, read_rows)  # quantization (QLoRA) needs real weights before `prepare`
+        if not is_fsdp(self.fabric) and not prepare_on_meta:
+            materialize(model, read_rows)  # bitsandbytes quantization (QLoRA) needs real weights before `prepare`
         if prepare is not None:
             model = prepare(model) or model
         policy = apply_precision_policy(model, self.precision)
@@ -255,7 +258,7 @@ class Session:
         """Host memory each rank's model set-up took (growth of its peak RSS), on rank 0's log."""
         mine = torch.tensor([setup_bytes], dtype=torch.float64)
         per_rank = self.fabric.all_gather(mine).flatten().tolist() if self.fabric.world_size > 1 else [setup_bytes]
-        gib = ", ".join(f"{b / 2**30:.2f}" for b in per_rank)
+        gib = ", ".join(f"{b / 2**30:.3f}" for b in per_rank)
         self.fabric.print(f"Model set-up took {gib} GiB of host memory per rank (peak RSS growth)")
 
     def build_optimizer(self, model):
@@ -399,7 +402,8 @@ def rank_seed(seed: int, rank: int) -> int:
 def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs, max_seq_length: int,
                       distributed: DistributedArgs, lora: Any = None, quantize: Optional[str] = None) -> None:
     """Stop before any weight is read when a step will not fit in GPU 0's memory (see
-    `toolkit.simulate.preflight`). finetune_lora passes its adapters (`lora`) and `quantize`."""
+    `toolkit.simulate.preflight`). finetune_lora passes its adapters (`lora`) and `quantize`; the
+    strategy plan says whether FSDP offloads to the CPU."""
     if kind not in ("pretrain", "finetune_full", "finetune_lora"):
         return
     from toolkit.simulate import preflight
@@ -409,6 +413,7 @@ def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs
         torch.cuda.get_device_properties(0).total_memory, config, strategy.devices, strategy.num_nodes,
         train.micro_batch_size, max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
         finetune={"pretrain": None, "finetune_lora": "lora"}.get(kind, "full"), lora=lora, quantize=quantize,
+        cpu_offload=strategy.cpu_offload,
     )
     # Before launch every process of the run gets here (Fabric re-runs the command per local rank,
     # torchrun starts them all): the line that it fits is printed by the first one only.
