@@ -87,16 +87,19 @@ def _holds_to_the_analytic_peak(sim, opts: Options, column, checkpointed: bool, 
 def test_simulated_step_matches_the_analytic_estimate(step_8b):
     """Measured: every category and the total within 0.05% (4 MiB of 30 GiB)."""
     opts = Options(Config.from_name("llama-3.1-8b"), "bf16-mixed", None, (), 8, None, 2048, device="fake")
-    # The peak is the loss's forward pass: sharded parameters 3.74 + optimizer state 7.48 +
-    # activations 17.21 (every block's saved tensors 14.82, the loss's kept gradients 2.0, its
-    # input and chunk buffers 0.32) + the (final norm, head) unit gathered in bf16 0.98 + the head's
-    # flat all-gather output 0.98 (FSDP frees the last one when the forward pass ends) = 30.39 GiB.
+    # The peak is the loss's backward pass: sharded parameters 3.74 + optimizer state 7.48 +
+    # activations 16.86 (every block's saved tensors 14.82, the loss's kept gradients 2.0, the
+    # token ids and the final norm's) + the gradients the loss's backward pass writes 1.01 (the
+    # head's weight gradient in bf16 0.98, the hidden one) + the (final norm, head) unit gathered
+    # in bf16 0.98 = 30.06 GiB. It had been the loss's forward pass (30.39 GiB) while the head's
+    # flat all-gather output (0.98) stayed alive through the loss; the output units' forward
+    # pre-hook (`strategy._free_flat_gather_output`) frees it after the copy-out.
     # The analytic walk sees the head as gathered (bf16): before, it saw it as stored (float32) and
     # counted a bf16 cast of it that the gathered head does not need, 12% too many activations. The
     # peak had been in the loss's backward pass (32.0 GiB), where the fused loss wrote its float32
     # weight gradient scaled in float32 beside the kept one before casting it (2 GB of waste, fixed
     # in toolkit.models.gpt._scaled; its 16-bit product, 1 GB, is now added up in pieces too).
-    assert _holds_to_the_analytic_peak(step_8b, opts, make_column("FULL_SHARD", 8, 1), False, 1) == "loss forward"
+    assert _holds_to_the_analytic_peak(step_8b, opts, make_column("FULL_SHARD", 8, 1), False, 1) == "loss backward"
     # At the peak, of the edges only the (final norm, head) unit is gathered, in bf16 like a block
     # (0.98 GiB); the embedding was released after its forward pass.
     head = 2 * (128256 * 4096 + 4096)
@@ -115,10 +118,12 @@ def test_simulated_step_matches_the_analytic_estimate(step_8b):
 @pytest.mark.parametrize(
     "name, seq, moment",
     [
-        # Llama-3.1-8B's blocks, 4 of them: the peak is the loss's forward pass, as with 32 (4.64
-        # GiB simulated, 4.64 analytic), where the (final norm, head) unit and its flat all-gather
-        # output sit beside the checkpointed blocks' inputs.
-        ("llama-3.1-8b", 2048, "loss forward"),
+        # Llama-3.1-8B's blocks, 4 of them: the peak is the head's gathering (2.52 GiB simulated,
+        # 2.52 analytic), its copy and its flat all-gather output (0.98 GiB each) beside the
+        # checkpointed blocks' inputs and the final norm's output, just before the output units'
+        # hook frees the flat output (without the hook both stayed through the loss's forward
+        # pass, then the peak).
+        ("llama-3.1-8b", 2048, "head gathered"),
         # Gemma-2B (its 256000 x 2048 embedding tied to the head, in the root unit; small blocks),
         # 512 tokens: the peak is block 0's gathering, when the root's flat all-gather output is
         # still alive beside the root's copies and block 0's flat output and copies (FSDP frees a
@@ -302,3 +307,37 @@ def test_simulated_peak_matches_the_real_step(real_run, setup):
         assert sim.peak.get(key, 0) == pytest.approx(real["peak"].get(key, 0), rel=1e-3, abs=8192), key
     assert sim.persistent == real["persistent"]
     assert sim.sent_bytes == real["sent"]
+
+
+def test_the_heads_flat_gather_output_is_freed_before_the_loss():
+    """FSDP2 keeps a unit's flat all-gather output in the forward pass until the next unit gathers
+    (so that the next gather overlaps the copy-out). After the head nothing gathers until the
+    backward pass, so without `strategy._free_flat_gather_output` a second copy of the gathered head
+    would stay alive through the loss (a synchronous gather on 2 fake ranks, as NCCL's default)."""
+    import torch
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from toolkit.models.gpt import GPT, Block
+    from toolkit.training.args import DistributedArgs
+    from toolkit.training.strategy import plan_strategy, shard_model
+
+    config = Config(name="edges", vocab_size=96, block_size=16, n_layer=2, n_embd=32, n_head=4)
+    plan = plan_strategy(2, 1, "32-true", DistributedArgs(strategy="fsdp", sharding="FULL_SHARD"), accelerator="cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        with torch.device("meta"):
+            model = GPT(config)
+        shard_model(model, init_device_mesh("cpu", (2,)), plan, Block)
+        group = model.lm_head._get_fsdp_state()._fsdp_param_group
+        seen = {}
+        model.lm_head.register_forward_hook(lambda m, a, out: seen.update(kept=group.comm_ctx.all_gather_state))
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            ids = torch.zeros(1, 8, dtype=torch.long)
+            model(ids, labels=ids)
+    finally:
+        dist.destroy_process_group()
+    assert "kept" in seen and seen["kept"] is None

@@ -526,6 +526,7 @@ class Activations:
     weight_copies: int  # autocast's bf16 copies of float32 weights, all of them
     block_weight_copies: list[int]  # those of each block (what a checkpointed block re-creates)
     dequant_scratch: int  # a quantized block weight dequantized (bitsandbytes, torchao NF4): the largest, one at a time
+    head_input: int = 0  # the final norm's output, alive from the final norm through the loss
 
     @property
     def stored(self) -> int:
@@ -591,7 +592,7 @@ def trace_activations(
     loss_saved = tr.saved_bytes() - before_loss
     hidden_grad = h.numel * h.b if h.rg else 0  # what the loss's backward pass hands to the final norm
     return Activations(blocks, inputs, head, loss_saved, *loss, hidden_grad, tr.backward_in_flight,
-                       sum(tr.weight_copies.values()), block_copies, tr.dequant_scratch)  # fmt: skip
+                       sum(tr.weight_copies.values()), block_copies, tr.dequant_scratch, h.numel * h.b)  # fmt: skip
 
 
 def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tuple[int, int, int]:
@@ -739,9 +740,11 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
       all-gathered into one flat output (gloo, on CPU, stages it twice); each parameter's copy is
       then cut from it ("copy-out"). An NF4 weight (`--quantize nf4`) is gathered as its NF4 bytes,
       not cast. Under CPU offload each shard is first copied to the device. In the forward pass a
-      unit's flat output is freed after the next unit's copy-out, the last one's when the forward
-      pass ends (the head's: it is alive through the loss); in the backward pass right after the
-      unit's own copy-out.
+      unit's flat output is freed after the next unit's copy-out; the output units' (the final
+      norm's and the head's) right after their own, by the toolkit's forward pre-hook
+      (`toolkit.training.strategy._free_flat_gather_output`), so none is alive at the loss but a
+      tied root's last block's (freed when the forward pass ends); in the backward pass right
+      after the unit's own copy-out.
     - Blocks and the embedding are released after their forward pass (not under SHARD_GRAD_OP) and
       gathered again for their backward pass, each prefetched when the unit after it starts its
       backward pass: the last block when the final norm does, the embedding when block 0 does.
@@ -825,7 +828,9 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     m["last block gathered"] = gather(last, blocks[-2] if len(blocks) > 1 else root or embed,
                                       held_root + (every_unit - copies(last) if keep_all else 0))  # fmt: skip
     at_loss = held_root + copies(output) + every_unit
-    m["loss forward"] = {GATHERED: at_loss, ALL_GATHER: flat(head) if head else flat(last)}
+    if head:  # the head gathered after the final norm, whose flat output its hook freed
+        m["head gathered"] = gather(head, [], at_loss - copies(head))
+    m["loss forward"] = {GATHERED: at_loss, ALL_GATHER: 0 if output else flat(last)}
     if tied:  # the root's backward pass starts with the loss's: the last block is prefetched
         if keep_all:
             m["loss backward"] = {GATHERED: at_loss}
@@ -910,6 +915,9 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
     recomputed = max(act.blocks) if checkpointed else 0  # one block's activations, again
     last_block = act.block_inputs[-1] if checkpointed else act.blocks[-1]  # what the last block keeps
     activations: dict[str, Moment] = {
+        # the head gathered beside the final norm's output (FSDP, untied head)
+        "head gathered": {ACTIVATIONS: saved_forward + act.head - act.loss_saved + act.head_input + act.loss_kept
+                          + act.weight_copies},
         "loss forward": {ACTIVATIONS: saved_forward + act.head + act.loss_forward + act.weight_copies},
         "loss backward": {ACTIVATIONS: saved_backward + act.head + act.loss_kept + copies,
                           TEMPORARIES: act.loss_backward},
@@ -1118,6 +1126,7 @@ def _extrapolate(a1: Activations, a2: Activations, B: int) -> Activations:
         a1.weight_copies,
         a1.block_weight_copies,
         a1.dequant_scratch,
+        f(a1.head_input, a2.head_input),
     )
 
 
