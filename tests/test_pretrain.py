@@ -1,5 +1,6 @@
 """`toolkit pretrain` end to end on one device: real Fabric, real litdata, real tokenizers."""
 
+import functools
 import json
 import os
 import re
@@ -96,7 +97,18 @@ def _assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str)
         assert fragment in error_lines[0], error_lines[0]
 
 
-def test_bad_input_gets_one_clear_line(tmp_path):
+def _toolkit_in_process(capfd, *args: str) -> subprocess.CompletedProcess:
+    """`toolkit *args` through the CLI's own entry (`run`) in this process, its output captured at
+    the file descriptors: the same exit code and lines as the command, without a start-up each."""
+    capfd.readouterr()
+    code = run(list(args))
+    out, err = capfd.readouterr()
+    return subprocess.CompletedProcess(["toolkit", *args], code, out, err)
+
+
+def test_bad_input_gets_one_clear_line(tmp_path, capfd):
+    """Every refusal before any process starts (end to end as a command: the next test)."""
+    _toolkit = functools.partial(_toolkit_in_process, capfd)
     text = tmp_path / "corpus.txt"
     text.write_text("hello world\n" * 50)
     base = ["--tokenizer_dir", str(NEOX_TOKENIZER), "--out_dir", str(tmp_path / "out")]
