@@ -66,7 +66,8 @@ DEFAULT_LITGPT = os.environ.get("LITGPT", "/tmp/litgpt-venv/bin/litgpt")
 TOOLKIT_STEP = re.compile(r"^step (\d+)(?:/\d+)? \|")
 LITGPT_STEP = re.compile(r"iter (\d+) step (\d+) \|.*\(step\)")
 
-GOALS = {"pretrain_tokens_per_sec": 1.3, "lora_real_tokens_per_sec": 1.5, "toolkit_help_seconds": 1.0}
+# The goals of issue 24 (paired on this machine): pretraining throughput 1.5x LitGPT, LoRA real tokens/s 4x.
+GOALS = {"pretrain_tokens_per_sec": 1.5, "lora_real_tokens_per_sec": 4.0, "toolkit_help_seconds": 1.0}
 
 
 # ------------------------------------------------------------------------------------------------
