@@ -216,39 +216,39 @@ def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: i
     # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
     # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
     # backward do; later gathers resize them. Seen by the tracker, that first allocation was
-    # counted as activations that are never freed, torch 2.13).
-    if forward:
-        with autocast:
-            loss = model(x, labels=y)
-        loss.backward()
-    else:
+    # counted as activations that are never freed, torch 2.13). It runs the tracked step's ops
+    # (clipping and the foreach AdamW step included), so that DTensor has already propagated the
+    # shardings of each: the first propagation of a foreach op over hundreds of gradients makes
+    # fake tensors that the tracker counted, 13x the optimizer state at 70B (`_plausible` caught
+    # it, and the whole step was tracked twice).
+    if not forward:  # only the persistent figures: AdamW's state, per tensor (no propagation to pay for)
         _zero_grads(model)
-    # The untracked step only creates AdamW's state: per tensor, the same state in a fraction of the
-    # time (DTensor's sharding propagation of a foreach op over hundreds of tensors takes seconds).
-    foreach = [group.get("foreach") for group in optimizer.param_groups]
-    for group in optimizer.param_groups:
-        group["foreach"] = False
-    optimizer.step()
-    for group, value in zip(optimizer.param_groups, foreach):
-        group["foreach"] = value
-    if not forward:  # only the persistent figures: read them from the tensors, no tracked step
+        foreach = [group.get("foreach") for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["foreach"] = False
+        optimizer.step()
+        for group, value in zip(optimizer.param_groups, foreach):
+            group["foreach"] = value
         return {}, _persistent(model, optimizer), {}, 0, 1
+    with autocast:
+        loss = model(x, labels=y)
+    loss.backward()
+    if train.max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+    optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for attempt in range(1, _ATTEMPTS + 1):
         tracker = _tracker_class()(model, optimizer)
         tracker.track_inputs((x, y))
         with tracker:
-            if forward:
-                for i in range(micro_batches):
-                    tracker.reset_mod_stats()  # per-module stats only; the peak is kept
-                    with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
-                        with autocast:
-                            loss = model(x, labels=y)
-                        (loss * 0.5).backward()  # the loop scales by world_size / target tokens
-                if train.max_norm is not None:
-                    torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
-            else:
-                _zero_grads(model)
+            for i in range(micro_batches):
+                tracker.reset_mod_stats()  # per-module stats only; the peak is kept
+                with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
+                    with autocast:
+                        loss = model(x, labels=y)
+                    (loss * 0.5).backward()  # the loop scales by world_size / target tokens
+            if train.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
             optimizer.step()
             now = _snapshot(tracker)
             optimizer.zero_grad(set_to_none=True)
@@ -267,13 +267,14 @@ _ATTEMPTS = 6
 def _plausible(peak: dict[str, int], end: dict[str, int]) -> bool:
     """Whether FSDPMemTracker's peak can be true, given what it counts at the end of the step.
 
-    The first tracked step on fake tensors often is not (torch 2.13): it counts the fake tensors of
-    DTensor's first sharding propagation of the foreach AdamW step as optimizer state (13 times the
-    state, where the step's temporaries add at most one state's worth), or it misses FSDP's
-    gathering and counts the gathered copies as activations (a peak full of activations without
-    any gathered parameter; a true peak without one comes after the activations are gone: the
-    end of the backward pass, the optimizer step). Such a count is discarded and the step tracked
-    again.
+    A guard, since the untracked step runs every op of the tracked one first (`tracked_step`). A
+    tracked step on fake tensors that came first was often not (torch 2.13): it counted the fake
+    tensors of DTensor's first sharding propagation of the foreach AdamW step as optimizer state
+    (13 times the state, where the step's temporaries add at most one state's worth), or those of
+    clipping's foreach ops as activations, or it missed FSDP's gathering and counted the gathered
+    copies as activations (a peak full of activations without any gathered parameter; a true peak
+    without one comes after the activations are gone: the end of the backward pass, the optimizer
+    step). Such a count is discarded and the step tracked again.
     """
     if peak.get("OptState", 0) > 2 * end.get("OptState", 0):
         return False
@@ -324,7 +325,10 @@ def _tracker_class():
     bytes this rank sends with ring algorithms (all-gather and reduce-scatter: (n-1)/n of the full
     tensor; all-reduce twice that). One dispatch mode: a second one beside the tracker made it
     lose track of freed all-gather outputs (torch 2.13)."""
+    from copy import deepcopy
+
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 
     class _Tracker(FSDPMemTracker):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -336,6 +340,18 @@ def _tracker_class():
         def _track(self, reftype: Any, t: Any) -> None:
             if not self._in_collective:
                 super()._track(reftype, t)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            # Only the rank's overall peak is read (`_snapshot`); this keeps it as torch does.
+            # torch's version also updates every module's own peak after every op: it walks all
+            # tracked modules (thousands at 70B with LoRA), and each weak reference it follows
+            # probes its module for an attribute it lacks (an AttributeError raised through the
+            # checkpoint wrapper's __getattr__). That was over half of a 70B simulation's time
+            # (79 of 149 s under a profiler, torch 2.13).
+            for device, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(device, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[device] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[device] = deepcopy(snap)
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             collective = getattr(func, "namespace", None) == "c10d"
