@@ -16,6 +16,7 @@ allocator's fragmentation come on top.
     python benchmarks/simulate_scale.py --out benchmarks/results/simulate_scale.jsonl
     python benchmarks/simulate_scale.py --models 8b --modes lora --gpus 8 64   # a part of the grid
     python benchmarks/simulate_scale.py --table benchmarks/results/simulate_scale.jsonl   # print only
+    python benchmarks/simulate_scale.py --table benchmarks/results/simulate_scale.jsonl --compact   # oom.md's
 
 Each simulation is appended to --out as one JSON line as soon as it ends (a run that is stopped
 keeps what it did, and a rerun skips the rows already there); the table is printed at the end.
@@ -99,6 +100,23 @@ def table(path: Path) -> str:
     return "\n".join(lines)
 
 
+def compact_table(path: Path) -> str:
+    """Peaks only, HYBRID beside FULL_SHARD, pretraining and LoRA (full fine-tuning's peaks are
+    pretraining's): the table of tutorials/oom.md."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    peaks = {tuple(r["key"]): r["peak_total"] / GiB for r in rows}
+    lines = ["| model | training | GPUs | HYBRID | FULL_SHARD |", "|---|---|---|---|---|"]
+    for model in MODELS:
+        for mode in ("pretrain", "lora"):
+            for gpus in sorted({k[3] for k in peaks if k[:2] == (model, mode)}):
+                hybrid = peaks.get((model, mode, "HYBRID_SHARD", gpus))
+                full = peaks.get((model, mode, "FULL_SHARD", gpus))
+                cells = ["(one node)" if gpus <= 8 else ("" if hybrid is None else f"{hybrid:.1f}"),
+                         "" if full is None else f"{full:.1f}"]
+                lines.append(f"| {model} | {mode} | {gpus} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/simulate_scale.jsonl"))
@@ -106,11 +124,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--gpus", nargs="+", type=int, default=[8, 16, 64, 512])
     parser.add_argument("--table", type=Path, help="only print the table of this results file")
+    parser.add_argument("--compact", action="store_true", help="peaks only, HYBRID beside FULL_SHARD (tutorials/oom.md)")
     args = parser.parse_args()
     if args.table is None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         run(args)
-    print(table(args.table or args.out))
+    print((compact_table if args.compact else table)(args.table or args.out))
 
 
 if __name__ == "__main__":
