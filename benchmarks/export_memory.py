@@ -9,11 +9,13 @@ over its resident set before the export:
 
     former     `full_state_dict` gathers every weight onto rank 0's CPU in float32, the export
                dtype makes a second copy, then `save_file` writes it;
-    streamed   `stream_weights` gathers one weight at a time, converts it and appends its bytes.
+    streamed   `stream_weights`: each weight's rows go to rank 0 in messages of at most
+               --chunk_bytes (`EXPORT_CHUNK_BYTES`) in the export dtype, converted by their
+               owner; rank 0 appends each to the file and frees it.
 
-The bound of the streamed export is set by the largest weight alone: the all-gather's buffer and the
-gathered weight (float32, each the weight's size) plus its converted copy; there is no write buffer
-(the bytes go from the tensor to the file). Both files are compared byte for byte.
+The bound of the streamed export is set by the message size alone, not by the model or its largest
+weight: the message rank 0 receives and the one of its own rows it converts (two messages); there is
+no write buffer (the bytes go from the tensor to the file). Both files are compared byte for byte.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ SHAPE = {"n_layer": 16, "n_embd": 512, "vocab": 8192}
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=None, help="write the figures here as JSON")
+    parser.add_argument("--chunk_bytes", type=int, default=2**20, help="largest message of rows (EXPORT_CHUNK_BYTES)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,18 +46,18 @@ def main() -> None:
     env.pop("LOCAL_RANK", None)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "export_stream.py"), tmp, "untied", "bfloat16",
-                        *(str(SHAPE[k]) for k in ("n_layer", "n_embd", "vocab"))], env=env, check=True,
+                        *(str(SHAPE[k]) for k in ("n_layer", "n_embd", "vocab")), str(args.chunk_bytes)], env=env, check=True,
                        stdout=subprocess.DEVNULL)
         figures = json.loads((Path(tmp) / "memory.json").read_text())
         same = (Path(tmp) / "streamed" / "model.safetensors").read_bytes() == (Path(tmp) / "former" / "model.safetensors").read_bytes()
     largest = figures["largest_float32_bytes"]
-    bound = 2 * largest + largest // 2  # gather buffer + gathered float32 weight + its bfloat16 copy
+    bound = 2 * args.chunk_bytes  # the message received + the one of rank 0's own rows being converted
     result = {"shape": SHAPE, "processes": 2, "export_dtype": "bfloat16", "model_float32_bytes": figures["model_float32_bytes"],
-              "largest_weight_float32_bytes": largest, "bound_bytes": bound, "rank0_peak_growth_bytes": figures["rank0_growth"],
-              "byte_for_byte_equal": same}
+              "largest_weight_float32_bytes": largest, "chunk_bytes": args.chunk_bytes, "bound_bytes": bound,
+              "rank0_peak_growth_bytes": figures["rank0_growth"], "byte_for_byte_equal": same}
     mib = 2**20
-    print(f"model {figures['model_float32_bytes'] / mib:.0f} MiB in float32; bound {bound / mib:.1f} MiB "
-          f"(largest weight {largest / mib:.1f} MiB in float32: gather buffer, gathered weight, bfloat16 copy)")
+    print(f"model {figures['model_float32_bytes'] / mib:.0f} MiB in float32, largest weight {largest / mib:.1f} MiB; "
+          f"bound {bound / mib:.1f} MiB (two messages of {args.chunk_bytes / mib:.1f} MiB)")
     for kind, growth in figures["rank0_growth"].items():
         print(f"{kind:>9}: rank 0 host peak +{growth / mib:.1f} MiB")
     print(f"files equal byte for byte: {same}")

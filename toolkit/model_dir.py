@@ -97,14 +97,34 @@ class SafetensorsStream:
         self.order, header = _safetensors_header(specs, metadata)
         self._specs = {name: (dtype, tuple(shape)) for name, (dtype, shape) in specs.items()}
         self._next = 0
+        self._appended = 0  # bytes of the tensor `order[_next]` written by `append` so far
         self._file = open(path, "wb")
         self._file.write(header)
+
+    def append(self, name: str, rows) -> None:
+        """Write the next rows (dim 0) of the tensor `name`, in order; the tensor is done when all
+        its bytes are written. Lets a tensor be written from pieces that never exist together."""
+        import torch
+
+        expected = self.order[self._next] if self._next < len(self.order) else None
+        if name != expected:
+            raise ValueError(f"safetensors stream: got {name!r}, expected {expected!r} next")
+        dtype, shape = self._specs[name]
+        total = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        data = rows.detach().to("cpu").contiguous().reshape(-1)
+        if rows.dtype != dtype or tuple(rows.shape[1:]) != shape[1:] or self._appended + data.numel() * data.element_size() > total:
+            raise ValueError(f"safetensors stream: rows {rows.dtype} {tuple(rows.shape)} do not continue {name} ({dtype} {shape})")
+        if data.numel():
+            self._file.write(data.view(torch.uint8).numpy().data)
+        self._appended += data.numel() * data.element_size()
+        if self._appended == total:
+            self._next, self._appended = self._next + 1, 0
 
     def write(self, name: str, tensor) -> None:
         import torch
 
         expected = self.order[self._next] if self._next < len(self.order) else None
-        if name != expected:
+        if name != expected or self._appended:
             raise ValueError(f"safetensors stream: got {name!r}, expected {expected!r} next")
         dtype, shape = self._specs[name]
         if tensor.dtype != dtype or tuple(tensor.shape) != shape:

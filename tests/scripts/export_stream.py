@@ -1,12 +1,13 @@
 """The final export on N gloo processes under FSDP: streamed (`stream_weights`) and the former way.
 
-    python tests/scripts/export_stream.py OUT_DIR TIED EXPORT_DTYPE [N_LAYER N_EMBD VOCAB]
+    python tests/scripts/export_stream.py OUT_DIR TIED EXPORT_DTYPE [N_LAYER N_EMBD VOCAB [CHUNK_BYTES]]
 
 Started once; Fabric's launcher starts the other rank. A tiny GPT is set up sharded with random
 weights; then rank 0 writes OUT_DIR/streamed/model.safetensors through `Session.export_final`'s
 streaming path and OUT_DIR/former/model.safetensors as the export did before (the whole model
 gathered on rank 0 with `full_state_dict`, converted, `save_checkpoint_files`). Rank 0's host peak
-(growth of VmHWM over the RSS before each export) goes to OUT_DIR/memory.json.
+(growth of VmHWM over the RSS before each export) goes to OUT_DIR/memory.json. CHUNK_BYTES sets
+`checkpoint_io.EXPORT_CHUNK_BYTES`, the largest message of rows sent to rank 0.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from toolkit.model_dir import WEIGHTS_FILENAME, save_checkpoint_files  # noqa: E
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import GPT, Block  # noqa: E402
 from toolkit.training.args import DistributedArgs  # noqa: E402
+from toolkit.training import checkpoint_io  # noqa: E402
 from toolkit.training.checkpoint_io import full_state_dict, stream_weights  # noqa: E402
 from toolkit.training.model_setup import host_memory_growth, setup_model, start_host_memory_window  # noqa: E402
 from toolkit.training.precision import apply_precision_policy  # noqa: E402
@@ -35,6 +37,8 @@ from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
 def main() -> None:
     out, tied, dtype_name = Path(sys.argv[1]), sys.argv[2] == "tied", sys.argv[3]
     n_layer, n_embd, vocab = (int(x) for x in sys.argv[4:7]) if len(sys.argv) > 4 else (2, 32, 96)
+    if len(sys.argv) > 7:
+        checkpoint_io.EXPORT_CHUNK_BYTES = int(sys.argv[7])
     dtype = None if dtype_name == "none" else getattr(torch, dtype_name)
     config = Config(name="export", vocab_size=vocab, block_size=16, n_layer=n_layer, n_embd=n_embd,
                     n_head=4, tie_embeddings=tied, bias=True, lm_head_bias=not tied)
@@ -75,7 +79,8 @@ def main() -> None:
         fp32 = sum(p.numel() for p in model.parameters()) * 4
         largest = max(p.numel() for p in model.parameters()) * 4
         (out / "memory.json").write_text(json.dumps({"rank0_growth": memory, "model_float32_bytes": fp32,
-                                                     "largest_float32_bytes": largest}))
+                                                     "largest_float32_bytes": largest,
+                                                     "chunk_bytes": checkpoint_io.EXPORT_CHUNK_BYTES}))
     torch.distributed.destroy_process_group()
 
 

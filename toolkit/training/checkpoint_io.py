@@ -2,7 +2,7 @@
 
 - `direct_checkpoint_io`: the CheckpointIO plugin of the one-device and DDP strategies (no
   in-memory copy of the file).
-- `stream_weights`: the final export, gathered and written one tensor at a time.
+- `stream_weights`: the final export, each weight's rows sent to rank 0 and written a message at a time.
 - `full_state_dict`: the complete weights on rank 0 (small things only: the whole model at once).
 - `load_resharded`: a `fabric.save` checkpoint written by another number of processes.
 - `save_trainable`: what trains, without the frozen weights (LoRA), in the layout `load_resharded` reads.
@@ -93,18 +93,26 @@ def _user_module(model: Any) -> Any:
     return module
 
 
+# The final export moves a weight's rows to rank 0 in messages of at most this many bytes (in the
+# export dtype): rank 0's host memory grows by about two of them (the one received, the one of its
+# own rows being converted), whatever the size of the model or of its largest weight.
+EXPORT_CHUNK_BYTES = 64 * 2**20
+
+
 def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dtype: Any = None) -> BaseException | None:
-    """Write the model's complete weights to the safetensors file `path` (on rank 0), one tensor at a time.
+    """Write the model's complete weights to the safetensors file `path` (on rank 0), rows at a time.
 
-    A collective call: for each weight, in the order of the file, every rank takes part in
-    gathering it (under FSDP); rank 0 converts it to `dtype` (floating-point weights; None keeps
-    their dtype), appends its bytes to the file and frees it before the next one. Rank 0's host
-    memory therefore grows by at most the largest weight in float32 plus its converted copy,
-    whatever the size of the model. The file is byte for byte what
-    `toolkit.model_dir.save_checkpoint_files` writes for the same weights (a tied head is stored
-    once). Other ranks pass `path=None`.
+    A collective call. For each weight, in the order of the file: under FSDP every rank holding a
+    shard of it in rank 0's shard group (FSDP2 shards dim 0 in `torch.chunk` order) converts its
+    rows to `dtype` (floating-point weights; None keeps their dtype) a message at a time and sends
+    them to rank 0, which appends them to the file in order (`SafetensorsStream.append`). Rank 0's
+    host memory therefore grows by about two messages (`EXPORT_CHUNK_BYTES`), whatever the size of
+    the model; no rank gathers a whole weight. Weights that are not sharded, and any sharding other
+    than FSDP's on dim 0, take the plain path: the whole weight is gathered, converted and written.
+    The file is byte for byte what `toolkit.model_dir.save_checkpoint_files` writes for the same
+    weights (a tied head is stored once). Other ranks pass `path=None`.
 
-    A failure to write on rank 0 (a full disk) does not stop it from taking part in the gathers
+    A failure to write on rank 0 (a full disk) does not stop it from taking part in the transfers
     that follow, so that no rank waits forever: it is returned (None when all went well) for the
     caller to raise once every rank is through.
     """
@@ -132,21 +140,38 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
     if writing:
         try:
             stream = SafetensorsStream(path, specs, metadata={"format": "pt"})
-        except Exception as err:  # reported after the gathers, so that no rank waits for rank 0 forever
+        except Exception as err:  # reported after the transfers, so that no rank waits for rank 0 forever
             error = err
         order = stream.order if stream is not None else sorted(specs)
-    # Every rank gathers in the same order: rank 0 sends the file's order to the others.
+    # Every rank goes through the weights in the same order: rank 0 sends the file's order to the others.
     order = fabric.broadcast(order if writing else None, src=0) if fabric.world_size > 1 else order
-    for name in order:
-        tensor = state[name]
-        if isinstance(tensor, DTensor):
-            tensor = tensor.full_tensor()  # collective: every rank takes part
+    # Rows go to rank 0 only if every rank's shards follow FSDP's layout (one collective, here).
+    layouts = {name: _row_layout(t) for name, t in state.items() if isinstance(t, DTensor)}
+    by_rows = fabric.world_size > 1 and all(layout is not None for layout in layouts.values())
+    if fabric.world_size > 1:
+        flag = torch.tensor([0 if by_rows else 1], dtype=torch.int32, device=fabric.device)
+        torch.distributed.all_reduce(flag)
+        by_rows = flag.item() == 0
+
+    def write(method: str, name: str, tensor: Tensor) -> None:
+        nonlocal error
         if writing and error is None:
             try:
                 with torch.no_grad():
-                    stream.write(name, tensor.detach().to("cpu").to(specs[name][0]))
-            except Exception as err:  # keep taking part in the gathers; reported at the end
+                    getattr(stream, method)(name, tensor)
+            except Exception as err:  # keep taking part in the transfers; reported at the end
                 error = err
+
+    for name in order:
+        tensor = state[name]
+        out_dtype = specs[name][0]
+        if isinstance(tensor, DTensor) and by_rows and tensor.numel():
+            _send_rows_to_rank_zero(name, tensor, layouts[name], out_dtype, lambda rows: write("append", name, rows))
+            continue
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # collective: every rank takes part
+        if writing:
+            write("write", name, tensor.detach().to("cpu").to(out_dtype))
         del tensor
     if stream is not None:
         try:
@@ -154,6 +179,72 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
         except (OSError, ValueError) as err:
             error = error or err
     return error
+
+
+def _row_layout(tensor: Any) -> Any:
+    """(mesh dim of the shards, global ranks holding them in shard order, this rank's index among
+    them or None, rows of each shard) when `tensor` (a DTensor) is sharded as FSDP2 shards: dim 0
+    over one mesh dim, replicated over the others, `torch.chunk` sizes; else None."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tensor.placements
+    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
+    if len(sharded) != 1 or placements[sharded[0]].dim != 0:
+        return None
+    if not all(isinstance(p, Replicate) for i, p in enumerate(placements) if i != sharded[0]):
+        return None
+    local = tensor.to_local()
+    if type(local) is not torch.Tensor:  # a tensor subclass (NF4): its bytes are not its rows
+        return None
+    mesh, dim = tensor.device_mesh, sharded[0]
+    ranks = mesh.mesh
+    zero = (ranks == 0).nonzero()
+    if len(zero) != 1:
+        return None
+    # The shard group of global rank 0: its coordinates on every other mesh dim.
+    index = list(zero[0].tolist())
+    index[dim] = slice(None)
+    senders = [int(r) for r in ranks[tuple(index)].reshape(-1)]
+    count, rows = len(senders), tensor.shape[0]
+    sizes = [len(c) for c in torch.arange(rows).chunk(count)]
+    sizes += [0] * (count - len(sizes))
+    me = torch.distributed.get_rank()
+    mine = senders.index(me) if me in senders else None
+    if mine is not None and local.shape[0] != sizes[mine]:
+        return None
+    if mine is None and local.shape[0] != sizes[mesh.get_coordinate()[dim]]:
+        return None
+    return dim, senders, mine, sizes
+
+
+def _send_rows_to_rank_zero(name: str, tensor: Any, layout: Any, out_dtype: Any, write_rows: Any) -> None:
+    """Every shard of `tensor` in rank 0's shard group, in order, converted to `out_dtype` in
+    messages of at most EXPORT_CHUNK_BYTES, to rank 0, which hands each to `write_rows`."""
+    import math
+
+    import torch
+    import torch.distributed as dist
+
+    _, senders, mine, sizes = layout
+    me = dist.get_rank()
+    if mine is None:
+        return  # another replica (HSDP): rank 0's own group holds every row
+    local = tensor.to_local().detach()
+    row_bytes = max(1, math.prod(tensor.shape[1:]) * torch.empty((), dtype=out_dtype).element_size())
+    step = max(1, EXPORT_CHUNK_BYTES // row_bytes)
+    for index, sender in enumerate(senders):
+        for start in range(0, sizes[index], step):
+            stop = min(start + step, sizes[index])
+            if sender == me == 0:
+                write_rows(local[start:stop].to(out_dtype))
+            elif me == 0:
+                rows = torch.empty((stop - start, *tensor.shape[1:]), dtype=out_dtype, device=local.device)
+                dist.recv(rows, src=sender)
+                write_rows(rows)
+                del rows
+            elif sender == me:
+                dist.send(local[start:stop].to(out_dtype).contiguous(), dst=0)
 
 
 def gather_objects(fabric: Fabric, obj: Any) -> list[Any]:

@@ -344,8 +344,9 @@ class Session:
     def export_final(self, model, name: str = "final") -> Path:
         """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files (collective).
 
-        The weights are gathered, converted to `export_dtype` and written one tensor at a time
-        (`checkpoint_io.stream_weights`): no rank ever holds the whole model. The folder appears
+        Each weight's rows are converted to `export_dtype` by the rank that holds them and written
+        by rank 0 a message at a time (`checkpoint_io.stream_weights`): no rank ever holds the whole
+        model, nor a whole weight. The folder appears
         complete or not at all (`atomic_directory`); a failed export leaves a former one as it was.
         """
         from contextlib import ExitStack
