@@ -166,7 +166,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
         tensor = state[name]
         out_dtype = specs[name][0]
         if isinstance(tensor, DTensor) and by_rows and tensor.numel():
-            _send_rows_to_rank_zero(name, tensor, layouts[name], out_dtype, lambda rows: write("append", name, rows))
+            _send_rows_to_rank_zero(tensor, layouts[name], out_dtype, lambda rows: write("append", name, rows))
             continue
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()  # collective: every rank takes part
@@ -218,7 +218,7 @@ def _row_layout(tensor: Any) -> Any:
     return dim, senders, mine, sizes
 
 
-def _send_rows_to_rank_zero(name: str, tensor: Any, layout: Any, out_dtype: Any, write_rows: Any) -> None:
+def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows: Any) -> None:
     """Every shard of `tensor` in rank 0's shard group, in order, converted to `out_dtype` in
     messages of at most EXPORT_CHUNK_BYTES, to rank 0, which hands each to `write_rows`."""
     import math
