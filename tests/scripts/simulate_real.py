@@ -27,6 +27,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from toolkit.models import gpt  # noqa: E402
+from toolkit.training import gloo_collectives  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.simulate import _build, _local, tracked_step  # noqa: E402
 from toolkit.training.args import DistributedArgs, TrainArgs  # noqa: E402
@@ -75,6 +76,9 @@ def main() -> None:
     # The fused loss keeps its CPU buffers between calls (gpt._scratch); a GPU, and so the
     # simulation, allocates them at each call: allocate here as there.
     gpt.REUSE_CPU_SCRATCH = False
+    # A GPU, and so the simulation, runs FSDP2's own all-gather and reduce-scatter; gloo's in-place
+    # replacements (toolkit.training.gloo_collectives) move the same bytes as broadcasts and reduces.
+    gloo_collectives.ENABLED = False
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=args.world)
     try:
         config = Config.from_name(args.preset, **json.loads(args.overrides))

@@ -587,6 +587,17 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
         _cast_outputs_to_stored_dtype(edges.input, block_policy)
     # The root: whatever is left (nothing, for an untied GPT). It starts and ends each step.
     fully_shard(module, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+    if mesh.device_type == "cpu":
+        # gloo's all-gather and reduce-scatter add a whole buffer of the unit's size (the largest
+        # is the embedding or head, whatever N): toolkit.training.gloo_collectives works in place.
+        from torch.distributed.fsdp import FSDPModule
+
+        from toolkit.training.gloo_collectives import use_in_place_collectives
+
+        shard_group = mesh.get_group("shard") if mesh.mesh_dim_names else mesh.get_group()
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                use_in_place_collectives(unit, shard_group)
     return module
 
 
