@@ -14,8 +14,8 @@ buffer (pythia-160m's embedding in float32), `python benchmarks/gloo_collectives
     4          reduce-scatter   +149 MiB, 355 ms           +0 MiB, 208 ms
 
 That extra buffer is the size of the largest unit whatever the number of processes: on CPU it is
-what kept small models' per-process peak from falling with N. Done in place, with the same bytes
-on the wire:
+what kept small models' per-process peak from falling with N. Done in place (each rank sends
+about one buffer's worth per collective, as gloo's ring does, and it is faster above):
 
     all-gather       each rank broadcasts its own slot of the output to the others
     reduce-scatter   slot r is reduced onto rank r inside the input (a scratch buffer), and this
