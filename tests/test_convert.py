@@ -116,6 +116,67 @@ def test_round_trip_matches_transformers(kind, tmp_path):
     assert (logits_hf(reloaded, ids) - expected).abs().max().item() <= 1e-4
 
 
+def test_a_sharded_toolkit_checkpoint_reads_as_its_single_file(tmp_path):
+    """convert_from_hf beyond --max_shard_size writes Hugging Face's sharded layout; every reader of a
+    toolkit checkpoint (weights, rows, fingerprint, export to Hugging Face) sees the same weights."""
+    from toolkit.errors import UserError
+    from toolkit.model_dir import checkpoint_fingerprint, checkpoint_row_reader, weight_files
+
+    model = hf_model("llama-tied")
+    hf_dir, single, sharded = tmp_path / "hf", tmp_path / "single", tmp_path / "sharded"
+    model.save_pretrained(hf_dir)
+    convert_from_hf(hf_dir, single)
+    convert_from_hf(hf_dir, sharded, max_shard_size="40KB")
+    assert [f.name for f in weight_files(single)] == ["model.safetensors"]
+    files = weight_files(sharded)
+    assert len(files) >= 3 and files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
+    assert not (sharded / "model.safetensors").exists()
+    assert all(f.stat().st_size <= 40_000 + 1_000 for f in files if len(read_safetensors_dir_file(f)) > 1)
+
+    expected = load_state_dict(single)
+    loaded = load_state_dict(sharded)
+    assert set(loaded) == set(expected) and "lm_head.weight" in loaded  # the tied head, restored
+    assert all(torch.equal(loaded[k], expected[k]) for k in expected)
+    ids = torch.randint(0, SMALL["vocab_size"], (1, 11), generator=torch.Generator().manual_seed(2))
+    assert (logits_toolkit(load_model(sharded), ids) - logits_hf(model, ids)).abs().max().item() <= 1e-4
+    read_rows = checkpoint_row_reader(sharded)
+    for name in ("embed.weight", "lm_head.weight", "blocks.1.mlp.down_proj.weight"):
+        assert torch.equal(read_rows(name, 3, 9), expected[name][3:9]), name
+        out = torch.empty_like(expected[name][2:7])
+        assert torch.equal(read_rows(name, 2, 7, out=out), expected[name][2:7]), name
+
+    # The fingerprint covers every shard: the same in a copy, another when one shard's bytes change.
+    fingerprint = checkpoint_fingerprint(sharded)
+    shutil.copytree(sharded, tmp_path / "copy")
+    assert checkpoint_fingerprint(tmp_path / "copy") == fingerprint
+    last = tmp_path / "copy" / files[-1].name
+    data = bytearray(last.read_bytes())
+    data[-5] ^= 0xFF
+    last.write_bytes(bytes(data))
+    assert checkpoint_fingerprint(tmp_path / "copy") != fingerprint
+
+    convert_to_hf(single, tmp_path / "from_single")
+    convert_to_hf(sharded, tmp_path / "from_sharded")
+    assert (tmp_path / "from_sharded" / "model.safetensors").read_bytes() == \
+        (tmp_path / "from_single" / "model.safetensors").read_bytes()
+
+    # A shard missing, or an index naming a file outside the folder: one line, nothing read.
+    files[1].unlink()
+    with pytest.raises(UserError, match="missing: the checkpoint is incomplete"):
+        load_state_dict(sharded)
+    index = json.loads((sharded / "model.safetensors.index.json").read_text())
+    index["weight_map"]["embed.weight"] = "../single/model.safetensors"
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match="not a safetensors file in"):
+        checkpoint_row_reader(sharded)
+
+
+def read_safetensors_dir_file(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
 def test_bin_shards_and_dtype(tmp_path):
     """pytorch_model-0000N-of-0000M.bin with its index (the pre-safetensors layout), converted to bfloat16."""
     model = hf_model("gpt_neox")

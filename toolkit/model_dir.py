@@ -2,7 +2,9 @@
 
 (Resumable training state is a different thing and lives in `toolkit.training.checkpoint`.)
 
-    <dir>/model.safetensors     weights, toolkit names (a tied output head is stored once)
+    <dir>/model.safetensors     weights, toolkit names (a tied output head is stored once), or,
+                                for a model over MAX_SHARD_BYTES, Hugging Face's sharded layout:
+    <dir>/model-0000K-of-0000N.safetensors + model.safetensors.index.json
     <dir>/model_config.json     `Config` fields
     <dir>/tokenizer.json ...    tokenizer files, so the directory is self-contained
 
@@ -23,11 +25,46 @@ from toolkit.errors import UserError
 from toolkit.models.config import CONFIG_FILENAME, Config
 
 WEIGHTS_FILENAME = "model.safetensors"
+WEIGHTS_INDEX_FILENAME = "model.safetensors.index.json"
+# Largest weights file a checkpoint is written in (Hugging Face's default for `save_pretrained`):
+# a 70B model in bfloat16 (140 GB) is 28 files, each small enough for the Hub and for a copy to resume.
+MAX_SHARD_BYTES = 5 * 10**9
+
+
+def shard_filename(index: int, count: int) -> str:
+    """The name of weights file `index` (from 1) of `count`, as Hugging Face names them."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
 def is_checkpoint_dir(path: Path | str) -> bool:
     path = Path(path)
-    return (path / CONFIG_FILENAME).is_file() and (path / WEIGHTS_FILENAME).is_file()
+    weights = (path / WEIGHTS_FILENAME).is_file() or (path / WEIGHTS_INDEX_FILENAME).is_file()
+    return (path / CONFIG_FILENAME).is_file() and weights
+
+
+def weight_files(checkpoint_dir: Path | str) -> list[Path]:
+    """The weights files of a checkpoint: its shards in order when it has an index, else model.safetensors.
+
+    An index that cannot be read, names a file outside the directory or a missing one is a UserError.
+    """
+    import json
+
+    checkpoint_dir = Path(checkpoint_dir)
+    index_path = checkpoint_dir / WEIGHTS_INDEX_FILENAME
+    if not index_path.is_file():
+        return [checkpoint_dir / WEIGHTS_FILENAME]
+    try:
+        names = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        raise UserError(f"Cannot read {index_path}: {err}. The checkpoint is damaged or incomplete.") from None
+    files = []
+    for name in names:
+        if not isinstance(name, str) or Path(name).name != name or not name.endswith(".safetensors"):
+            raise UserError(f"{index_path} names {name!r}, which is not a safetensors file in {checkpoint_dir}.")
+        if not (checkpoint_dir / name).is_file():
+            raise UserError(f"{index_path} lists {name}, which is missing: the checkpoint is incomplete.")
+        files.append(checkpoint_dir / name)
+    return files
 
 
 def require_checkpoint_dir(path: Path | str) -> Path:
@@ -42,7 +79,8 @@ def require_checkpoint_dir(path: Path | str) -> Path:
         )
     if not is_checkpoint_dir(path):
         raise UserError(
-            f"{path} is not a toolkit checkpoint (expected {CONFIG_FILENAME} and {WEIGHTS_FILENAME}): "
+            f"{path} is not a toolkit checkpoint (expected {CONFIG_FILENAME} and {WEIGHTS_FILENAME} or "
+            f"{WEIGHTS_INDEX_FILENAME}): "
             "use the `final` folder of a training run, or `toolkit convert_from_hf` for a Hugging Face model."
         )
     return path
@@ -141,6 +179,75 @@ class SafetensorsStream:
         self._file.close()
 
 
+class SafetensorsShards:
+    """A checkpoint's weights written one tensor (or rows of one) at a time, into `directory`.
+
+    `specs` maps each name to (torch dtype, shape), in model order. Up to `max_shard_bytes` of them
+    this is one `model.safetensors`, byte for byte `save_file` of them all; beyond, consecutive
+    tensors (in model order) are grouped into files of at most `max_shard_bytes` (a larger tensor gets
+    a file of its own), named and indexed as Hugging Face does (`model-0000K-of-0000N.safetensors`,
+    `model.safetensors.index.json`), each file byte for byte `save_file` of its tensors. The tensors
+    come in `order`: file by file, each in safetensors' own order. One file is open at a time, and
+    nothing is buffered: memory holds only the tensor or rows being written.
+    """
+
+    def __init__(self, directory: Path | str, specs: Mapping[str, tuple], max_shard_bytes: int = MAX_SHARD_BYTES,
+                 metadata: Optional[dict] = None) -> None:
+        import torch
+
+        self.directory, self.metadata = Path(directory), metadata
+        groups: list[dict] = [{}]
+        size = 0
+        for name, (dtype, shape) in specs.items():
+            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+            if groups[-1] and size + nbytes > max_shard_bytes:
+                groups.append({})
+                size = 0
+            groups[-1][name] = (dtype, tuple(shape))
+            size += nbytes
+        self.total_bytes = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in specs.values())
+        count = len(groups)
+        self.filenames = [WEIGHTS_FILENAME] if count == 1 else [shard_filename(i, count) for i in range(1, count + 1)]
+        self._groups = groups
+        self._orders = [_safetensors_header(group, metadata)[0] for group in groups]
+        self.order = [name for order in self._orders for name in order]
+        self._file_of = {name: i for i, order in enumerate(self._orders) for name in order}
+        self._stream: Optional[SafetensorsStream] = None
+        self._current = -1
+
+    def _stream_for(self, name: str) -> SafetensorsStream:
+        index = self._file_of.get(name, self._current)
+        if index != self._current:
+            if index != self._current + 1:
+                raise ValueError(f"safetensors shards: got {name!r} out of order")
+            if self._stream is not None:
+                self._stream.close()
+            self._current = index
+            self._stream = SafetensorsStream(self.directory / self.filenames[index], self._groups[index], self.metadata)
+        if self._stream is None:
+            raise ValueError(f"safetensors shards: got {name!r}, expected {self.order[0]!r} first")
+        return self._stream
+
+    def append(self, name: str, rows) -> None:
+        """Rows (dim 0) of `name`, in order (see `SafetensorsStream.append`)."""
+        self._stream_for(name).append(name, rows)
+
+    def write(self, name: str, tensor) -> None:
+        self._stream_for(name).write(name, tensor)
+
+    def close(self) -> None:
+        """Closes the last file (every tensor must have been written) and writes the index, if sharded."""
+        import json
+
+        if self._current != len(self._groups) - 1 or self._stream is None:
+            raise ValueError(f"safetensors shards: {len(self._groups) - self._current - 1} file(s) never written")
+        self._stream.close()
+        if len(self.filenames) > 1:
+            weight_map = {name: self.filenames[i] for name, i in sorted(self._file_of.items())}
+            index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+            (self.directory / WEIGHTS_INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
 def _safetensors_header(specs: Mapping[str, tuple], metadata: Optional[dict]) -> tuple[list[str], bytes]:
     """(tensor order in the file, the header bytes) that `safetensors.torch.save_file` would write.
 
@@ -194,11 +301,12 @@ def load_state_dict(checkpoint_dir: Path | str, device: str = "cpu") -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    path = Path(checkpoint_dir) / WEIGHTS_FILENAME
-    try:
-        state_dict = load_file(str(path), device=device)
-    except (SafetensorError, OSError) as err:
-        raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
+    state_dict = {}
+    for path in weight_files(checkpoint_dir):
+        try:
+            state_dict.update(load_file(str(path), device=device))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
     config = Config.from_file(checkpoint_dir)
     if config.tie_embeddings and "lm_head.weight" not in state_dict and "embed.weight" in state_dict:
         state_dict["lm_head.weight"] = state_dict["embed.weight"]
@@ -219,18 +327,20 @@ def checkpoint_row_reader(checkpoint_dir: Path | str):
     from safetensors import SafetensorError, safe_open
 
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
-    path = checkpoint_dir / WEIGHTS_FILENAME
-    try:
-        with safe_open(str(path), framework="pt") as handle:
-            keys = set(handle.keys())
-    except (SafetensorError, OSError) as err:
-        raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
+    file_of: dict[str, Path] = {}  # weight name -> the file that holds it
+    for path in weight_files(checkpoint_dir):
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                file_of.update(dict.fromkeys(handle.keys(), path))
+        except (SafetensorError, OSError) as err:
+            raise UserError(f"Cannot read {path}: {err}. The file is damaged or incomplete.") from None
     tied = Config.from_file(checkpoint_dir).tie_embeddings
 
     def read_rows(name: str, start: int = 0, stop: Optional[int] = None, out=None):
-        key = "embed.weight" if tied and name == "lm_head.weight" and name not in keys else name
-        if key not in keys:
-            raise UserError(f"{path} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
+        key = "embed.weight" if tied and name == "lm_head.weight" and name not in file_of else name
+        if key not in file_of:
+            raise UserError(f"{checkpoint_dir} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
+        path = file_of[key]
         # The file is mapped for each read only: the pages it touched leave the process's resident
         # set with the mapping, instead of adding up to the rank's share of the file. Into `out`
         # (a rank's shard) the rows are copied a few MiB at a time, so no more than that is mapped.
@@ -258,28 +368,39 @@ FINGERPRINT_SAMPLES, FINGERPRINT_SAMPLE_BYTES = 256, 4096
 def checkpoint_fingerprint(checkpoint_dir: Path | str) -> str:
     """A short identity of a checkpoint's weights, cheap at any size (sha256, hex, 16 characters).
 
-    It covers the safetensors header of `model.safetensors` (every name, dtype, shape and offset,
-    and its metadata), the file's size, and 256 samples of 4 KiB spread evenly over the weights'
-    bytes. Two checkpoints of one architecture (a base and its instruction-tuned sibling) have the
-    same header and size; their bytes differ nearly everywhere, so the samples tell them apart. A
-    copy of the checkpoint in another folder has the same fingerprint. Reads 1 MiB, whatever the size.
+    It covers the safetensors header of each weights file (every name, dtype, shape and offset, and
+    its metadata), each file's size, and 256 samples of 4 KiB spread evenly over the weights' bytes
+    of all files, in file order. Two checkpoints of one architecture (a base and its
+    instruction-tuned sibling) have the same headers and sizes; their bytes differ nearly everywhere,
+    so the samples tell them apart. A copy of the checkpoint in another folder has the same
+    fingerprint. Reads 1 MiB, whatever the size.
     """
     import hashlib
     import struct
 
-    path = Path(checkpoint_dir) / WEIGHTS_FILENAME
     digest = hashlib.sha256()
+    spans = []  # (file, first byte of its tensor data, bytes of tensor data)
+    path = Path(checkpoint_dir)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            length_bytes = f.read(8)
-            header_length = struct.unpack("<Q", length_bytes)[0] if len(length_bytes) == 8 else 0
-            digest.update(struct.pack("<Q", size) + length_bytes + f.read(min(header_length, size)))
-            data_start = 8 + header_length
-            span = max(size - data_start - FINGERPRINT_SAMPLE_BYTES, 0)
-            for i in range(FINGERPRINT_SAMPLES):
-                f.seek(data_start + span * i // max(FINGERPRINT_SAMPLES - 1, 1))
-                digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+        for path in weight_files(checkpoint_dir):
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                length_bytes = f.read(8)
+                header_length = struct.unpack("<Q", length_bytes)[0] if len(length_bytes) == 8 else 0
+                digest.update(struct.pack("<Q", size) + length_bytes + f.read(min(header_length, size)))
+                spans.append((path, 8 + header_length, max(size - 8 - header_length, 0)))
+        # Sample positions over the data of all files as one run of bytes (one file: its data).
+        span = max(sum(n for _, _, n in spans) - FINGERPRINT_SAMPLE_BYTES, 0)
+        positions = [span * i // max(FINGERPRINT_SAMPLES - 1, 1) for i in range(FINGERPRINT_SAMPLES)]
+        before = 0
+        for path, data_start, data_bytes in spans:
+            mine = [p - before for p in positions if before <= p < before + data_bytes]
+            if mine:
+                with open(path, "rb") as f:
+                    for offset in mine:
+                        f.seek(data_start + offset)
+                        digest.update(f.read(FINGERPRINT_SAMPLE_BYTES))
+            before += data_bytes
     except OSError as err:
         raise UserError(f"Cannot read {path}: {err.strerror or err}.") from None
     return digest.hexdigest()[:16]
@@ -293,7 +414,7 @@ def stored_dtype(checkpoint_dir: Path | str) -> str:
     """The floating-point dtype a checkpoint's weights are stored in (e.g. "bfloat16"), from the header."""
     from safetensors import safe_open
 
-    with safe_open(str(Path(checkpoint_dir) / WEIGHTS_FILENAME), framework="pt") as handle:
+    with safe_open(str(weight_files(checkpoint_dir)[0]), framework="pt") as handle:
         for key in handle.keys():
             dtype = _SAFETENSORS_DTYPES.get(handle.get_slice(key).get_dtype())
             if dtype is not None:

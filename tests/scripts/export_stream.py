@@ -1,10 +1,11 @@
 """The final export on N gloo processes under FSDP: streamed (`stream_weights`) and the former way.
 
-    python tests/scripts/export_stream.py OUT_DIR TIED EXPORT_DTYPE [N_LAYER N_EMBD VOCAB [CHUNK_BYTES]]
+    python tests/scripts/export_stream.py OUT_DIR TIED EXPORT_DTYPE [N_LAYER N_EMBD VOCAB [CHUNK_BYTES [SHARD_BYTES]]]
 
 Started once; Fabric's launcher starts the other rank. A tiny GPT is set up sharded with random
-weights; then rank 0 writes OUT_DIR/streamed/model.safetensors through `Session.export_final`'s
-streaming path and OUT_DIR/former/model.safetensors as the export did before (the whole model
+weights; then rank 0 writes OUT_DIR/streamed/ through `Session.export_final`'s streaming path
+(model.safetensors, or shards of at most SHARD_BYTES and their index) and
+OUT_DIR/former/model.safetensors as the export did before (the whole model
 gathered on rank 0 with `full_state_dict`, converted, `save_checkpoint_files`). Rank 0's host peak
 (growth of VmHWM over the RSS before each export) goes to OUT_DIR/memory.json. CHUNK_BYTES sets
 `checkpoint_io.EXPORT_CHUNK_BYTES`, the largest message of rows sent to rank 0.
@@ -23,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 import torch  # noqa: E402
 
-from toolkit.model_dir import WEIGHTS_FILENAME, save_checkpoint_files  # noqa: E402
+from toolkit.model_dir import save_checkpoint_files  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import GPT, Block  # noqa: E402
 from toolkit.training.args import DistributedArgs  # noqa: E402
@@ -39,6 +40,7 @@ def main() -> None:
     n_layer, n_embd, vocab = (int(x) for x in sys.argv[4:7]) if len(sys.argv) > 4 else (2, 32, 96)
     if len(sys.argv) > 7:
         checkpoint_io.EXPORT_CHUNK_BYTES = int(sys.argv[7])
+    shard_bytes = int(sys.argv[8]) if len(sys.argv) > 8 else None
     dtype = None if dtype_name == "none" else getattr(torch, dtype_name)
     config = Config(name="export", vocab_size=vocab, block_size=16, n_layer=n_layer, n_embd=n_embd,
                     n_head=4, tie_embeddings=tied, bias=True, lm_head_bias=not tied)
@@ -64,7 +66,7 @@ def main() -> None:
         fabric.barrier()
         start = start_host_memory_window()
         if kind == "streamed":
-            error = stream_weights(fabric, model, target / WEIGHTS_FILENAME if fabric.global_rank == 0 else None, config, dtype)
+            error = stream_weights(fabric, model, target if fabric.global_rank == 0 else None, config, dtype, shard_bytes)
             assert error is None, error
         else:
             state = full_state_dict(fabric, model)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union
 
 from toolkit.errors import UserError
 
@@ -379,6 +380,59 @@ def write_safetensors(
         os.close(fd)
 
 
+_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(size: Union[int, str]) -> int:
+    """Bytes in "2GB" (10^9), "1.5GiB" (2^30), "500MB" or a plain number of bytes."""
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
+        unit = match.group(2).upper() if match else None
+        if match is None or unit not in _SIZE_UNITS:
+            raise UserError(f"Cannot read size {size!r}; write it like 2GB, 500MB or 1GiB")
+        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise UserError(f"Size {size!r} must be positive")
+    return value
+
+
+def write_weight_files(
+    directory: Path,
+    tensors: list[OutTensor],
+    max_shard_bytes: int,
+    reader: TensorReader,
+    progress: Optional["Progress"] = None,
+) -> None:
+    """`directory/model.safetensors`, or, for tensors over `max_shard_bytes` in all, consecutive groups
+    of at most that many bytes (a bigger tensor gets a file of its own) in
+    `model-0000K-of-0000N.safetensors` with Hugging Face's `model.safetensors.index.json`.
+
+    Both Hugging Face and the toolkit read this layout."""
+    from toolkit.model_dir import WEIGHTS_FILENAME, WEIGHTS_INDEX_FILENAME, shard_filename
+
+    groups: list[list[OutTensor]] = [[]]
+    size = 0
+    for t in tensors:
+        if groups[-1] and size + t.nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(t)
+        size += t.nbytes
+    if len(groups) == 1:
+        write_safetensors(directory / WEIGHTS_FILENAME, groups[0], reader, progress, {"format": "pt"})
+        return
+    weight_map = {}
+    for i, group in enumerate(groups, start=1):
+        name = shard_filename(i, len(groups))
+        write_safetensors(directory / name, group, reader, progress, {"format": "pt"})
+        weight_map.update({t.name: name for t in group})
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / WEIGHTS_INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
 _CHUNK_BYTES = 64 << 20
 
 
@@ -610,6 +664,7 @@ def convert_from_hf(
     model_name: Optional[str] = None,
     dtype: Optional[Literal["float32", "float16", "bfloat16"]] = None,
     overwrite: bool = False,
+    max_shard_size: str = "5GB",
 ) -> Path:
     """Convert a Hugging Face model directory into a toolkit checkpoint directory.
 
@@ -621,11 +676,13 @@ def convert_from_hf(
             Default: the matching preset, else the name of `hf_dir`.
         dtype: Store floating-point weights as float32, float16 or bfloat16. Default: as stored.
         overwrite: Replace `out_dir` if it already holds files.
+        max_shard_size: Largest weights file, like "5GB" (10^9 bytes) or "4GiB"; bigger models are
+            split into model-0000N-of-0000M.safetensors with model.safetensors.index.json.
 
     Returns:
         out_dir.
     """
-    return convert_hf_dir(hf_dir, out_dir, model_name, dtype, overwrite, default_name=None)
+    return convert_hf_dir(hf_dir, out_dir, model_name, dtype, overwrite, default_name=None, max_shard_size=max_shard_size)
 
 
 def convert_hf_dir(
@@ -635,15 +692,17 @@ def convert_hf_dir(
     dtype: Optional[str],
     overwrite: bool,
     default_name: Optional[str],
+    max_shard_size: str = "5GB",
 ) -> Path:
     """`convert_from_hf`, naming a model that matches no preset `default_name` (default: the directory's name)."""
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     check_dirs(hf_dir, out_dir, "Hugging Face model directory")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"Unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    limit = parse_size(max_shard_size)
     refuse_existing(out_dir, overwrite)
 
-    from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory
+    from toolkit.model_dir import atomic_directory
     from toolkit.convert.hf_config import config_from_hf
 
     config = config_from_hf(read_hf_config(hf_dir), model_name, default_name=default_name or hf_dir.resolve().name)
@@ -654,7 +713,7 @@ def convert_hf_dir(
         with atomic_directory(out_dir, overwrite=overwrite) as tmp:
             progress = Progress(sum(t.nbytes for t in planned), f"{default_name or hf_dir.name} -> toolkit")
             try:
-                write_safetensors(tmp / WEIGHTS_FILENAME, planned, reader, progress, metadata={"format": "pt"})
+                write_weight_files(tmp, planned, limit, reader, progress)
             finally:
                 progress.close()
             config.save(tmp)

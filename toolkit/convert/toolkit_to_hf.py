@@ -21,12 +21,11 @@ split some inputs differently.
 from __future__ import annotations
 
 import json
-import re
 import shutil
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 from toolkit.convert.hf_to_toolkit import (
     TORCH_DTYPE_NAMES,
@@ -36,31 +35,13 @@ from toolkit.convert.hf_to_toolkit import (
     TensorReader,
     check_dirs,
     expected_shapes,
-    read_safetensors_header,
+    read_headers,
     refuse_existing,
     shape_mismatch,
-    write_safetensors,
+    parse_size,
+    write_weight_files,
 )
 from toolkit.errors import UserError
-
-_SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-               "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
-def parse_size(size: Union[int, str]) -> int:
-    """Bytes in "2GB" (10^9), "1.5GiB" (2^30), "500MB" or a plain number of bytes."""
-    if isinstance(size, int):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(size))
-        unit = match.group(2).upper() if match else None
-        if match is None or unit not in _SIZE_UNITS:
-            raise UserError(f"Cannot read size {size!r}; write it like 2GB, 500MB or 1GiB")
-        value = int(float(match.group(1)) * _SIZE_UNITS[unit])
-    if value <= 0:
-        raise UserError(f"Size {size!r} must be positive")
-    return value
-
 
 def plan_to_hf(infos: list[TensorInfo], config, reader: TensorReader) -> list[OutTensor]:
     """The Hugging Face tensors to write, in model order; any mismatch is a UserError naming the key."""
@@ -104,19 +85,6 @@ def plan_to_hf(infos: list[TensorInfo], config, reader: TensorReader) -> list[Ou
 
         planned[hf_name] = OutTensor(hf_name, parts[0].dtype, shape, make=make)
     return list(planned.values())
-
-
-def shard(tensors: list[OutTensor], max_shard_size: int) -> list[list[OutTensor]]:
-    """Consecutive groups of at most `max_shard_size` bytes (a bigger tensor gets a shard of its own)."""
-    shards: list[list[OutTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if shards[-1] and size + t.nbytes > max_shard_size:
-            shards.append([])
-            size = 0
-        shards[-1].append(t)
-        size += t.nbytes
-    return shards
 
 
 def _special_tokens(checkpoint_dir: Path) -> dict[str, Any]:
@@ -178,7 +146,8 @@ def convert_to_hf(
     """Export a toolkit checkpoint as a Hugging Face model directory (safetensors, no remote code).
 
     Args:
-        checkpoint_dir: A toolkit checkpoint: model.safetensors, model_config.json, tokenizer files.
+        checkpoint_dir: A toolkit checkpoint: model.safetensors (or its shards and index),
+            model_config.json, tokenizer files.
         out_dir: Directory to create; `AutoModelForCausalLM.from_pretrained(out_dir)` loads it.
         max_shard_size: Largest weight file, like "2GB" (10^9 bytes) or "1GiB"; bigger models are
             split into model-0000N-of-0000M.safetensors with model.safetensors.index.json.
@@ -187,7 +156,7 @@ def convert_to_hf(
     Returns:
         out_dir.
     """
-    from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory, require_checkpoint_dir
+    from toolkit.model_dir import atomic_directory, require_checkpoint_dir, weight_files
     from toolkit.convert.hf_config import config_to_hf
     from toolkit.models.config import Config
 
@@ -197,7 +166,7 @@ def convert_to_hf(
     refuse_existing(out_dir, overwrite)
     require_checkpoint_dir(checkpoint_dir)
     config = Config.from_file(checkpoint_dir)
-    infos = read_safetensors_header(checkpoint_dir / WEIGHTS_FILENAME)
+    infos = read_headers(weight_files(checkpoint_dir))
     counts = Counter(i.dtype for i in infos if i.dtype in ("F32", "F16", "BF16"))
     dtype = TORCH_DTYPE_NAMES[counts.most_common(1)[0][0]] if counts else None
     hf_config = config_to_hf(config, dtype=dtype)
@@ -211,23 +180,10 @@ def convert_to_hf(
     reader = TensorReader()
     try:
         planned = plan_to_hf(infos, config, reader)
-        shards = shard(planned, limit)
         with atomic_directory(out_dir, overwrite=overwrite) as tmp:
             progress = Progress(sum(t.nbytes for t in planned), f"{checkpoint_dir.name} -> Hugging Face")
             try:
-                if len(shards) == 1:
-                    write_safetensors(tmp / "model.safetensors", shards[0], reader, progress, {"format": "pt"})
-                else:
-                    weight_map = {}
-                    for i, tensors in enumerate(shards, start=1):
-                        name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                        write_safetensors(tmp / name, tensors, reader, progress, {"format": "pt"})
-                        weight_map.update({t.name: name for t in tensors})
-                    index = {
-                        "metadata": {"total_size": sum(t.nbytes for t in planned)},
-                        "weight_map": dict(sorted(weight_map.items())),
-                    }
-                    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+                write_weight_files(tmp, planned, limit, reader, progress)
             finally:
                 progress.close()
             (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")

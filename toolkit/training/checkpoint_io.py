@@ -99,18 +99,23 @@ def _user_module(model: Any) -> Any:
 EXPORT_CHUNK_BYTES = 64 * 2**20
 
 
-def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dtype: Any = None) -> BaseException | None:
-    """Write the model's complete weights to the safetensors file `path` (on rank 0), rows at a time.
+def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any, dtype: Any = None,
+                   max_shard_bytes: int | None = None) -> BaseException | None:
+    """Write the model's complete weights into the folder `directory` (on rank 0), rows at a time.
 
-    A collective call. For each weight, in the order of the file: under FSDP every rank holding a
+    The weights go into `model.safetensors`, or, beyond `max_shard_bytes` (default
+    `toolkit.model_dir.MAX_SHARD_BYTES`), into Hugging Face's sharded layout
+    (`model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`; see
+    `toolkit.model_dir.SafetensorsShards`). A collective call. For each weight, in the order of the
+    files: under FSDP every rank holding a
     shard of it in rank 0's shard group (FSDP2 shards dim 0 in `torch.chunk` order) converts its
     rows to `dtype` (floating-point weights; None keeps their dtype) a message at a time and sends
     them to rank 0, which appends them to the file in order (`SafetensorsStream.append`). Rank 0's
     host memory therefore grows by about two messages (`EXPORT_CHUNK_BYTES`), whatever the size of
     the model; no rank gathers a whole weight. Weights that are not sharded, and any sharding other
     than FSDP's on dim 0, take the plain path: the whole weight is gathered, converted and written.
-    The file is byte for byte what `toolkit.model_dir.save_checkpoint_files` writes for the same
-    weights (a tied head is stored once). Other ranks pass `path=None`.
+    A single file is byte for byte what `toolkit.model_dir.save_checkpoint_files` writes for the same
+    weights (a tied head is stored once). Other ranks pass `directory=None`.
 
     A failure to write on rank 0 (a full disk) does not stop it from taking part in the transfers
     that follow, so that no rank waits forever: it is returned (None when all went well) for the
@@ -119,7 +124,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
     import torch
     from torch.distributed.tensor import DTensor
 
-    from toolkit.model_dir import SafetensorsStream
+    from toolkit.model_dir import MAX_SHARD_BYTES, SafetensorsShards
 
     root = _user_module(model)
     # Under FSDP the state dict holds each rank's shards (DTensors), with the full shapes.
@@ -139,7 +144,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, path: Any, config: Any, dty
     stream = None
     if writing:
         try:
-            stream = SafetensorsStream(path, specs, metadata={"format": "pt"})
+            stream = SafetensorsShards(directory, specs, max_shard_bytes or MAX_SHARD_BYTES, metadata={"format": "pt"})
         except Exception as err:  # reported after the transfers, so that no rank waits for rank 0 forever
             error = err
         order = stream.order if stream is not None else sorted(specs)

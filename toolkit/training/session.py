@@ -342,7 +342,8 @@ class Session:
 
     # ------------------------------------------------------------------ export
     def export_final(self, model, name: str = "final") -> Path:
-        """Write `<out_dir>/<name>`: full weights as safetensors, config and tokenizer files (collective).
+        """Write `<out_dir>/<name>`: full weights as safetensors (in files of at most 5 GB, indexed
+        as Hugging Face does, beyond that size), config and tokenizer files (collective).
 
         Each weight's rows are converted to `export_dtype` by the rank that holds them and written
         by rank 0 a message at a time (`checkpoint_io.stream_weights`): no rank ever holds the whole
@@ -351,15 +352,14 @@ class Session:
         """
         from contextlib import ExitStack
 
-        from toolkit.model_dir import WEIGHTS_FILENAME, atomic_directory, save_checkpoint_files
+        from toolkit.model_dir import atomic_directory, save_checkpoint_files
         from toolkit.training.checkpoint_io import stream_weights
 
         start = time.perf_counter()
         target = self.out_dir / name
         with ExitStack() as stack:
             tmp = run_on_rank_zero(self.fabric, lambda: stack.enter_context(atomic_directory(target, overwrite=True)))
-            error = stream_weights(self.fabric, model, tmp / WEIGHTS_FILENAME if tmp is not None else None,
-                                   self.config, self.export_dtype)
+            error = stream_weights(self.fabric, model, tmp, self.config, self.export_dtype)
 
             def finish() -> None:
                 if error is not None:
