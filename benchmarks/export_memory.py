@@ -37,6 +37,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--results", type=Path, default=None, help="write the figures here as JSON")
     parser.add_argument("--chunk_bytes", type=int, default=2**20, help="largest message of rows (EXPORT_CHUNK_BYTES)")
+    parser.add_argument("--shard_bytes", type=int, default=None,
+                        help="largest weights file (default: model_dir.MAX_SHARD_BYTES, 5 GB: one file here)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -46,21 +48,34 @@ def main() -> None:
     env.pop("LOCAL_RANK", None)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "export_stream.py"), tmp, "untied", "bfloat16",
-                        *(str(SHAPE[k]) for k in ("n_layer", "n_embd", "vocab")), str(args.chunk_bytes)], env=env, check=True,
+                        *(str(SHAPE[k]) for k in ("n_layer", "n_embd", "vocab")), str(args.chunk_bytes),
+                        *([str(args.shard_bytes)] if args.shard_bytes else [])], env=env, check=True,
                        stdout=subprocess.DEVNULL)
         figures = json.loads((Path(tmp) / "memory.json").read_text())
-        same = (Path(tmp) / "streamed" / "model.safetensors").read_bytes() == (Path(tmp) / "former" / "model.safetensors").read_bytes()
+        streamed_files = sorted((Path(tmp) / "streamed").glob("*.safetensors"))
+        former = Path(tmp) / "former" / "model.safetensors"
+        if len(streamed_files) == 1:
+            same = streamed_files[0].read_bytes() == former.read_bytes()
+        else:  # shards: the same tensors, each equal (each file is `save_file` of its own tensors)
+            from safetensors.torch import load_file
+            import torch
+
+            streamed = {k: v for f in streamed_files for k, v in load_file(str(f)).items()}
+            expected = load_file(str(former))
+            same = set(streamed) == set(expected) and all(torch.equal(streamed[k], expected[k]) for k in expected)
     largest = figures["largest_float32_bytes"]
     bound = 2 * args.chunk_bytes  # the message received + the one of rank 0's own rows being converted
     result = {"shape": SHAPE, "processes": 2, "export_dtype": "bfloat16", "model_float32_bytes": figures["model_float32_bytes"],
               "largest_weight_float32_bytes": largest, "chunk_bytes": args.chunk_bytes, "bound_bytes": bound,
-              "rank0_peak_growth_bytes": figures["rank0_growth"], "byte_for_byte_equal": same}
+              "rank0_peak_growth_bytes": figures["rank0_growth"], "weight_files": len(streamed_files),
+              "shard_bytes": args.shard_bytes, "byte_for_byte_equal" if len(streamed_files) == 1 else "tensors_equal": same}
     mib = 2**20
     print(f"model {figures['model_float32_bytes'] / mib:.0f} MiB in float32, largest weight {largest / mib:.1f} MiB; "
           f"bound {bound / mib:.1f} MiB (two messages of {args.chunk_bytes / mib:.1f} MiB)")
     for kind, growth in figures["rank0_growth"].items():
         print(f"{kind:>9}: rank 0 host peak +{growth / mib:.1f} MiB")
-    print(f"files equal byte for byte: {same}")
+    print(f"{len(streamed_files)} weights file(s); " + (f"equal byte for byte: {same}" if len(streamed_files) == 1
+                                                          else f"tensors equal to the former file's: {same}"))
     if args.results:
         args.results.parent.mkdir(parents=True, exist_ok=True)
         args.results.write_text(json.dumps(result, indent=2) + "\n")
