@@ -1,6 +1,7 @@
 """FSDP2's collectives on gloo, done in place (toolkit.training.gloo_collectives): the same results
-as gloo's own on 4 processes and on a subgroup, no whole-buffer temporary, installed on every unit
-by `shard_model` on a CPU mesh and never on another backend."""
+as gloo's own on 4 processes and on a subgroup, no whole-buffer temporary, the unsharded gradient
+released once copied in, installed on every unit by `shard_model` on a CPU mesh and never on
+another backend."""
 
 import json
 import subprocess
@@ -31,6 +32,14 @@ def test_in_place_collectives_equal_gloos_own_without_its_temporary_buffer(tmp_p
         assert growth["in-place reduce-scatter"] < buffer / 8
         # a tiny GPT: two blocks, the embedding, the final norm and the head, each with both
         assert rank["installed"] == {"InPlaceAllGather": 5, "InPlaceReduceScatter": 5}
+        # A unit of one 128 MiB weight, a few tokens per rank: the backward pass peaks at about
+        # one gradient's size (measured +129 MiB; the reduce-scatter buffer is written whole).
+        # FSDP2 itself keeps the unsharded gradient referenced until the reduction returns:
+        # without releasing it, this rank's output (32 MiB) came on top (measured +161 MiB).
+        embedding = rank["embedding"]
+        assert embedding["installed"] and embedding["grad_equal"]
+        gradient = embedding["gradient_bytes"]
+        assert 0.9 * gradient < embedding["growth"] < gradient + gradient // 4 // 2
 
 
 def test_other_backends_keep_fsdps_own_collectives():

@@ -262,3 +262,35 @@ def test_loss_memory_is_bounded_by_its_chunks():
     transient = {str(k): v for k, v in fwd.items()}["_MemRefType.ACT"] - kept
     assert 0 < transient < vocab * hidden * 2 // 2  # about a third of it: 330 MiB of 1002
     assert {str(k): v for k, v in bwd.items()}["_MemRefType.TEMP"] == n * hidden * 4 + vocab * hidden * 2
+
+
+def test_float32_gradients_are_scaled_in_place():
+    """A float32 head (32-true): the backward pass scales the kept weight and bias gradients where
+    they are and creates only the hidden's gradient: no second (V, E) float32 matrix (2 GB for
+    Llama-3's head). Values: the plain loss's gradients times the incoming gradient. A second
+    backward pass over the same forward pass (retain_graph) would scale them twice: it is refused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    n, hidden, vocab = 256, 512, 16000
+    with FakeTensorMode():
+        h = torch.empty(n, hidden, requires_grad=True)
+        w = torch.empty(vocab, hidden, requires_grad=True)
+        b = torch.empty(vocab, requires_grad=True)
+        labels = torch.zeros(n, dtype=torch.long)
+        loss = linear_cross_entropy_sum(h, w, b, labels)
+        backward = MemTracker()
+        backward.track_external(h, w, b, labels, loss, *loss.grad_fn.saved_tensors)
+        with backward:
+            loss.backward()
+    ((_, bwd),) = backward.get_tracker_snapshot("peak").items()
+    assert {str(k): v for k, v in bwd.items()}["_MemRefType.TEMP"] == n * hidden * 4  # the hidden's only
+
+    h, w, b, labels = _inputs(True, 0.3)
+    want = _grads(2.5 * cross_entropy_sum(F.linear(h, w, b), labels), (h, w, b))
+    loss = 2.5 * linear_cross_entropy_sum(h, w, b, labels)
+    got = torch.autograd.grad(loss, (h, w, b), retain_graph=True)
+    for g, e in zip(got, want):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="runs once per forward pass"):
+        torch.autograd.grad(loss, (h, w, b))

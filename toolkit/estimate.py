@@ -645,9 +645,12 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
         forward = hidden_input + kept + casts + max(widened, product)
     # Backward: the hidden's gradient scaled in the compute dtype, then cast to the hidden's dtype;
     # then the weight's and the bias's, scaled in float32 and written into their own dtypes
-    # (`gpt._scaled`; a real CPU run casts through one chunk of float32 rows).
+    # (`gpt._scaled`; a real CPU run casts through one chunk of float32 rows), or, for float32
+    # ones, scaled in place in the kept gradients (nothing new).
     def scaled(numel: int, row: int, b: int) -> int:
-        through = min(numel // row, max(1, LOSS_CHUNK_BYTES // (4 * row))) * row * 4 if mode.real_cpu and b != 4 else 0
+        if b == 4:
+            return 0
+        through = min(numel // row, max(1, LOSS_CHUNK_BYTES // (4 * row))) * row * 4 if mode.real_cpu else 0
         return numel * b + through
 
     hidden = n * E * h.b if need_h else 0

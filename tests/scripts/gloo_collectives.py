@@ -7,7 +7,9 @@ a rank's place in the group is not its global rank), that `InPlaceAllGather` and
 `InPlaceReduceScatter` give what `all_gather_single` and `reduce_scatter_single` give (SUM and AVG,
 float32 and bfloat16): equal on two ranks and for the all-gather, within the rounding of the
 additions' other order on four). Then, on one 64 MiB float32 buffer, how far each way raises the
-process's high-water mark over its resident memory before the call. Rank 0 writes OUT_DIR/result.json.
+process's high-water mark over its resident memory before the call. Last, the backward pass of an
+FSDP2 unit of one 128 MiB embedding with the in-place collectives: its high-water mark, and its
+sharded gradient against the average of every rank's dense one. Rank 0 writes OUT_DIR/result.json.
 """
 
 from __future__ import annotations
@@ -97,6 +99,38 @@ def _installed_by_shard_model() -> dict[str, int]:
     return counts
 
 
+def _embedding_backward(rank: int) -> dict:
+    """A unit of one embedding (VOCAB x WIDTH float32, 128 MiB), sharded over the 4 processes as
+    `shard_model` shards the embedding; each rank looks up its own tokens. The backward pass makes
+    the dense gradient and FSDP2 copies it into the reduce-scatter buffer (128 MiB); the output
+    (this rank's 32 MiB) comes once the gradient is released."""
+    from torch.distributed.fsdp import fully_shard
+
+    from toolkit.training.gloo_collectives import use_in_place_collectives
+
+    vocab, width, tokens = 32768, 1024, 64
+    embedding = torch.nn.Embedding(vocab, width)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.randn(vocab, width, generator=torch.Generator().manual_seed(0)))
+    fully_shard(embedding)
+    embedding.set_unshard_in_backward(False)  # as shard_model: the gradient needs the ids only
+    installed = use_in_place_collectives(embedding, dist.group.WORLD)
+    ids = [torch.randint(0, vocab, (tokens,), generator=torch.Generator().manual_seed(10 + r)) for r in range(WORLD)]
+    scale = torch.arange(1, width + 1, dtype=torch.float32) / width
+    loss = (embedding(ids[rank]) * scale).sum()
+    dist.barrier()
+    growth = _growth(loss.backward)
+    # The reference: every rank's dense gradient (a scaled count of its tokens per row), averaged.
+    expected = torch.zeros(vocab, width)
+    for r in range(WORLD):
+        expected.index_add_(0, ids[r], scale.expand(tokens, width))
+    expected /= WORLD
+    rows = vocab // WORLD
+    grad = embedding.weight.grad.to_local()
+    return {"installed": installed, "growth": growth, "gradient_bytes": vocab * width * 4,
+            "grad_equal": bool(torch.allclose(grad, expected[rank * rows : (rank + 1) * rows], rtol=0, atol=1e-6))}
+
+
 def _run(rank: int, out_dir: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     subgroup_ranks = [1, 3]
@@ -123,8 +157,10 @@ def _run(rank: int, out_dir: str) -> None:
         dist.barrier()
         growth[name] = _growth(functools.partial(call, buffer_a, buffer_b))
         del buffer_a, buffer_b
+    embedding = _embedding_backward(rank)
     results = [None] * WORLD
-    dist.all_gather_object(results, {"failures": failures, "growth": growth, "installed": installed})
+    dist.all_gather_object(results, {"failures": failures, "growth": growth, "installed": installed,
+                                     "embedding": embedding})
     if rank == 0:
         Path(out_dir, "result.json").write_text(json.dumps({"ranks": results, "buffer_bytes": numel * 4}))
     dist.destroy_process_group()

@@ -583,6 +583,9 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if getattr(ctx, "done", False):  # the kept float32 gradients were scaled in place (below)
+            raise RuntimeError("The fused loss's backward pass runs once per forward pass (no retain_graph).")
+        ctx.done = True
         grad_h, grad_w, grad_b, rows = ctx.saved_tensors
         h_dtype, w_dtype, b_dtype = ctx.dtypes
         d_hidden = d_weight = d_bias = None
@@ -590,10 +593,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             d_hidden = (grad_h * grad_loss).to(h_dtype)
             if rows is not None:
                 d_hidden = d_hidden.new_zeros((ctx.n_rows, d_hidden.shape[1])).index_copy_(0, rows, d_hidden)
+        # A float32 weight's (and bias's) kept gradient is scaled where it is and handed on: a
+        # scaled copy beside it was a second V x E float32 matrix at the peak of a float32 step
+        # (the head gathered, its kept gradient and the copy). Nothing else holds it: the forward
+        # pass saved it for this backward pass only.
         if grad_w is not None:
-            d_weight = _scaled(grad_w, grad_loss, w_dtype)
+            d_weight = grad_w.mul_(grad_loss) if w_dtype == torch.float32 else _scaled(grad_w, grad_loss, w_dtype)
         if grad_b is not None:
-            d_bias = _scaled(grad_b, grad_loss, b_dtype)
+            d_bias = grad_b.mul_(grad_loss) if b_dtype == torch.float32 else _scaled(grad_b, grad_loss, b_dtype)
         return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 

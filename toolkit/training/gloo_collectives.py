@@ -27,6 +27,7 @@ installs these only on units whose shard group is a gloo group.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -56,11 +57,39 @@ class InPlaceAllGather(_PlainAlloc, AllGather):
         return None
 
 
-class InPlaceReduceScatter(_PlainAlloc, ReduceScatter):
-    """Reduce-scatter inside FSDP2's input buffer (its scratch): one reduce per slot, onto its rank."""
+class InPlaceReduceScatter(ReduceScatter):
+    """Reduce-scatter inside FSDP2's input buffer (its scratch): one reduce per slot, onto its rank.
+
+    It also frees the unsharded gradients FSDP2 copied into that buffer. FSDP2 (torch 2.13,
+    `foreach_reduce`) drops its list of them after the copy-in, but a loop variable of that
+    function still refers to the last one until the function returns: for a unit of one weight
+    (the embedding, the head) the whole unsharded gradient stays alive beside the reduce-scatter
+    buffer and the output, a third buffer of the unit's size at the peak. Each gradient whose
+    memory nothing else shares is released once it has been copied in.
+    """
+
+    def __init__(self) -> None:
+        self._next_is_input = True  # FSDP2 allocates the input, then the output, of each reduction
+        self._copied_in: list[torch.Tensor] = []
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if self._next_is_input:
+            # Called by `foreach_reduce` just before it copies its `unsharded_grads` in.
+            caller = sys._getframe(1)
+            grads = caller.f_locals.get("unsharded_grads") if caller.f_code.co_name == "foreach_reduce" else None
+            self._copied_in = [g for g in grads or () if isinstance(g, torch.Tensor)]
+        self._next_is_input = not self._next_is_input
+        return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: Any, async_op: bool = False) -> None:
+        self._next_is_input = True
+        # The copy-in is done (FSDP2 calls this after it): the gradients are no longer read.
+        for grad in self._copied_in:
+            storage = grad.untyped_storage()
+            if torch._C._storage_Use_Count(storage._cdata) == 2:  # this gradient and `storage` only
+                storage.resize_(0)
+        self._copied_in = []
         slots = _slots(input_tensor, group.size())
         for destination, slot in enumerate(slots):
             # gloo may use the non-destination ranks' slot as scratch: the input is not read again.
