@@ -19,7 +19,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping, Optional
 
 from toolkit.errors import UserError
 from toolkit.models.config import CONFIG_FILENAME, Config
@@ -34,6 +34,20 @@ MAX_SHARD_BYTES = 5 * 10**9
 def shard_filename(index: int, count: int) -> str:
     """The name of weights file `index` (from 1) of `count`, as Hugging Face names them."""
     return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def shard_groups(items: Iterable[tuple[Any, int]], max_shard_bytes: int) -> list[list[Any]]:
+    """(item, bytes) pairs, in order, as consecutive groups of at most `max_shard_bytes` bytes (an
+    item bigger than that gets a group of its own): what goes into each weights file."""
+    groups: list[list[Any]] = [[]]
+    size = 0
+    for item, nbytes in items:
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += nbytes
+    return groups
 
 
 def is_checkpoint_dir(path: Path | str) -> bool:
@@ -196,16 +210,11 @@ class SafetensorsShards:
         import torch
 
         self.directory, self.metadata = Path(directory), metadata
-        groups: list[dict] = [{}]
-        size = 0
-        for name, (dtype, shape) in specs.items():
-            nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
-            if groups[-1] and size + nbytes > max_shard_bytes:
-                groups.append({})
-                size = 0
-            groups[-1][name] = (dtype, tuple(shape))
-            size += nbytes
-        self.total_bytes = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for d, s in specs.values())
+        nbytes = {name: torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+                  for name, (dtype, shape) in specs.items()}
+        groups = [{name: (specs[name][0], tuple(specs[name][1])) for name in names}
+                  for names in shard_groups(nbytes.items(), max_shard_bytes)]
+        self.total_bytes = sum(nbytes.values())
         count = len(groups)
         self.filenames = [WEIGHTS_FILENAME] if count == 1 else [shard_filename(i, count) for i in range(1, count + 1)]
         self._groups = groups

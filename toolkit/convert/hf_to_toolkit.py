@@ -411,16 +411,9 @@ def write_weight_files(
     `model-0000K-of-0000N.safetensors` with Hugging Face's `model.safetensors.index.json`.
 
     Both Hugging Face and the toolkit read this layout."""
-    from toolkit.model_dir import WEIGHTS_FILENAME, WEIGHTS_INDEX_FILENAME, shard_filename
+    from toolkit.model_dir import WEIGHTS_FILENAME, WEIGHTS_INDEX_FILENAME, shard_filename, shard_groups
 
-    groups: list[list[OutTensor]] = [[]]
-    size = 0
-    for t in tensors:
-        if groups[-1] and size + t.nbytes > max_shard_bytes:
-            groups.append([])
-            size = 0
-        groups[-1].append(t)
-        size += t.nbytes
+    groups = shard_groups(((t, t.nbytes) for t in tensors), max_shard_bytes)
     if len(groups) == 1:
         write_safetensors(directory / WEIGHTS_FILENAME, groups[0], reader, progress, {"format": "pt"})
         return
