@@ -171,6 +171,27 @@ def test_a_sharded_toolkit_checkpoint_reads_as_its_single_file(tmp_path):
         checkpoint_row_reader(sharded)
 
 
+def test_checkpoint_files_written_from_memory_take_the_same_layout(tmp_path):
+    """`save_checkpoint_files` (convert_pretrained_checkpoint, merge_lora): one model.safetensors equal
+    to `save_file`, or shards and an index beyond the shard size, read back as the same weights."""
+    from safetensors.torch import save_file
+
+    from toolkit.model_dir import save_checkpoint_files, weight_files
+
+    model = hf_model("llama")
+    model.save_pretrained(tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "toolkit")
+    state, config = load_state_dict(tmp_path / "toolkit"), Config.from_file(tmp_path / "toolkit")
+    for name, limit in (("one", 10**9), ("sharded", 30_000)):
+        (tmp_path / name).mkdir()
+        save_checkpoint_files(tmp_path / name, state, config, max_shard_bytes=limit)
+        loaded = load_state_dict(tmp_path / name)
+        assert set(loaded) == set(state) and all(torch.equal(loaded[k], state[k]) for k in state)
+    assert len(weight_files(tmp_path / "sharded")) >= 3
+    save_file(state, str(tmp_path / "ref.safetensors"), metadata={"format": "pt"})
+    assert (tmp_path / "one" / "model.safetensors").read_bytes() == (tmp_path / "ref.safetensors").read_bytes()
+
+
 def read_safetensors_dir_file(path: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 

@@ -288,15 +288,22 @@ def _safetensors_header(specs: Mapping[str, tuple], metadata: Optional[dict]) ->
 
 
 def save_checkpoint_files(
-    directory: Path, state_dict: Mapping, config: Config, tokenizer_dir: Optional[Path] = None, weights: bool = True
+    directory: Path, state_dict: Mapping, config: Config, tokenizer_dir: Optional[Path] = None, weights: bool = True,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
 ) -> None:
-    """Write weights, config and tokenizer files into an existing directory (see `atomic_directory`)."""
-    from safetensors.torch import save_file
+    """Write weights, config and tokenizer files into an existing directory (see `atomic_directory`).
 
+    The weights go into `model.safetensors` (byte for byte `safetensors.torch.save_file`), or
+    beyond `max_shard_bytes` into Hugging Face's sharded layout (`SafetensorsShards`)."""
     from toolkit.tokenizer import TOKENIZER_FILES
 
     if weights:
-        save_file(weights_for_saving(state_dict, config), str(directory / WEIGHTS_FILENAME), metadata={"format": "pt"})
+        tensors = weights_for_saving(state_dict, config)
+        files = SafetensorsShards(directory, {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()},
+                                  max_shard_bytes, metadata={"format": "pt"})
+        for name in files.order:
+            files.write(name, tensors[name])
+        files.close()
     config.save(directory)
     if tokenizer_dir is not None:
         for name in TOKENIZER_FILES:
