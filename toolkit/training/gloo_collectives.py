@@ -63,9 +63,10 @@ class InPlaceReduceScatter(ReduceScatter):
     It also frees the unsharded gradients FSDP2 copied into that buffer. FSDP2 (torch 2.13,
     `foreach_reduce`) drops its list of them after the copy-in, but a loop variable of that
     function still refers to the last one until the function returns: for a unit of one weight
-    (the embedding, the head) the whole unsharded gradient stays alive beside the reduce-scatter
-    buffer and the output, a third buffer of the unit's size at the peak. Each gradient whose
-    memory nothing else shares is released once it has been copied in.
+    (the embedding, the head) the whole unsharded gradient stays alive while the output is
+    allocated and filled beside the reduce-scatter buffer (pythia-160m's embedding on 4 processes:
+    the end of the backward pass peaked one output, 37 MiB, higher). Each gradient whose memory
+    nothing else shares is released once it has been copied in.
     """
 
     def __init__(self) -> None:
