@@ -121,6 +121,36 @@ def test_bf16_autocast_matches_plain_autocast():
         torch.testing.assert_close(g, ref, rtol=2e-2, atol=2e-2)
 
 
+def test_bf16_autocast_loss_is_the_float32_cross_entropy_of_its_rounded_logits():
+    # Under autocast the products are bfloat16, everything after them float32: against the float64
+    # cross-entropy of the same rounded logits the loss agrees to float32 rounding (the tolerance
+    # above is the gap to float32 products).
+    h, w, b, labels = _inputs(True, 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8)
+    rounded = F.linear(h.bfloat16(), w.bfloat16(), b.bfloat16())
+    want = F.cross_entropy(rounded.double(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_labels_far_below_the_largest_logit_give_their_exact_loss(autocast):
+    # A label 200 below the row's largest logit has probability exp(-200): 0 in float32. Its loss is
+    # still 200 (+ the log of the row's sum), not inf, and its gradient stays -1.
+    h, w, _, labels = _inputs(False, 0.0)
+    w = w.detach().clone()
+    w[labels[0]] = 0.0
+    w[(labels[0] + 1) % V] = h[0].detach() / h[0].detach().square().sum() * 200.0  # logit 200 for row 0
+    w.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        got = linear_cross_entropy_sum(h, w, None, labels, chunk_rows=8)
+        want = _plain(h, w, None, labels)
+    (got_h,), (want_h,) = _grads(got, (h,)), _grads(want, (h,))
+    assert torch.isfinite(got) and got.item() > 200
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
+
+
 def test_bf16_weights_give_bf16_gradients():
     h, w, b, labels = _inputs(False, 0.3, dtype=torch.bfloat16)
     got = linear_cross_entropy_sum(h, w, None, labels)

@@ -150,7 +150,7 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
                    lora_dropout=lora.dropout)  # fmt: skip
     assert _holds_to_the_analytic_peak(sim, opts, make_column("FULL_SHARD", 8, 1), True, 2) == moment
     # The pre-flight checks LoRA runs with their adapters, by CUDA's rules (a one-byte dropout mask,
-    # log_softmax's float32 copy of the logits: +2% here for 8B): it accepts a device 5% larger
+    # softmax's float32 copy of the bfloat16 logits: +2% here for 8B): it accepts a device 5% larger
     # than the simulated peak needs, and refuses one 5% smaller.
     for scale, fits in ((1.05, True), (0.95, False)):
         device = int(sim.peak_total * scale / 0.95)

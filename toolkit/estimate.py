@@ -12,8 +12,8 @@ For every strategy it splits the memory of one device into:
                       (`linear_cross_entropy_sum`): it keeps the loss's gradients with respect to the
                       head's input (tokens x E, compute dtype) and trainable weight and bias (float32),
                       and holds its input and one chunk of logits (at most LOSS_CHUNK_BYTES of float32
-                      rows, with their float32 log-softmax, and under 16-bit compute a float32 copy
-                      that log_softmax makes, a 16-bit softmax and a piece of the 16-bit weight
+                      rows, with their float32 softmax, and under 16-bit compute on CUDA a float32
+                      copy that softmax makes, a 16-bit softmax and a piece of the 16-bit weight
                       gradient) in the forward pass, or the outgoing gradients in the backward pass
                       (in the dtypes of the head's input and weight). A LoRA head takes the plain
                       loss: the float32 log-softmax it keeps, plus the two (tokens x vocab) float32
@@ -102,8 +102,8 @@ What is assumed, and where it comes from:
   cross_entropy_sum.
 - Whose rules (`Options.device`): CUDA's by default; the tests use the CPU's ("cpu", real runs) and
   those of fake tensors on the CPU ("fake", `toolkit.simulate`). They differ in what dropout keeps
-  (a one-byte mask on CUDA, a scaled copy on CPU), in the float32 copy log_softmax makes of 16-bit
-  logits (inside the op on fake tensors, where the simulation's tracker does not see it), in the
+  (a one-byte mask on CUDA, a scaled copy on CPU), in the float32 copy softmax makes of 16-bit
+  logits (CUDA only: on CPU the loss widens them into its own float32 buffer), in the
   loss's buffers kept between calls (real CPU runs) and in gloo's staging of all-gathers.
 """
 
@@ -517,7 +517,7 @@ class Activations:
     # head input, log-softmax and labels (LoRA head)
     loss_saved: int  # the part of `head` the loss saved: gone after the loss's backward pass
     loss_forward: int  # the loss's transients at their largest in the forward pass (fused: the chunk
-    # buffers, the float32 copy log_softmax makes of 16-bit logits, the casts; LoRA head: the logits)
+    # buffers, the float32 copy softmax makes of 16-bit logits on CUDA, the casts; LoRA head: the logits)
     loss_backward: int  # and in its backward pass: the outgoing gradients (LoRA head: the two float32
     # (tokens x vocab) gradients)
     loss_kept: int  # the fused loss's chunk buffers that stay allocated between calls (real CPU runs)
@@ -625,23 +625,23 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
     chunk = max(1, LOSS_CHUNK_BYTES // (4 * V))
     chunk = -(-n // -(-n // chunk))
     rows = chunk * V
-    in_place = cdt == 4 and not mode.cuda  # CPU float32: log_softmax writes over the logits
+    in_place = cdt == 4 and not mode.cuda  # CPU float32: softmax writes over the logits
     logits = rows * cdt
-    log_probs = 0 if in_place else rows * 4
-    # log_softmax(..., dtype=float32) first copies 16-bit logits to float32 (but float16 on CUDA).
-    # On fake tensors the copy is made inside the op, where FSDPMemTracker does not see it.
-    widened = rows * 4 if cdt != 4 and not (mode.cuda and mode.float16) and mode.device != "fake" else 0
+    probs = 0 if in_place else rows * 4
+    # On CUDA softmax(..., dtype=float32) first copies bfloat16 logits to float32 (float16 it widens
+    # as it reads); on CPU (fake tensors included) the loss copies them into `probs` itself.
+    widened = rows * 4 if cdt != 4 and mode.cuda and not mode.float16 else 0
     softmax_16 = rows * cdt if cdt != 4 else 0  # the softmax cast back to the compute dtype
     casts = (n * E * cdt if h.b != cdt else 0) + (V * E * cdt if w.b != cdt else 0)  # h.to(dtype), weight.to(dtype)
     # grad.t() @ hc in 16 bits, added to the float32 grad_w a piece of vocabulary rows at a time
     vocab_rows = max(1, LOSS_CHUNK_BYTES // (4 * E))
     product = min(V, vocab_rows) * E * cdt if need_w and cdt != 4 else 0
-    # The float32 copy lives during log_softmax only; the 16-bit softmax and the product come after it.
+    # The float32 copy lives during softmax only; the 16-bit softmax and the product come after it.
     if not mode.real_cpu:  # buffers allocated per call (the 16-bit softmax per chunk) and freed after it
         kept = 0
-        forward = hidden_input + logits + log_probs + casts + max(widened, softmax_16 + product)
+        forward = hidden_input + logits + probs + casts + max(widened, softmax_16 + product)
     else:  # one buffer per kind, kept between calls (the 16-bit softmax's buffer exists already)
-        kept = logits + log_probs + softmax_16
+        kept = logits + probs + softmax_16
         forward = hidden_input + kept + casts + max(widened, product)
     # Backward: the hidden's gradient scaled in the compute dtype, then cast to the hidden's dtype;
     # then the weight's and the bias's, scaled in float32 and written into their own dtypes

@@ -468,7 +468,7 @@ def linear_cross_entropy_sum(
 
     hidden (..., E), weight (V, E), bias (V,) or None, labels (...). The rows are processed in
     chunks of `chunk_rows` (default: LOSS_CHUNK_BYTES of float32 logits). For each chunk the
-    forward pass computes the logits, their float32 log-softmax, the loss, and at once the gradient
+    forward pass computes the logits, their float32 softmax, the loss, and at once the gradient
     of the loss with respect to `hidden`, `weight` and `bias` (softmax minus one-hot, pushed
     through the head). Only those gradients are kept for the backward pass, which scales them by
     the incoming gradient. Next to the plain computation this drops the (B * T, V) float32 logits,
@@ -531,13 +531,15 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if n:  # equal chunks: a small last chunk would stream the whole weight for a few rows
                 chunk_rows = math.ceil(n / math.ceil(n / chunk_rows))
             vocab_rows = max(1, LOSS_CHUNK_BYTES // (4 * E))
-            # One logits buffer and one float32 log-softmax buffer serve every chunk (on CPU, every
-            # call: see _scratch). log_softmax may write over its input on CPU (each row is read
-            # before it is written).
+            # One logits buffer and one float32 probabilities buffer serve every chunk (on CPU,
+            # every call: see _scratch). On CPU softmax writes over its input (each row is read
+            # before it is written); a 16-bit chunk is widened by a copy first, because the CPU's
+            # softmax with a dtype conversion is 5x slower than a copy and an in-place softmax.
             shape = (min(chunk_rows, n), w.shape[0])
-            in_place = dtype == torch.float32 and device.type == "cpu"
+            on_host = device.type == "cpu"
+            in_place = dtype == torch.float32 and on_host
             logits_buf = _scratch(shape, dtype, device, 0)
-            logp_buf = logits_buf if in_place else _scratch(shape, torch.float32, device, 1)
+            probs_buf = logits_buf if in_place else _scratch(shape, torch.float32, device, 1)
             for start in range(0, n, chunk_rows):
                 end = min(start + chunk_rows, n)
                 hc, yc = h[start:end], y[start:end]
@@ -546,15 +548,27 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                     torch.mm(hc, w.t(), out=logits)
                 else:
                     torch.addmm(b, hc, w.t(), out=logits)
-                logp = torch.log_softmax(logits, dim=1, dtype=torch.float32, out=logp_buf[: end - start])
-                picked = logp.gather(1, yc.unsqueeze(1)).squeeze(1)  # log-probability of each label
+                # log p(label) = (x_label - x_max) - log(sum_j exp(x_j - x_max)), and the largest
+                # logit's probability is exp(0) / sum: the sum comes out of the softmax, so no
+                # log-softmax pass is needed beside it (that probability is at least 1/V: it never
+                # underflows).
+                top = logits.amax(1, keepdim=True)  # (rows, 1)
+                shift = (logits.gather(1, yc.unsqueeze(1)).float() - top.float()).squeeze(1)
+                probs = probs_buf[: end - start]
+                if in_place:
+                    torch.softmax(logits, dim=1, out=probs)
+                elif on_host:
+                    torch.softmax(probs.copy_(logits), dim=1, out=probs)
+                else:
+                    torch.softmax(logits, dim=1, dtype=torch.float32, out=probs)
+                picked = shift + probs.amax(1).log()  # log-probability of each label
                 if mask is not None:
                     loss -= (picked * mask[start:end]).sum()
                 else:
                     loss -= picked.sum()
                 if not need_grad:
                     continue
-                grad = logp.exp_()  # softmax; d(loss)/d(logits) = softmax - one_hot(label)
+                grad = probs  # d(loss)/d(logits) = softmax - one_hot(label)
                 grad.scatter_add_(1, yc.unsqueeze(1), grad.new_full((end - start, 1), -1.0))
                 if mask is not None:
                     grad.mul_(mask[start:end].unsqueeze(1))
