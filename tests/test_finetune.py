@@ -143,18 +143,31 @@ def test_bad_input_is_one_clear_line(base, tmp_path, capsys):
 
 
 def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tmp_path):
-    """Same global batch (8): one process accumulates 4 micro-batches, two processes 2 each."""
+    """Same global batch (8): one process accumulates 4 micro-batches, two processes 2 each.
+
+    Each rank also reports what is still alive once the command returned: no process group (one
+    left for the interpreter's finalization to destroy can abort the process after its work), and
+    no module of the sharded model.
+    """
     import os
     import subprocess
     import sys
+
+    script = Path(__file__).parent / "scripts" / "run_and_count_process_groups.py"
 
     def adapter(out_dir: Path, devices: str) -> dict:
         args = _args("finetune_lora", base["checkpoint"], out_dir, "--train.micro_batch_size", "2", "--train.max_steps", "3",
                      "--train.learning_rate", "0.002", "--lora.dropout", "0.0", "--lora.targets", "[query, value, mlp]",
                      "--eval.initial_validation", "false", "--devices", devices)
         env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env, timeout=600)
+        result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
         assert result.returncode == 0, result.stderr[-3000:]
+        reports = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+        assert [r.split(":")[0] for r in reports] == [f"rank {i}" for i in range(int(devices))], result.stdout[-2000:]
+        for report in reports:
+            groups, modules = (int(word) for word in report.split(":")[1].split()[::3][:2])
+            assert groups == 0, report
+            assert modules < 20, report  # the model has 60; a few (loss, data) may remain
         return load_file(str(out_dir / "final" / "lora_adapter.safetensors"))
 
     single, sharded = adapter(tmp_path / "one", "1"), adapter(tmp_path / "two", "2")

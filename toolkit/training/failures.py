@@ -202,13 +202,23 @@ def release_process_group() -> None:
     Left to the interpreter's exit, torch's communication threads (and the TCP store that rank 0
     hosts) can be destroyed while still running: once in a few hundred CPU runs the process then
     ended with SIGABRT ("terminate called without an active exception") after all its work.
+
+    Destroying the group only unregisters it: the sharded model still refers to it (FSDP2 keeps
+    its process group), from reference cycles that only the garbage collector frees, so the gloo
+    group and its worker threads outlived this call and were destroyed during the interpreter's
+    finalization, when a thread that needs the GIL aborts the process. Collecting here frees them
+    while the interpreter is whole (`tests/scripts/run_and_count_process_groups.py` checks that
+    none is left).
     """
     if "torch.distributed" not in sys.modules:
         return
+    import gc
+
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def run_on_rank_zero(fabric: Fabric, work: Callable[[], Any]) -> Any:

@@ -1,0 +1,35 @@
+"""`toolkit <args>` as the command line runs it, then one line per rank: how many process groups and
+modules are still alive once the command has returned, before the interpreter exits.
+
+Any process group alive at this point is destroyed during the interpreter's finalization, which can
+abort the process (see `toolkit.training.failures.release_process_group`). The exit code is the
+command's. Usage: python run_and_count_process_groups.py <toolkit command> <args>... (Fabric starts
+the other ranks with the same command line).
+"""
+
+import gc
+import os
+import sys
+
+from toolkit.cli import run
+
+
+def _alive() -> tuple[int, int]:
+    """(process groups, nn.Modules) reachable from objects the garbage collector tracks."""
+    import torch.distributed as dist
+    from torch import nn
+
+    groups, modules = set(), 0
+    for obj in gc.get_objects():
+        modules += isinstance(obj, nn.Module)
+        for ref in (obj, *gc.get_referents(obj)):  # process groups themselves are not tracked
+            if isinstance(ref, dist.ProcessGroup):
+                groups.add(id(ref))
+    return len(groups), modules
+
+
+if __name__ == "__main__":
+    code = run(sys.argv[1:])
+    groups, modules = _alive()
+    print(f"rank {os.environ.get('LOCAL_RANK', '0')}: {groups} process groups, {modules} modules alive", flush=True)
+    sys.exit(code)
