@@ -129,3 +129,14 @@ def test_finetuning_values_out_of_range_are_refused_up_front(capsys, tmp_path, c
 )
 def test_sampling_values_out_of_range_are_refused(capsys, checkpoint, extra, fragment):
     assert fragment in _one_error_line(capsys, ["generate", str(checkpoint), "--prompt", "a", *extra])
+
+
+def test_environment_defaults_fill_in_and_keep_what_the_user_set():
+    from toolkit.cli import set_environment_defaults
+
+    fresh: dict = {}
+    set_environment_defaults(fresh)
+    assert fresh == {"TOKENIZERS_PARALLELISM": "false", "LRU_CACHE_CAPACITY": "16"}
+    chosen = {"LRU_CACHE_CAPACITY": "1024"}
+    set_environment_defaults(chosen)
+    assert chosen["LRU_CACHE_CAPACITY"] == "1024" and chosen["TOKENIZERS_PARALLELISM"] == "false"
