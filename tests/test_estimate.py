@@ -6,9 +6,10 @@
   (tests/scripts/estimate_memory.py) on one device and on each rank of a 2-process FSDP2 run, whose
   parameter shards, gradients and AdamW state must equal the estimate byte for byte.
 - Activations: a real forward pass on CPU under `torch.autograd.graph.saved_tensors_hooks`, which
-  sees every tensor autograd keeps for the backward pass; the estimator's op-by-op walk must name
-  the same bytes, for every architecture family, precision and LoRA set-up; and in the real
-  training steps below, on one device and on each FSDP2 rank (blocks gathered in bf16).
+  sees every tensor autograd keeps for the backward pass; the estimator's recording (the model's
+  first blocks on fake tensors, `toolkit.memory.activations`, extrapolated to every block and
+  micro-batch) must name the same bytes, for every architecture family, precision and LoRA set-up;
+  and in the real training steps below, on one device and on each FSDP2 rank (blocks gathered in bf16).
 - Peak: the same real training steps, whose peak of live tensor memory (the CPU allocator's own
   count, method in the script's docstring) must be within a few percent of the estimated total,
   for full fine-tuning and LoRA, bf16-mixed and 32-true, with and without activation checkpointing.
@@ -33,9 +34,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from toolkit import estimate as est
 from toolkit.errors import UserError
-from toolkit.estimate import GiB, estimate
+from toolkit.memory import GiB, check_fits, estimate
+from toolkit.memory import estimator as est
 from toolkit.models.config import Config
 from toolkit.models import gpt
 from toolkit.models.gpt import GPT
@@ -453,7 +454,6 @@ def test_70b_qlora_on_two_24gb_gpus():
     24 GB GPUs, below 22 GiB per GPU, with the settings the tutorial gives (activation
     checkpointing, CPU offload); the recommendation and the start-up pre-flight agree."""
     from toolkit.finetune.lora import LoRAArgs
-    from toolkit.simulate import preflight
 
     kwargs = dict(finetune="lora", quantize="nf4", devices=2, max_seq_length=2048, micro_batch_size=1)
     result = _quiet_estimate("llama-3.1-70b", activation_checkpointing=True, cpu_offload=True,
@@ -463,7 +463,7 @@ def test_70b_qlora_on_two_24gb_gpus():
     rec = result["recommendation"]
     assert rec["fits"] and rec["strategy"] == "FULL_SHARD" and "--distributed.cpu_offload true" in rec["options"]
     config = Config.from_name("llama-3.1-70b")
-    line = preflight(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, finetune="lora",
+    line = check_fits(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, finetune="lora",
                      lora=LoRAArgs(), quantize="nf4", cpu_offload=True)  # fmt: skip
     assert line.endswith("fits."), line
     # finetune_lora's adapters (r 8 on query and value, dropout 0.05) are the estimate's defaults.
@@ -507,14 +507,12 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
 
 
 def _traced_bytes(config, precision, lora, r, quantize, B, T, dropout=0.0) -> int:
-    """The estimator's saved bytes (blocks + outside them + autocast weight copies), CPU rules."""
+    """The estimator's saved bytes (blocks + outside them + autocast weight copies), CPU rules, one
+    device: recorded from the model's first blocks on fake tensors and extrapolated to every block."""
     opts = est.Options(config, precision, "lora" if lora else None, lora, r, quantize, T, device="cpu",
                        lora_dropout=dropout)  # fmt: skip
     specs = est.parameter_specs(config, lora, r)
-    quantized = {s.name for s in specs if quantize and s.kind == "linear" and s.unit >= 0}
-    weights, adapters = est.forward_weights(opts, specs, quantized)
-    mode = est.Mode(opts.autocast, opts.compute_bytes, device="cpu", lora_dropout=dropout > 0)
-    act = est.trace_activations(config, mode, weights, adapters, B, T)
+    act = est.micro_batch_activations(opts, est.make_column("single", 1, 1), B, specs, est.quantized_names(opts, specs))
     return act.stored + act.head + act.weight_copies
 
 
@@ -535,7 +533,7 @@ ACTIVATION_CASES = [
 
 @pytest.mark.parametrize("name, precision, lora, dropout", ACTIVATION_CASES)
 def test_activations_equal_what_autograd_saves(name, precision, lora, dropout):
-    """Exact: the walk through GPT.forward names every byte autograd keeps, and nothing else.
+    """Exact: the recording on fake tensors names every byte autograd keeps on real ones, and nothing else.
 
     CPU kernels differ from CUDA's in what dropout keeps (a scaled copy, not a one-byte mask), so
     the comparison uses the estimator's CPU rules (`device="cpu"`).
@@ -569,11 +567,10 @@ def test_activations_scale_with_the_micro_batch():
     # LOSS_CHUNK_BYTES of float32: never the (tokens x vocab) float32 logits.
     V, E = config.vocab_size, config.n_embd
     grad_w = 4 * V * E
-    assert est.LOSS_CHUNK_BYTES == gpt.LOSS_CHUNK_BYTES
     for b, fig in ((1, one), (4, four)):
         tokens = b * 2048
         assert fig["logits_and_loss"] - grad_w >= 2 * tokens * E  # grad_h
-        assert fig["logits_and_loss"] < grad_w + 2 * tokens * E + 3 * est.LOSS_CHUNK_BYTES + 3 * grad_w
+        assert fig["logits_and_loss"] < grad_w + 2 * tokens * E + 3 * gpt.LOSS_CHUNK_BYTES + 3 * grad_w
     # Checkpointing keeps each block's input: (tokens x E) float32 under bf16-mixed, where the
     # embedding (a trainable float32 weight, gathered as it is stored) starts a float32 residual stream.
     assert one["activations_checkpointed"] < one["activations"] / 5
@@ -728,7 +725,7 @@ def test_checkpoint_directory_and_small_models(tmp_path, capsys):
 
 
 def test_cli_parses_the_signature():
-    """The `toolkit estimate` subcommand (the CLI table lists toolkit.estimate:estimate)."""
+    """The `toolkit estimate` subcommand (the CLI table lists toolkit.memory.estimator:estimate)."""
     from toolkit.cli import build_parser
 
     parser = build_parser("estimate", estimate)
@@ -792,18 +789,17 @@ def test_parameters_gradients_and_optimizer_state_match_real_runs(runs):
 
 def _traced_in_run(opts: est.Options, column: est.Column, as_stored: bool = False) -> int:
     """The estimator's saved bytes for a measured set-up (CPU rules), with the weights as `column`
-    shows them to the forward pass, or as they are stored."""
+    shows them to the forward pass, or as they are stored (as one device stores them)."""
     specs = est.parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
-    weights, adapters = est.forward_weights(opts, specs, set(), None if as_stored else column)
-    mode = est.Mode(opts.autocast, opts.compute_bytes, device="cpu", lora_dropout=opts.lora_dropout > 0)
-    act = est.trace_activations(opts.config, mode, weights, adapters, MEASURED_BATCH, MEASURED_SEQ)
+    shown = est.make_column("single", 1, 1) if as_stored else column
+    act = est.micro_batch_activations(opts, shown, MEASURED_BATCH, specs, set())
     return act.stored + act.head + act.weight_copies
 
 
 def test_activations_in_real_runs_equal_what_autograd_saves(runs):
     """Exact, in the real training steps (not checkpointed): under FSDP2 with bf16-mixed each block
     arrives gathered in bf16 and the root (embedding, final norm, head) in float32, so autocast
-    copies no weight and the norms meet bf16 weights; the walk, given the weights as FSDP gathers
+    copies no weight and the norms meet bf16 weights; the recording, given the weights as FSDP gathers
     them (`Options.gathered_bytes`), names the same bytes. With the weights as stored it would not."""
     checked = set()
     for column_name, world, rank, setup, measured in runs.measured():

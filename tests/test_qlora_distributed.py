@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import REPO, kill_group_at_step, launch_env, run_toolkit, scale_weights_in_place, torchrun_nodes
-from toolkit import estimate as est
+from toolkit.memory import estimator as est
 from toolkit.cli import run
 from toolkit.errors import UserError
 from toolkit.models.config import Config

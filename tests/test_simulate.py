@@ -1,4 +1,4 @@
-"""The simulated training step (toolkit.simulate) at the real shapes of Llama-3.1-8B and -70B.
+"""The simulated training step (toolkit.memory.simulation) at the real shapes of Llama-3.1-8B and -70B.
 
 Each simulation runs the toolkit's own set-up (GPT on meta, the precision policy, ShardedStrategy's
 FSDP2 sharding on the real mesh, the training AdamW) on fake tensors and a fake process group, and
@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.estimate import Options, column_memory, make_column, peak_moment
+from toolkit.memory import check_fits, simulate
+from toolkit.memory.estimator import Options, column_memory, make_column, peak_moment
+from toolkit.memory.simulation import CATEGORIES
 from toolkit.models.config import Config
-from toolkit.simulate import CATEGORIES, preflight, simulate
 
 PERSISTENT = ("Sharded Param", "Sharded Grad", "OptState")
 ANALYTIC = {"Sharded Param": "parameters", "Sharded Grad": "gradients", "OptState": "optimizer_state"}
@@ -155,10 +156,10 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
     for scale, fits in ((1.05, True), (0.95, False)):
         device = int(sim.peak_total * scale / 0.95)
         if fits:
-            assert "fits." in preflight(device, config, 8, 1, 1, seq, "bf16-mixed", "FULL_SHARD", True, "lora", lora)
+            assert "fits." in check_fits(device, config, 8, 1, 1, seq, "bf16-mixed", "FULL_SHARD", True, "lora", lora)
         else:
             with pytest.raises(UserError, match="does not fit"):
-                preflight(device, config, 8, 1, 1, seq, "bf16-mixed", "FULL_SHARD", True, "lora", lora)
+                check_fits(device, config, 8, 1, 1, seq, "bf16-mixed", "FULL_SHARD", True, "lora", lora)
 
 
 def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
@@ -170,25 +171,25 @@ def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
     eighty, config, lora = 80 * 10**9, Config.from_name("llama-3.1-70b"), LoRAArgs()
     # 70B LoRA on one GPU: the bf16 base alone is 141 GB. Nothing fits; the way out is named.
     with pytest.raises(UserError, match=r"does not fit\. no sharding.* or a quantized base \(--quantize nf4\)"):
-        preflight(eighty, config, 1, 1, 1, 2048, "bf16-mixed", "single", True, "lora", lora)
+        check_fits(eighty, config, 1, 1, 1, 2048, "bf16-mixed", "single", True, "lora", lora)
     # On 8 GPUs (FULL_SHARD) the LoRA figure is the estimator's LoRA column: it fits (23.7 GiB).
-    line = preflight(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora)
+    line = check_fits(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora)
     opts = Options(config, "bf16-mixed", "lora", tuple(lora.module_names()), lora.r, None, 2048, lora_dropout=lora.dropout)
     lora_total = column_memory(opts, make_column("FULL_SHARD", 8, 1), 1)["total_checkpointed"]
     assert f"about {lora_total / 2**30:.1f} GiB" in line and line.endswith("fits.")
     # QLoRA on one GPU and replicated on two (bnb.nf4): the quantized base (37 GB) fits.
     for devices, layout in ((1, "single"), (2, "DDP")):
-        assert "fits." in preflight(eighty, config, devices, 1, 1, 2048, "bf16-mixed", layout, True, "lora", lora, "bnb.nf4")
+        assert "fits." in check_fits(eighty, config, devices, 1, 1, 2048, "bf16-mixed", layout, True, "lora", lora, "bnb.nf4")
     # An nf4 base sharded by FSDP: the estimator's nf4 column (NF4 shards, gathered NF4 blocks,
     # the dequantized weight), below the bf16 base's figure.
-    line = preflight(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
+    line = check_fits(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
     opts = Options(config, "bf16-mixed", "lora", tuple(lora.module_names()), lora.r, "nf4", 2048, lora_dropout=lora.dropout)
     nf4_total = column_memory(opts, make_column("FULL_SHARD", 8, 1), 1)["total_checkpointed"]
     assert f"about {nf4_total / 2**30:.1f} GiB" in line and line.endswith("fits.") and nf4_total < lora_total
     # On two 24 GB GPUs each stores half the NF4 base: the refusal names CPU offload, which fits.
     with pytest.raises(UserError, match=r"does not fit\. --distributed\.cpu_offload true fits"):
-        preflight(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
-    line = preflight(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4",
+        check_fits(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4")
+    line = check_fits(24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", True, "lora", lora, "nf4",
                      cpu_offload=True)  # fmt: skip
     assert line.endswith("fits.")
 
@@ -202,18 +203,18 @@ def test_preflight_refuses_what_the_simulation_says_does_not_fit(step_8b):
     assert two.params_grads_optimizer + step_8b.peak["Activation"] > eighty
     # Only CPU offload (the shards, gradients and AdamW state in host memory) makes it fit.
     with pytest.raises(UserError, match=r"[0-9.]+ GiB per device .* does not fit\. --distributed\.cpu_offload true fits") as refused:
-        preflight(eighty, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
+        check_fits(eighty, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
     assert "\n" not in str(refused.value)
     # On 8 ranks the simulated peak is about 30 GiB: accepted.
     assert step_8b.peak_total < eighty
-    assert "fits." in preflight(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
+    assert "fits." in check_fits(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
 
 
 def test_preflight_names_full_shard_when_hybrid_does_not_fit():
     config = Config.from_name("llama-3.1-70b")
     with pytest.raises(UserError, match="--distributed.sharding FULL_SHARD"):
         # 70B full fine-tune, HYBRID over 4 nodes of 8: each node holds a whole 70B state / 8
-        preflight(80 * 10**9, config, 8, 4, 1, 2048, "bf16-mixed", "HYBRID_SHARD", True, finetune="full")
+        check_fits(80 * 10**9, config, 8, 4, 1, 2048, "bf16-mixed", "HYBRID_SHARD", True, finetune="full")
 
 
 def test_simulate_leaves_no_process_group_behind():

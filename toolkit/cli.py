@@ -31,7 +31,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "Turn a training checkpoint (with optimizer state) into an inference checkpoint.",
     ),
     "download": ("toolkit.download:download", "Download a model from the Hugging Face Hub and convert it."),
-    "estimate": ("toolkit.estimate:estimate", "Estimate memory per device and recommend settings that fit."),
+    "estimate": ("toolkit.memory.estimator:estimate", "Estimate memory per device and recommend settings that fit."),
 }
 
 

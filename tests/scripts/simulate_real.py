@@ -1,8 +1,8 @@
-"""The simulated training step (toolkit.simulate) on real tensors, for tests/test_simulate.py.
+"""The simulated training step (toolkit.memory.simulation) on real tensors, for tests/test_simulate.py.
 
 Each rank joins a real gloo process group, builds the model as `simulate` does (GPT on meta, LoRA,
 precision policy, ShardedStrategy's FSDP2 on the mesh), gives the shards real storage and values,
-and runs `toolkit.simulate.tracked_step` (an untracked step, then one optimizer step of
+and runs `toolkit.memory.simulation.tracked_step` (an untracked step, then one optimizer step of
 `--micro-batches` micro-batches under FSDPMemTracker): the same code as the simulation, with real
 tensors, real collectives and real arithmetic in place of fake ones.
 
@@ -29,10 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from toolkit.models import gpt  # noqa: E402
 from toolkit.training import gloo_collectives  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
-from toolkit.simulate import _build, _local, tracked_step  # noqa: E402
-from toolkit.training.args import DistributedArgs, TrainArgs  # noqa: E402
-from toolkit.training.strategy import mesh_layout, plan_strategy  # noqa: E402
-from toolkit.training.session import make_adamw  # noqa: E402
+from toolkit.memory.simulation import StepSettings, _local, adamw, build, fsdp_plan, tracked_step  # noqa: E402
+from toolkit.training.strategy import mesh_layout  # noqa: E402
 
 
 def measure(setup: str, config: Config, world: int, micro_batch: int, seq: int, micro_batches: int, lora_r: int) -> dict:
@@ -41,22 +39,21 @@ def measure(setup: str, config: Config, world: int, micro_batch: int, seq: int, 
     from toolkit.finetune.lora import LoRAArgs
 
     precision, finetune, *rest = setup.split(":")
-    dist_args = DistributedArgs(strategy="fsdp", sharding="FULL_SHARD", activation_checkpointing=rest == ["checkpointing"])
-    plan = plan_strategy(world, 1, precision, dist_args, accelerator="cpu")
+    plan = fsdp_plan(world, 1, precision, "FULL_SHARD", rest == ["checkpointing"])
     shape, names = mesh_layout(plan.sharding, 1, world)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     lora = LoRAArgs(r=lora_r) if finetune == "lora" else None
-    model, decay, strategy = _build(config, plan, None if finetune == "pretrain" else finetune, lora, mesh)
+    model, decay = build(config, plan, None if finetune == "pretrain" else finetune, lora, mesh)
     model.to_empty(device="cpu")
     generator = torch.Generator().manual_seed(dist.get_rank())
     with torch.no_grad():  # real values (the memory does not depend on them; the arithmetic should stay finite)
         for p in model.parameters():
             local = _local(p)
             local.copy_(torch.randn(local.shape, generator=generator) * 0.02)
-    train = TrainArgs()
-    optimizer = make_adamw(model, decay, train, foreach=True)
+    step = StepSettings()
+    optimizer = adamw(model, decay, step)
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq), generator=generator)
-    peak, persistent, _, sent, attempts = tracked_step(model, optimizer, strategy, plan, train, ids, ids.clone(),
+    peak, persistent, _, sent, attempts = tracked_step(model, optimizer, plan, step, ids, ids.clone(),
                                                        micro_batches)
     return {"peak": peak, "persistent": persistent, "sent": sent, "attempts": attempts}
 

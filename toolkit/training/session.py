@@ -403,14 +403,14 @@ def rank_seed(seed: int, rank: int) -> int:
 def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs, max_seq_length: int,
                       distributed: DistributedArgs, lora: Any = None, quantize: Optional[str] = None) -> None:
     """Stop before any weight is read when a step will not fit in GPU 0's memory (see
-    `toolkit.simulate.preflight`). finetune_lora passes its adapters (`lora`) and `quantize`; the
+    `toolkit.memory.check_fits`). finetune_lora passes its adapters (`lora`) and `quantize`; the
     strategy plan says whether FSDP offloads to the CPU."""
     if kind not in ("pretrain", "finetune_full", "finetune_lora"):
         return
-    from toolkit.simulate import preflight
+    from toolkit.memory import check_fits
 
     sharding = distributed.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
-    line = preflight(
+    line = check_fits(
         torch.cuda.get_device_properties(0).total_memory, config, strategy.devices, strategy.num_nodes,
         train.micro_batch_size, max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
         finetune={"pretrain": None, "finetune_lora": "lora"}.get(kind, "full"), lora=lora, quantize=quantize,
@@ -430,7 +430,7 @@ def decay_names(model) -> set[str]:
 def make_adamw(model, decay: set[str], train: TrainArgs, foreach: Optional[bool] = None) -> torch.optim.AdamW:
     """The training AdamW over `model`'s trainable parameters; `decay`: names from `decay_names`
     (taken before sharding). `foreach` None is torch's choice (on for CUDA tensors); the
-    simulation (`toolkit.simulate`) passes True to count the GPU's step temporaries on the CPU."""
+    simulation (`toolkit.memory.simulation`) passes True to count the GPU's step temporaries on the CPU."""
     named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [
         {"params": [p for n, p in named if n in decay], "weight_decay": train.weight_decay},

@@ -10,7 +10,8 @@ tensors (shapes and dtypes, no memory, no values) and a fake process group of th
                                                 policies, activation checkpointing, on the mesh
                                                 of `mesh_layout` (HYBRID_SHARD: nodes x devices)
     make_adamw                                  the training AdamW (foreach, as on GPUs)
-    the loop's micro-batches                    `no_backward_sync` of the same strategy, loss
+    the loop's micro-batches                    the cross-replica all-reduce deferred to the last
+                                                one (as ShardedStrategy's `no_backward_sync`), loss
                                                 scaled, gradient clipping, step, zero_grad
 
 torch's `FSDPMemTracker` records every tensor by category (sharded/unsharded parameters and
@@ -34,17 +35,16 @@ run while another process group exists, and destroys it before returning.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from toolkit import estimate as est
 from toolkit.errors import UserError
-
-GiB = 1024**3
+from toolkit.memory import moments as est
+from toolkit.memory.options import GiB
 
 # FSDPMemTracker's categories (torch 2.13, `_FSDPRefType` values) -> our names, in table order. Those
-# of what is alive beside the shards are the analytic estimator's (`toolkit.estimate.step_moments`).
+# of what is alive beside the shards are the analytic estimator's (`toolkit.memory.moments.step_moments`).
 CATEGORIES = {
     "Sharded Param": "sharded parameters",
     "Sharded Grad": "sharded gradients",
@@ -58,6 +58,18 @@ CATEGORIES = {
     "Buffer": "module buffers",
     "Inputs": "inputs",
 }
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """The optimizer step: AdamW's hyperparameters (their values change no memory) and gradient
+    clipping by global norm (None: off), as `toolkit.training.args.TrainArgs` sets them by default."""
+
+    learning_rate: float = 3e-4
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    max_norm: Optional[float] = 1.0
 
 
 @dataclass
@@ -112,7 +124,7 @@ def simulate(
     activation_checkpointing: bool = False,
     micro_batches: int = 2,
     forward: bool = True,
-    train: Any = None,
+    step: StepSettings = StepSettings(),
 ) -> Simulation:
     """One optimizer step of training `config` on devices x num_nodes fake ranks (rank 0's view).
 
@@ -120,13 +132,12 @@ def simulate(
     `toolkit.finetune.lora.LoRAArgs`, default LoRAArgs()). `micro_batches` is the gradient
     accumulation per step (2: gradients are alive through a forward pass, as whenever the global
     batch is larger than one micro-batch per rank). `forward=False` only shards the model and
-    creates the optimizer state (seconds, for the persistent figures). `train` gives the
-    optimizer's hyperparameters and clipping (default TrainArgs()).
+    creates the optimizer state (seconds, for the persistent figures). `step`: the optimizer's
+    hyperparameters and clipping.
     """
     import torch.distributed as dist
 
-    from toolkit.training.args import DistributedArgs, TrainArgs
-    from toolkit.training.strategy import mesh_layout, plan_strategy
+    from toolkit.training.strategy import mesh_layout
 
     if finetune not in (None, "full", "lora"):
         raise UserError(f"finetune must be lora or full (or left out for pretraining), got {finetune!r}.")
@@ -136,13 +147,11 @@ def simulate(
         raise UserError(f"max_seq_length {max_seq_length} is larger than the context of {config.name} ({config.block_size}).")
     if precision.startswith("16-"):
         raise UserError(f"precision {precision} (float16) cannot be simulated on a CPU build; simulate bf16-mixed or bf16-true.")
-    dist_args = DistributedArgs(strategy="fsdp", sharding=sharding, activation_checkpointing=activation_checkpointing)
-    plan = plan_strategy(devices, num_nodes, precision, dist_args, accelerator="cpu")
+    plan = fsdp_plan(devices, num_nodes, precision, sharding, activation_checkpointing)
     if plan.kind != "fsdp":
         raise UserError("simulate runs FSDP on more than one device in total; use the analytic estimate for one device.")
     if dist.is_initialized():
         raise UserError("simulate needs its own (fake) process group, but one is already initialised in this process.")
-    train = train or TrainArgs()
     notes = [n for _, n in plan.notes]
     start = time.perf_counter()
 
@@ -154,8 +163,8 @@ def simulate(
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        model, decay, strategy = _build(config, plan, finetune, lora, mesh)
-        result = _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, micro_batches, forward)
+        model, decay = build(config, plan, finetune, lora, mesh)
+        result = _run(model, decay, plan, step, micro_batch_size, max_seq_length, micro_batches, forward)
     finally:
         dist.destroy_process_group()
     peak, persistent, comm, sent, attempts = result
@@ -168,14 +177,24 @@ def simulate(
     )
 
 
-def _build(config, plan, finetune, lora, mesh):
-    """The meta model as `Session.build_model` prepares it, sharded by the training strategy."""
+def fsdp_plan(devices: int, num_nodes: int, precision: str, sharding: str, activation_checkpointing: bool):
+    """The training strategy's plan for FSDP on devices x num_nodes CPU ranks (`plan_strategy`)."""
+    from toolkit.training.args import DistributedArgs
+    from toolkit.training.strategy import plan_strategy
+
+    dist_args = DistributedArgs(strategy="fsdp", sharding=sharding, activation_checkpointing=activation_checkpointing)
+    return plan_strategy(devices, num_nodes, precision, dist_args, accelerator="cpu")
+
+
+def build(config, plan, finetune, lora, mesh):
+    """The meta model as `Session.build_model` prepares it, sharded as training shards it; and the
+    names of the weights that decay."""
     import torch
 
     from toolkit.models.gpt import GPT, Block
     from toolkit.training.precision import apply_precision_policy
-    from toolkit.training.strategy import shard_model, sharded_strategy_class
     from toolkit.training.session import decay_names
+    from toolkit.training.strategy import shard_model
 
     with torch.device("meta"):
         model = GPT(config)
@@ -187,32 +206,53 @@ def _build(config, plan, finetune, lora, mesh):
         model = get_peft_model(model, (lora or LoRAArgs()).peft_config())  # as finetune_lora's `prepare`
     apply_precision_policy(model, plan.precision)
     decay = decay_names(model)
-    strategy = sharded_strategy_class()(plan, Block)
     shard_model(model, mesh, plan, Block)  # what ShardedStrategy.setup_module does in training
-    return model, decay, strategy
+    return model, decay
 
 
-def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, micro_batches, forward):
+def adamw(model, decay: set[str], step: StepSettings):
+    """The training AdamW, foreach as on GPUs (its temporaries count)."""
+    from toolkit.training.session import make_adamw
+
+    return make_adamw(model, decay, step, foreach=True)
+
+
+def _run(model, decay, plan, step, micro_batch_size, max_seq_length, micro_batches, forward):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from toolkit.training.session import make_adamw
-
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
-        optimizer = make_adamw(model, decay, train, foreach=True)  # as on GPUs: its temporaries count
+        optimizer = adamw(model, decay, step)
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
-        return tracked_step(model, optimizer, strategy, plan, train, x, x.clone(), micro_batches, forward)
+        return tracked_step(model, optimizer, plan, step, x, x.clone(), micro_batches, forward)
 
 
-def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: int, forward: bool = True):
+@contextmanager
+def _deferred_all_reduce(model, deferred: bool):
+    """The loop's `no_backward_sync` under the training strategy: every micro-batch's gradients are
+    reduce-scattered into the shards, and only HYBRID_SHARD's (and NO_SHARD's) all-reduce across
+    replicas waits for the last micro-batch (FSDP2's `set_requires_all_reduce`; turning gradient
+    sync off altogether would keep unsharded gradients, which training does not)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_all_reduce(not deferred, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_all_reduce(True, recurse=False)
+
+
+def tracked_step(model, optimizer, plan, step: StepSettings, x, y, micro_batches: int, forward: bool = True):
     """One untracked step, then one optimizer step under the memory tracker (on fake tensors in
     `simulate`; on real ones in tests/scripts/simulate_real.py, which proves the simulation).
     Returns (peak by category, persistent by category, collectives, bytes sent, attempts)."""
     import torch
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
-    sync = strategy._backward_sync_control
     # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
     # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
     # backward do; later gathers resize them. Seen by the tracker, that first allocation was
@@ -233,8 +273,8 @@ def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: i
     with autocast:
         loss = model(x, labels=y)
     loss.backward()
-    if train.max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+    if step.max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), step.max_norm, error_if_nonfinite=False)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for attempt in range(1, _ATTEMPTS + 1):
@@ -243,12 +283,12 @@ def tracked_step(model, optimizer, strategy, plan, train, x, y, micro_batches: i
         with tracker:
             for i in range(micro_batches):
                 tracker.reset_mod_stats()  # per-module stats only; the peak is kept
-                with sync.no_backward_sync(model, enabled=i < micro_batches - 1):
+                with _deferred_all_reduce(model, i < micro_batches - 1):
                     with autocast:
                         loss = model(x, labels=y)
                     (loss * 0.5).backward()  # the loop scales by world_size / target tokens
-            if train.max_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+            if step.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), step.max_norm, error_if_nonfinite=False)
             optimizer.step()
             now = _snapshot(tracker)
             optimizer.zero_grad(set_to_none=True)
@@ -406,95 +446,3 @@ def _collective_size(name: str, args) -> tuple[Optional[int], float]:
     if name.startswith("broadcast"):
         return nbytes, 1.0
     return nbytes, 1.0
-
-
-# --------------------------------------------------------------------------------------------
-# Start-up pre-flight: does the step fit in the device's memory?
-# --------------------------------------------------------------------------------------------
-
-
-def preflight(
-    device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
-    precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
-    lora: Any = None, quantize: Optional[str] = None, headroom: float = 0.95, cpu_offload: bool = False,
-) -> str:
-    """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
-    `device_bytes`; return the line saying it fits otherwise.
-
-    `sharding`: the FSDP sharding, or "single" / "DDP". `finetune`: None (pretraining), "full", or
-    "lora" with the adapters of `lora` (a `toolkit.finetune.lora.LoRAArgs`; default LoRAArgs()).
-    Uses the analytic estimator (`toolkit.estimate.column_memory`, milliseconds; tests hold it to
-    the simulation), because a simulated 70B step takes most of a minute. The refusal names the
-    estimate and the nearest settings that fit: FULL_SHARD instead of HYBRID_SHARD, activation
-    checkpointing, a smaller micro-batch (tried in that order, and combined), and last FSDP's CPU
-    offload. `cpu_offload` is the run's (FSDP only: ignored on one device and with DDP, as training
-    ignores it).
-
-    `quantize` (QLoRA): fake tensors cannot run the 4-bit kernels, so the figure for the quantized
-    base is the analytic one in any case: its bytes (per rank for an nf4 base, which FSDP shards;
-    the whole bnb.* base, which every device holds) and one dequantized weight at a time, held to
-    real bitsandbytes layers and torchao's NF4 in tests/test_estimate.py.
-    """
-    from toolkit.estimate import Options, column_memory, make_column
-
-    lora_modules: tuple[str, ...] = ()
-    lora_dropout = 0.0
-    if finetune == "lora":
-        if lora is None:
-            from toolkit.finetune.lora import LoRAArgs
-
-            lora = LoRAArgs()
-        lora_modules, lora_dropout = tuple(lora.module_names()), float(lora.dropout)
-    world = devices * num_nodes
-    shard = sharding if world > 1 else "single"
-    if shard == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
-        shard = "FULL_SHARD"
-    sharded = shard not in ("single", "DDP")
-
-    def options(offload: bool) -> Options:
-        return Options(config, precision, finetune, lora_modules, lora.r if lora_modules else 8, quantize,
-                       max_seq_length, lora_dropout=lora_dropout, cpu_offload=offload and sharded)  # fmt: skip
-
-    budget = int(device_bytes * headroom)
-
-    def need(shard: str, ckpt: bool, micro: int, offload: bool = cpu_offload) -> int:
-        figures = column_memory(options(offload), make_column(shard, devices, num_nodes), micro)
-        return figures["total_checkpointed" if ckpt else "total"]
-
-    wanted = need(shard, activation_checkpointing, micro_batch_size)
-    line = (f"memory pre-flight: about {wanted / GiB:.1f} GiB per device at the peak of a step "
-            f"(analytic estimate) of {device_bytes / GiB:.1f} GiB")
-    if wanted <= budget:
-        return line + ": fits."
-    # (offload turned on, sharding changed, checkpointing turned on, micro-batch lowered): the fewest changes first
-    tries = []
-    shards = [shard] + (["FULL_SHARD"] if shard == "HYBRID_SHARD" else [])
-    for offload in sorted({cpu_offload, cpu_offload or sharded}):
-        for s in shards:
-            for ckpt in sorted({activation_checkpointing, True}):
-                micro = micro_batch_size
-                while micro >= 1:
-                    if (offload, s, ckpt, micro) != (cpu_offload, shard, activation_checkpointing, micro_batch_size):
-                        total = need(s, ckpt, micro, offload)
-                        if total <= budget:
-                            tries.append((offload != cpu_offload, s != shard, ckpt != activation_checkpointing,
-                                          micro_batch_size - micro, offload, s, ckpt, micro, total))  # fmt: skip
-                            break
-                    micro //= 2
-    if tries:
-        *_, offload, s, ckpt, micro, total = min(tries)
-        changes = []
-        if s != shard:
-            changes.append(f"--distributed.sharding {s}")
-        if ckpt != activation_checkpointing:
-            changes.append("--distributed.activation_checkpointing true")
-        if micro != micro_batch_size:
-            changes.append(f"--train.micro_batch_size {micro}")
-        if offload != cpu_offload:
-            changes.append("--distributed.cpu_offload true")
-        advice = f"{' '.join(changes)} fits ({total / GiB:.1f} GiB)"
-    else:
-        instead = {None: "LoRA", "full": "LoRA"}.get(finetune, "a quantized base (--quantize nf4)" if quantize is None else None)
-        advice = ("no sharding, checkpointing, micro-batch or CPU offload setting fits: use more devices"
-                  + (f" or {instead}" if instead else "") + " (see `toolkit estimate`)")
-    raise UserError(f"{line}: does not fit. {advice}; or skip this check with --distributed.preflight false.")

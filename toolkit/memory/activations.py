@@ -1,0 +1,565 @@
+"""What a micro-batch's forward pass leaves for the backward pass, recorded from the real model.
+
+`record` runs the model's own code on fake tensors (shapes and dtypes, no memory): `GPT` with the
+first two of its blocks (the first block may see an input that needs no gradient, under LoRA; from
+the second on every block sees what the second sees), peft's LoRA layers (dropout included) when
+asked, the parameters in the dtypes the forward pass sees (as stored, or as FSDP gathers them under
+"*-mixed"; the embedding's output cast back to its stored dtype as FSDP's output policy does),
+autocast for "*-mixed", and the loss. `torch.autograd.graph.saved_tensors_hooks` sees every tensor
+autograd keeps; they are counted once per storage, parameters left out, and attributed to the
+block that saved them, or to the rest of the model (the token ids, rotary tables every block shares,
+the final norm, the loss's kept gradients). A dispatch mode beside it names autocast's copies of
+weights (a cast whose input is a parameter) and dropout's noise (what `bernoulli_` fills). Then the
+second block's backward pass runs, and the most its gradients in flight add to what it saved, at
+any moment, is recorded too. Recorded at one and two sequences per micro-batch; everything saved is
+affine in the micro-batch (weight copies and rotary tables do not grow with it).
+
+What is not recorded, and why (each is a rule below, held to the real thing by a test):
+- Dropout on CUDA keeps a one-byte mask per element (the fused kernel); the CPU's kernel, which
+  fake tensors on the CPU follow, keeps a scaled copy of the input's dtype. With CUDA's rules the
+  recorded noise is counted at one byte per element.
+- Quantized layers (bitsandbytes, torchao's NF4) need real data: a stand-in keeps what each keeps
+  (`_QuantizedStandIn`), and the dequantized weight is `nf4_dequant_bytes` or one 16-bit weight.
+- The loss's transient buffers (the chunks of logits, softmax's float32 copy on CUDA, the casts;
+  `loss_transients`): on fake tensors they are freed as on a GPU, but what a GPU's kernels allocate
+  inside softmax is not visible on the CPU, and a real CPU run keeps them between calls.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Literal, Optional
+
+from toolkit.models.config import Config
+from toolkit.models.gpt import LOSS_CHUNK_BYTES
+
+if TYPE_CHECKING:
+    from toolkit.memory.options import Options
+
+
+@dataclass(frozen=True)
+class Mode:
+    """The precision rules of the forward pass."""
+
+    autocast: bool  # *-mixed: matmuls in 16 bits under torch.autocast
+    compute: int  # bytes of the compute dtype
+    device: Literal["cuda", "cpu", "fake"] = "cuda"  # whose rules: see `Options.device`
+    lora_dropout: bool = False  # adapters apply dropout to their input
+    float16: bool = False  # the 16-bit compute dtype is float16 (not bfloat16)
+
+    @property
+    def cuda(self) -> bool:
+        """CUDA's kernels (dropout keeps a bool mask); else the CPU's, fake tensors included."""
+        return self.device == "cuda"
+
+    @property
+    def real_cpu(self) -> bool:
+        """Real CPU tensors: the fused loss keeps its chunk buffers between calls
+        (`toolkit.models.gpt._scratch`), and a cast on writing goes through a temporary."""
+        return self.device == "cpu"
+
+
+@dataclass
+class Activations:
+    """Activation bytes of one micro-batch on one device."""
+
+    blocks: list[int]  # saved by each block
+    block_inputs: list[int]  # each block's input, what a checkpointed block keeps
+    head: int  # saved outside the blocks: token ids, rotary tables, final norm, the loss's gradients
+    # (fused) or head input, log-softmax and labels (LoRA head)
+    loss_saved: int  # the part of `head` the loss saved: gone after the loss's backward pass
+    loss_forward: int  # the loss's transients at their largest in the forward pass (fused: the chunk
+    # buffers, the float32 copy softmax makes of 16-bit logits on CUDA, the casts; LoRA head: the logits)
+    loss_backward: int  # and in its backward pass: the outgoing gradients (LoRA head: the two float32
+    # (tokens x vocab) gradients)
+    loss_kept: int  # the fused loss's chunk buffers that stay allocated between calls (real CPU runs)
+    hidden_grad: int  # the gradient the loss's backward pass hands on (tokens x n_embd)
+    backward_in_flight: int  # the most a block's backward pass holds beyond what it saved (recorded)
+    weight_copies: int  # autocast's bf16 copies of float32 weights, all of them
+    block_weight_copies: list[int]  # those of each block (what a checkpointed block re-creates)
+    dequant_scratch: int  # a quantized block weight dequantized (bitsandbytes, torchao NF4): the largest, one at a time
+    head_input: int = 0  # the final norm's output, alive from the final norm through the loss
+
+    @property
+    def stored(self) -> int:
+        return sum(self.blocks)
+
+    @property
+    def checkpointed(self) -> int:
+        # every block's input, plus one block's activations while it is recomputed
+        return sum(self.block_inputs) + max(self.blocks)
+
+    @property
+    def logits(self) -> int:
+        return self.head + max(self.loss_forward, self.loss_kept + self.loss_backward)
+
+    def copies_in_backward(self, checkpointed: bool) -> int:
+        """Weight copies alive in the backward pass. Without checkpointing the graph keeps every one;
+        with it the forward's copies go with autocast's cache at the end of the forward pass, and
+        each block's recomputation makes its own again."""
+        if not checkpointed:
+            return self.weight_copies
+        blocks = sum(self.block_weight_copies)
+        return self.weight_copies - blocks + max(self.block_weight_copies, default=0)
+
+
+# --------------------------------------------------------------------------------------------
+# The recording
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Head:
+    """What the loss sees (for its transients, `loss_transients`)."""
+
+    fused: bool  # the toolkit's head and its fused loss (else peft's LoRA head and the plain loss)
+    hidden_bytes: int  # bytes per element of the head's input
+    hidden_grad: bool
+    compute_bytes: int  # the products' dtype: autocast's, else the weight's
+    weight_bytes: int
+    weight_grad: bool
+    bias_bytes: int  # 0: no bias
+    bias_grad: bool
+    logits_bytes: int  # a LoRA head's output
+    logits_grad: bool  # and whether it needs a gradient
+    hidden_saved: bool  # the head's input is among the saved tensors
+
+
+@dataclass(frozen=True)
+class Recording:
+    """What one forward pass of `micro_batch` sequences saved, block by block (the first two blocks)."""
+
+    blocks: tuple[int, ...]
+    block_inputs: tuple[int, ...]
+    block_copies: tuple[int, ...]
+    outside: int  # saved outside the blocks, the loss included
+    outside_copies: int
+    loss_saved: int
+    hidden: int  # the final norm's output (bytes)
+    head: _Head
+    in_flight: int  # the most the last recorded block's backward pass holds beyond what it saved
+
+
+_RECORDINGS: dict = {}
+
+
+def record(opts: "Options", gathered: bool, micro_batch: int) -> Recording:
+    """One forward and backward pass of the model's first two blocks on fake tensors (cached).
+
+    `gathered`: the weights as FSDP gathers them (in the compute dtype under "*-mixed"), else as stored."""
+    mode = opts.mode()
+    key = (repr(opts.config), opts.precision, opts.lora_modules, opts.lora_r, opts.lora_dropout > 0, opts.quantize,
+           opts.max_seq_length, mode.cuda, gathered and opts.autocast, micro_batch)  # fmt: skip
+    found = _RECORDINGS.get(key)
+    if found is None:
+        if len(_RECORDINGS) > 64:
+            _RECORDINGS.clear()
+        found = _RECORDINGS[key] = _record(opts, mode, gathered and opts.autocast, micro_batch)
+    return found
+
+
+def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int) -> Recording:
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from toolkit.memory.parameters import _units, meta_model
+    from toolkit.models.gpt import Block, OutputHead
+    from toolkit.training.precision import precision_dtypes
+
+    config = opts.config.replace(n_layer=min(opts.config.n_layer, 2))
+    # A fresh model each time: the dtypes and the quantized stand-ins below change it.
+    model = meta_model(config, opts.lora_modules, opts.lora_r, opts.lora_dropout)
+    import copy
+
+    model = copy.deepcopy(model)
+    trainable, compute = precision_dtypes(opts.precision.replace("16-", "bf16-", 1) if opts.precision.startswith("16-")
+                                          else opts.precision)  # same sizes: the CPU's autocast is bfloat16's  # fmt: skip
+    if opts.quantize:
+        _stand_in_quantized(model, Block, opts.quantize)
+    replaced: dict[int, Any] = {}  # old parameter -> new one (a tied embedding and head share it)
+    with torch.no_grad():
+        for module in model.modules():
+            for leaf, p in list(module.named_parameters(recurse=False)):
+                if id(p) not in replaced:
+                    stored = trainable if p.requires_grad else compute
+                    seen = compute if gathered else stored
+                    replaced[id(p)] = p if p.dtype == seen else torch.nn.Parameter(p.to(seen), p.requires_grad)
+                setattr(module, leaf, replaced[id(p)])
+    blocks, edges = _units(model, Block)
+    if gathered and edges is not None:
+        # FSDP casts the input edge's output back to its stored dtype (its output policy)
+        for module in edges[0]:
+            dtype = trainable if any(p.requires_grad for p in module.parameters()) else compute
+            if dtype != compute:
+                module.register_forward_hook(lambda _m, _a, out, dtype=dtype: out.to(dtype))
+    head_module = edges[1][-1] if edges is not None else model.lm_head
+    model.train()
+    autocast = (torch.autocast("cpu", dtype=compute) if mode.autocast else _Nothing())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")
+        recorder = _Recorder(model, blocks, head_module, mode.cuda)
+        ids = torch.zeros(micro_batch, opts.max_seq_length, dtype=torch.long)
+        with recorder:
+            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), autocast:
+                loss = model(ids, labels=ids)
+            recorder.forward_done()
+            if loss.requires_grad:
+                loss.backward()
+        in_flight = recorder.in_flight()
+    h = recorder.head_input
+    weight, bias = recorder.head_weights
+    fused = isinstance(head_module, OutputHead)
+    head = _Head(
+        fused=fused, hidden_bytes=h.element_size(), hidden_grad=h.requires_grad,
+        compute_bytes=compute.itemsize if mode.autocast else weight.element_size(),
+        weight_bytes=weight.element_size(), weight_grad=weight.requires_grad,
+        bias_bytes=0 if bias is None else bias.element_size(), bias_grad=bias is not None and bias.requires_grad,
+        logits_bytes=recorder.logits_bytes, logits_grad=recorder.logits_grad, hidden_saved=recorder.key(h) in recorder.seen,
+    )  # fmt: skip
+    return Recording(tuple(recorder.blocks), tuple(recorder.inputs), tuple(recorder.copies), recorder.outside,
+                     recorder.outside_copies, recorder.loss_saved, h.numel() * h.element_size(), head, in_flight)  # fmt: skip
+
+
+class _Nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _dispatch_mode_class():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Watch(TorchDispatchMode):
+        """Names the storages of autocast's weight copies and of dropout's noise, and, in the backward
+        pass of the watched block, every new storage with its size (freed ones through weak references)."""
+
+        def __init__(self, recorder: "_Recorder") -> None:
+            super().__init__()
+            self.r = recorder
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            import torch
+
+            out = func(*args, **(kwargs or {}))
+            r = self.r
+            name = func._overloadpacket.__name__
+            # Both kept alive here: a freed storage's key may come back for another tensor.
+            if (name == "_to_copy" and isinstance(args[0], torch.Tensor) and r.key(args[0]) in r.params
+                    and out.element_size() < args[0].element_size()):  # autocast's 16-bit copy of a weight
+                r.weight_copies[r.key(out)] = out
+            elif name == "bernoulli_":
+                r.noise[r.key(args[0])] = args[0]
+            if r.watching:
+                inputs = {r.key(t) for t in _flat_tensors(list(args) + list((kwargs or {}).values()))}
+                for t in _flat_tensors(out):
+                    if r.key(t) not in inputs:  # a new storage (not an in-place op's, not a view's)
+                        r.allocated(t)
+            return out
+
+    return _Watch
+
+
+def _flat_tensors(x) -> list:
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for item in x for t in _flat_tensors(item)]
+    return []
+
+
+class _Recorder:
+    """Attributes every saved storage to the block saving it or to the rest of the model."""
+
+    def __init__(self, model, blocks: list, head_module, cuda: bool) -> None:
+        self.cuda = cuda
+        self.params = {self.key(p) for p in model.parameters()}
+        self.model = model
+        self.weight_copies: dict[int, Any] = {}  # storage key -> tensor
+        self.noise: dict[int, Any] = {}
+        self.seen: set[int] = set()
+        self.keep: list = []  # the saved tensors, alive (their storages' keys stay unique)
+        self.blocks = [0] * len(blocks)
+        self.copies = [0] * len(blocks)
+        self.inputs = [0] * len(blocks)
+        self.saved_by: list[set[int]] = [set() for _ in blocks]
+        self.outside = self.outside_copies = self.loss_saved = 0
+        self.current: Optional[int] = None
+        self.shared: set[int] = set()
+        self.in_loss = False
+        self.head_input = None
+        self.head_weights: tuple = (None, None)
+        self.logits_bytes = 0
+        self.logits_grad = False
+        self.watching = False
+        self.events: list[tuple[int, int]] = []  # (bytes, key) in the watched backward pass: + made, - freed
+        self.handles: list = []
+        self._mode = _dispatch_mode_class()(self)
+        self.watched = len(blocks) - 1
+        for index, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(self._block_start(index)))
+            self.handles.append(block.register_forward_hook(self._block_end(index)))
+        self.handles.append(head_module.register_forward_pre_hook(self._head_start))
+        self.handles.append(head_module.register_forward_hook(self._head_end))
+
+    @staticmethod
+    def key(t) -> int:
+        return t.untyped_storage()._cdata
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._mode.__exit__(*exc)
+        return False
+
+    # -------------------------------------------------------------- forward
+    def pack(self, t):
+        key = self.key(t)
+        if key in self.params or key in self.seen:
+            return t
+        self.seen.add(key)
+        self.keep.append(t)
+        nbytes = t.untyped_storage().nbytes()
+        if self.cuda and key in self.noise:
+            nbytes //= t.element_size()  # CUDA's dropout keeps a one-byte mask per element
+        copy = key in self.weight_copies
+        if self.current is not None and key not in self.shared:
+            self.saved_by[self.current].add(key)
+            if copy:
+                self.copies[self.current] += nbytes
+            else:
+                self.blocks[self.current] += nbytes
+        elif copy:
+            self.outside_copies += nbytes
+        else:
+            self.outside += nbytes
+            if self.in_loss:
+                self.loss_saved += nbytes
+        return t
+
+    def _block_start(self, index: int):
+        def hook(_module, args):
+            self.current = index
+            x, *rest = args
+            self.inputs[index] = x.numel() * x.element_size()
+            self.shared = {self.key(a) for a in rest if hasattr(a, "untyped_storage")}
+            if index == self.watched and x.requires_grad:
+                x.register_hook(self._watch_end)
+
+        return hook
+
+    def _block_end(self, index: int):
+        def hook(_module, _args, out):
+            self.current = None
+            self.shared = set()
+            if index == self.watched and out.requires_grad:
+                out.register_hook(self._watch_start)
+
+        return hook
+
+    def _head_start(self, module, args):
+        self.in_loss = True
+        self.head_input = args[0]
+        self.head_weights = (module.weight, getattr(module, "bias", None))
+
+    def _head_end(self, _module, _args, out):
+        if hasattr(out, "dim") and out.dim() > 0:  # a LoRA head's logits (the fused head returns the loss)
+            self.logits_bytes, self.logits_grad = out.element_size(), out.requires_grad
+
+    def forward_done(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    # -------------------------------------------------------------- the watched block's backward pass
+    def _watch_start(self, grad):
+        self.watching = True
+        self._finalize(grad, -1)
+        self.events.append((grad.untyped_storage().nbytes(), self.key(grad)))
+        for t in self.keep:  # what the block saved: freed as its backward pass goes
+            if self.key(t) in self.saved_by[self.watched]:
+                self._finalize(t, -1)
+        self.keep = [t for t in self.keep if self.key(t) not in self.saved_by[self.watched]]
+
+    def _watch_end(self, grad):
+        self.watching = False
+
+    def allocated(self, t) -> None:
+        self.events.append((t.untyped_storage().nbytes(), self.key(t)))
+        self._finalize(t, -1)
+
+    def _finalize(self, t, sign: int) -> None:
+        """On `t`'s storage being freed while the block's backward pass runs: `sign` x its bytes."""
+        nbytes, key, events = t.untyped_storage().nbytes(), self.key(t), self.events
+        weakref.finalize(t.untyped_storage(), lambda: events.append((sign * nbytes, key)) if self.watching else None)
+
+    def in_flight(self) -> int:
+        """The most that was alive beyond the block's saved tensors in its backward pass: what it
+        made (its weights' gradients aside, which FSDP takes) less what of its saved it freed."""
+        grads = {self.key(p.grad) for p in self.model.parameters() if p.grad is not None}
+        live = peak = 0
+        for nbytes, key in self.events:
+            if key in grads:
+                continue
+            live += nbytes
+            peak = max(peak, live)
+        return peak
+
+
+class _QuantizedStandIn:
+    """Placeholder; replaced at first use by `_quantized_stand_in_class`."""
+
+
+def _quantized_stand_in_class():
+    import torch
+    from torch import nn
+
+    class _KeepsWhatQuantizedKeeps(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, keeps_input, out_dtype):
+            ctx.weight, ctx.x_dtype = weight, x.dtype  # the weight: a parameter, not counted
+            if keeps_input:
+                ctx.save_for_backward(x)
+            return (x.to(weight.dtype) @ weight.t()).to(out_dtype)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return (grad.to(ctx.weight.dtype) @ ctx.weight).to(ctx.x_dtype), None, None, None
+
+    class QuantizedStandIn(nn.Module):
+        """A quantized frozen linear layer as autograd sees it (its kernels need real data): bitsandbytes'
+        int8 matmul keeps its input, its 4-bit matmul and torchao's NF4 keep nothing but the weight.
+        bitsandbytes returns the input's dtype; NF4 computes in 16 bits under autocast."""
+
+        def __init__(self, linear: nn.Linear, quantize: str) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(linear.weight.detach(), requires_grad=False)
+            self.quantize = quantize
+
+        def forward(self, x):
+            autocast = torch.is_autocast_enabled("cpu")
+            out_dtype = torch.get_autocast_dtype("cpu") if self.quantize == "nf4" and autocast else x.dtype
+            return _KeepsWhatQuantizedKeeps.apply(x, self.weight, self.quantize == "bnb.int8" and x.requires_grad,
+                                                 out_dtype)  # fmt: skip
+
+    return QuantizedStandIn
+
+
+def _stand_in_quantized(model, block_cls, quantize: str) -> None:
+    """Every frozen linear layer of the blocks replaced by `QuantizedStandIn` (not the adapters)."""
+    from torch import nn
+
+    stand_in = _quantized_stand_in_class()
+    for block in [m for m in model.modules() if isinstance(m, block_cls)]:
+        for name, module in list(block.named_modules()):
+            if isinstance(module, nn.Linear) and ".lora_" not in f".{name}" and not module.weight.requires_grad:
+                parent_name, _, leaf = name.rpartition(".")
+                parent = block.get_submodule(parent_name) if parent_name else block
+                setattr(parent, leaf, stand_in(module, quantize))
+
+
+# --------------------------------------------------------------------------------------------
+# From recordings to a micro-batch's activations
+# --------------------------------------------------------------------------------------------
+
+
+def activations(opts: "Options", gathered: bool, micro_batch_size: int, dequant_scratch: int) -> Activations:
+    """What a micro-batch's forward pass leaves for the backward pass on one device: recorded at one
+    and two sequences, the saved tensors extrapolated (affine in the micro-batch), the loss's
+    transients by `loss_transients` at the micro-batch's own size."""
+    one = record(opts, gathered, 1)
+    two = one if micro_batch_size == 1 else record(opts, gathered, 2)
+    B, n_layer = micro_batch_size, opts.config.n_layer
+
+    def f(x1: int, x2: int) -> int:
+        return x1 + (x2 - x1) * (B - 1)
+
+    def per_block(values1: tuple[int, ...], values2: tuple[int, ...]) -> list[int]:
+        first, rest = f(values1[0], values2[0]), f(values1[-1], values2[-1])
+        return [first] + [rest] * (n_layer - 1)
+
+    copies = per_block(one.block_copies, one.block_copies)
+    tokens = B * opts.max_seq_length
+    forward, backward, kept = loss_transients(one.head, opts.mode(), tokens, opts.config.n_embd, opts.config.vocab_size)
+    hidden = f(one.hidden, two.hidden)
+    return Activations(
+        blocks=per_block(one.blocks, two.blocks),
+        block_inputs=per_block(one.block_inputs, two.block_inputs),
+        head=f(one.outside, two.outside),
+        loss_saved=f(one.loss_saved, two.loss_saved),
+        loss_forward=forward + (0 if one.head.hidden_saved or one.head.fused else hidden),
+        loss_backward=backward,
+        loss_kept=kept,
+        hidden_grad=hidden if one.head.hidden_grad else 0,
+        backward_in_flight=f(one.in_flight, two.in_flight),
+        weight_copies=sum(copies) + one.outside_copies,
+        block_weight_copies=copies,
+        dequant_scratch=dequant_scratch,
+        head_input=hidden,
+    )
+
+
+def loss_transients(head: _Head, mode: Mode, n: int, E: int, V: int) -> tuple[int, int, int]:
+    """The loss's transient bytes for `n` tokens: (forward, backward, kept between calls).
+
+    A rule, not a recording: a GPU's softmax makes its float32 copy of 16-bit logits inside the
+    kernel, and a real CPU run keeps the chunk buffers between calls (`toolkit.models.gpt._scratch`);
+    neither shows on fake tensors. Held to real runs (tests/test_estimate.py) and the
+    simulation (tests/test_simulate.py).
+
+    The fused loss (`linear_cross_entropy_sum`, a plain head) computes the logits in equal chunks of
+    at most LOSS_CHUNK_BYTES of float32 rows, with their float32 softmax, in the forward pass, beside
+    the head's input and the casts of input and weight to the products' dtype; its backward pass
+    writes the scaled gradients in their own dtypes. A LoRA head (the plain loss) holds the logits and
+    their float32 copy in the forward pass and two float32 (tokens x vocab) gradients in the backward.
+    """
+    if not head.fused:
+        forward = n * V * (head.logits_bytes + (4 if head.logits_bytes != 4 else 0))
+        return forward, 2 * n * V * 4 if head.logits_grad else 0, 0
+    cdt = head.compute_bytes
+    need_h, need_w, need_b = head.hidden_grad, head.weight_grad, head.bias_grad
+    if not (need_h or need_w or need_b):
+        return 0, 0, 0
+    hidden_input = n * E * head.hidden_bytes  # alive through the forward pass, not saved
+    chunk = max(1, LOSS_CHUNK_BYTES // (4 * V))
+    chunk = -(-n // -(-n // chunk))
+    rows = chunk * V
+    in_place = cdt == 4 and not mode.cuda  # CPU float32: softmax writes over the logits
+    logits = rows * cdt
+    probs = 0 if in_place else rows * 4
+    # On CUDA softmax(..., dtype=float32) first copies bfloat16 logits to float32 (float16 it widens
+    # as it reads); on CPU (fake tensors included) the loss copies them into `probs` itself.
+    widened = rows * 4 if cdt != 4 and mode.cuda and not mode.float16 else 0
+    softmax_16 = rows * cdt if cdt != 4 else 0  # the softmax cast back to the compute dtype
+    casts = (n * E * cdt if head.hidden_bytes != cdt else 0) + (V * E * cdt if head.weight_bytes != cdt else 0)
+    # grad.t() @ hc in 16 bits, added to the float32 grad_w a piece of vocabulary rows at a time
+    vocab_rows = max(1, LOSS_CHUNK_BYTES // (4 * E))
+    product = min(V, vocab_rows) * E * cdt if need_w and cdt != 4 else 0
+    if not mode.real_cpu:  # buffers allocated per call (the 16-bit softmax per chunk) and freed after it
+        kept = 0
+        forward = hidden_input + logits + probs + casts + max(widened, softmax_16 + product)
+    else:  # one buffer per kind, kept between calls (the 16-bit softmax's buffer exists already)
+        kept = logits + probs + softmax_16
+        forward = hidden_input + kept + casts + max(widened, product)
+
+    # Backward: the hidden's gradient scaled in the compute dtype, then cast to the hidden's dtype;
+    # then the weight's and the bias's, scaled in float32 and written into their own dtypes
+    # (`gpt._scaled`; a real CPU run casts through one chunk of float32 rows), or, for float32
+    # ones, scaled in place in the kept gradients (nothing new).
+    def scaled(numel: int, row: int, b: int) -> int:
+        if b == 4:
+            return 0
+        through = min(numel // row, max(1, LOSS_CHUNK_BYTES // (4 * row))) * row * 4 if mode.real_cpu else 0
+        return numel * b + through
+
+    hidden = n * E * head.hidden_bytes if need_h else 0
+    hidden_product = n * E * cdt if need_h and head.hidden_bytes != cdt else 0  # freed once cast
+    weight = scaled(V * E, E, head.weight_bytes) if need_w else 0
+    bias_grad = scaled(V, 1, head.bias_bytes) if need_b else 0
+    return forward, hidden + max(hidden_product, weight + bias_grad), kept

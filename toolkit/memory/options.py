@@ -1,0 +1,102 @@
+"""What is trained and how (`Options`), and the strategy a column of the estimate shows (`Column`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional
+
+from toolkit.models.config import Config
+
+if TYPE_CHECKING:
+    from toolkit.memory.activations import Mode
+    from toolkit.memory.parameters import ParamSpec
+
+GiB = 1024**3
+
+# LoRA target name -> the linear layers (last name component) it adapts
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "query": ("q_proj",),
+    "key": ("k_proj",),
+    "value": ("v_proj",),
+    "projection": ("o_proj",),
+    "mlp": ("fc_in", "fc_out", "gate_proj", "up_proj", "down_proj"),
+    "head": ("lm_head",),
+}
+# Strategy columns, cheapest communication first: the order the recommendation tries them in.
+COLUMN_ORDER = ("single", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str  # "single", "DDP" or an FSDP sharding strategy
+    kind: Literal["single", "ddp", "fsdp"]
+    shard_size: int  # devices each FSDP unit is sharded over (1 = replicated)
+
+
+def make_column(name: str, devices: int, num_nodes: int) -> Column:
+    """The column for "single", "DDP" or an FSDP sharding on devices x num_nodes."""
+    if name == "single":
+        return Column(name, "single", 1)
+    if name == "DDP":
+        return Column(name, "ddp", 1)
+    from toolkit.training.strategy import mesh_layout  # the mesh training builds (no torch import)
+
+    shape, dims = mesh_layout(name, num_nodes, devices)
+    return Column(name, "fsdp", shape[dims.index("shard")])
+
+
+@dataclass
+class Options:
+    """What is being trained, and how (everything but the strategy and the micro batch)."""
+
+    config: Config
+    precision: str
+    finetune: Optional[str]
+    lora_modules: tuple[str, ...]
+    lora_r: int
+    quantize: Optional[str]
+    max_seq_length: int
+    # Whose rules: "cuda" (a GPU run); "cpu" (a real CPU run: the CPU's kernels, the fused loss's
+    # buffers kept between calls, gloo's staging of all-gathers; the tests' real runs); "fake"
+    # (the CPU's kernels on fake tensors, allocating as on a GPU: `toolkit.memory.simulation`).
+    device: Literal["cuda", "cpu", "fake"] = "cuda"
+    lora_dropout: float = 0.0
+    cpu_offload: bool = False  # FSDP's CPUOffloadPolicy: shards, gradients and AdamW state in host memory
+
+    @property
+    def compute_bytes(self) -> int:
+        return 4 if self.precision == "32-true" else 2
+
+    @property
+    def trainable_bytes(self) -> int:
+        """Bytes per element of a trainable weight, its gradient and its AdamW state (float32 but
+        under "*-true" 16-bit precision); also of the gradient reduction under FSDP."""
+        return self.compute_bytes if self.precision.endswith("-true") else 4
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes per element of a frozen weight: stored in the compute dtype."""
+        return self.compute_bytes
+
+    def param_bytes(self, s: ParamSpec) -> int:
+        return self.trainable_bytes if s.trainable else self.frozen_bytes
+
+    def gathered_bytes(self, s: ParamSpec, column: "Column") -> int:
+        """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
+        FSDP with "*-mixed" every unit (blocks, embedding, final norm, head) casts its float32
+        shards to the compute dtype before the all-gather (the MixedPrecisionPolicy of
+        toolkit.training.strategy.shard_model). The embedding's output is cast back to its stored
+        dtype (`_Weight.stored`)."""
+        if column.kind == "fsdp" and self.autocast:
+            return self.compute_bytes
+        return self.param_bytes(s)
+
+    @property
+    def autocast(self) -> bool:
+        return self.precision.endswith("-mixed")
+
+    def mode(self) -> "Mode":
+        """The precision and kernel rules of the forward pass."""
+        from toolkit.memory.activations import Mode
+
+        return Mode(self.autocast, self.compute_bytes, self.device, self.lora_dropout > 0, self.precision.startswith("16-"))

@@ -1,0 +1,246 @@
+"""The parameters of the model as training builds it, read from the model itself.
+
+`parameter_specs` builds `GPT(config)` on the meta device (no memory; well under a second at 70B),
+applies peft's LoRA to it for LoRA runs, and lists every parameter in `named_parameters()` order
+with its shape, whether it trains, what kind of weight it is and the FSDP unit it belongs to, found
+from the module structure as FSDP2 is applied in training (one unit per block; untied, one for
+what runs before the blocks (the embedding) and one per module after them (final norm, head); a
+tied embedding and head stay in the root). Nothing here lists the model's layers by hand.
+
+Quantized bases are not built: their bytes follow the layouts of bitsandbytes and torchao's NF4
+(`quantized_bytes`, held to the real libraries in tests/test_estimate.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Optional
+
+from toolkit.models.config import Config
+
+if TYPE_CHECKING:
+    from toolkit.memory.options import Column, Options
+
+# Where a parameter lives among FSDP's units: a block; the input edge (the embedding); an output
+# edge before the last one (the final norm); the last output edge (the head, which computes the
+# loss); or the root (a tied embedding and head, and whatever else no unit claims).
+Group = Literal["block", "input", "output", "head", "root"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of the model as built (after LoRA injection), in registration order."""
+
+    name: str  # as in GPT.named_parameters() (peft's wrapping included)
+    shape: tuple[int, ...]
+    unit: int  # the block index, or -1 outside the blocks
+    trainable: bool
+    kind: Literal["embedding", "linear", "bias", "norm", "lora"]
+    group: Group = "root"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+_MODELS: dict = {}
+
+
+def meta_model(config: Config, lora_modules: tuple[str, ...] = (), lora_r: int = 8, lora_dropout: float = 0.0):
+    """`GPT(config)` on the meta device, with peft's LoRA on `lora_modules` (only the adapters train),
+    as finetune_lora prepares it. Cached: the estimate asks for the same model many times."""
+    key = (repr(config), lora_modules, lora_r, lora_dropout)
+    model = _MODELS.get(key)
+    if model is None:
+        import torch
+
+        from toolkit.models.gpt import GPT
+
+        with torch.device("meta"):
+            model = GPT(config)
+            if lora_modules:
+                from peft import LoraConfig, inject_adapter_in_model
+
+                present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+                targets = [m for m in lora_modules if m in present]
+                lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, target_modules=targets,
+                                  bias="none")  # fmt: skip
+                model = inject_adapter_in_model(lora, model)
+                for name, p in model.named_parameters():
+                    p.requires_grad_(_is_adapter(name))
+        if len(_MODELS) > 8:
+            _MODELS.clear()
+        _MODELS[key] = model
+    return model
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_" in name or name.startswith("lora_")
+
+
+_SPECS: dict = {}
+
+
+def parameter_specs(config: Config, lora_modules: tuple[str, ...] = (), lora_r: int = 8) -> list[ParamSpec]:
+    """Every parameter of `GPT(config)` (with peft's adapters on `lora_modules`), in the order
+    `named_parameters()` yields them. A tied head is the embedding itself and is not repeated."""
+    key = (repr(config), tuple(lora_modules), lora_r)
+    specs = _SPECS.get(key)
+    if specs is None:
+        specs = _SPECS[key] = _read_specs(meta_model(config, tuple(lora_modules), lora_r), bool(lora_modules))
+    return specs
+
+
+def _read_specs(model, lora: bool) -> list[ParamSpec]:
+    from torch import nn
+
+    from toolkit.models.gpt import Block
+
+    blocks, edges = _units(model, Block)
+    group_of: dict[int, tuple[int, Group]] = {}
+    for index, block in enumerate(blocks):
+        for p in block.parameters():
+            group_of.setdefault(id(p), (index, "block"))
+    if edges is not None and not edges[2]:
+        before, after, _ = edges
+        for module in before:
+            for p in module.parameters():
+                group_of.setdefault(id(p), (-1, "input"))
+        for i, module in enumerate(after):
+            for p in module.parameters():
+                group_of.setdefault(id(p), (-1, "head" if i == len(after) - 1 else "output"))
+    kind_of: dict[int, str] = {}
+    for module in model.modules():
+        for leaf, p in module.named_parameters(recurse=False):
+            if isinstance(module, nn.Embedding):
+                kind_of.setdefault(id(p), "embedding")
+            elif isinstance(module, nn.Linear):
+                kind_of.setdefault(id(p), "linear" if leaf == "weight" else "bias")
+            else:
+                kind_of.setdefault(id(p), "norm")
+    specs = []
+    for name, p in model.named_parameters():
+        adapter = lora and _is_adapter(name)
+        unit, group = group_of.get(id(p), (-1, "root"))
+        specs.append(ParamSpec(name, tuple(p.shape), unit, p.requires_grad, "lora" if adapter else kind_of[id(p)],
+                               group))  # type: ignore[arg-type]  # fmt: skip
+    return specs
+
+
+def _units(model, block_cls):
+    """(the blocks in order, (input modules, output modules, tied) or None): FSDP2's units as
+    `shard_model` forms them (`edge_units`)."""
+    from toolkit.training.strategy import edge_units
+
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+    edges = edge_units(model, block_cls)
+    return blocks, None if edges is None else (edges.input, edges.output, edges.tied)
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized weights: the layouts of bitsandbytes and torchao's NF4 (not built: they need real data)
+# --------------------------------------------------------------------------------------------
+
+
+def quantized_bytes(shape: tuple[int, ...], quantize: str) -> int:
+    """Bytes stored for one quantized weight of `shape` (data + quantization state): bitsandbytes'
+    layouts for "bnb.*", torchao's NF4Tensor for "nf4" (two 4-bit values per byte, one int8 scale
+    per block of 64, one bfloat16 factor per 256 of those scales, a 2-byte mean: about 0.516 bytes
+    per weight, toolkit.training.nf4)."""
+    numel = math.prod(shape)
+    if quantize == "nf4":
+        scalers = -(-numel // 64)
+        return -(-numel // 2) + scalers + 2 * -(-scalers // 256) + 2
+    if quantize == "bnb.int8":
+        return numel + 4 * shape[0]  # int8 weight + float32 scale per output row (SCB)
+    blocks = -(-numel // 64)  # one absmax per block of 64 weights
+    packed = -(-numel // 2)  # two 4-bit values per byte
+    code = 16 * 4  # the 16-entry float32 code book (quant_map)
+    if quantize.endswith("-dq"):
+        # absmax quantized to one byte per block; per 256 of those a float32 absmax; a 256-entry
+        # float32 code book and a float32 offset for the nested quantization
+        return packed + blocks + 4 * -(-blocks // 256) + 256 * 4 + 4 + code
+    return packed + 4 * blocks + code
+
+
+def nf4_dequant_bytes(numel: int, compute_bytes: int) -> int:
+    """The transient peak of torchao's `NF4Tensor.get_original_weight` (every `linear_nf4` call, forward
+    and backward): the high and low 4-bit codes as two int64 tensors of numel / 2 each, beside the
+    looked-up values, the scaled values and their interleaved result, each of numel / 2 or numel
+    values of the compute dtype: 8 + 3 x compute bytes per weight (14 under bf16)."""
+    return numel * (8 + 3 * compute_bytes)
+
+
+def quantized_names(opts: "Options", specs: list[ParamSpec]) -> set[str]:
+    """The parameters stored quantized: the linear weights of the blocks (not embedding, norms, head)."""
+    return {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+
+
+def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
+    """The first block linear weight (toolkit name, shape) that does not split into `shards` row
+    ranges of whole NF4 groups (`toolkit.training.nf4.check_nf4_shardable`'s rule), or None."""
+    from toolkit.training.nf4 import ROW_ALIGN  # no torch import
+
+    for s in parameter_specs(config):
+        if s.kind == "linear" and s.unit >= 0:
+            out, inp = s.shape
+            if out % shards or (out // shards) * inp % ROW_ALIGN:
+                return f"{s.name.removesuffix('.weight')} ({out} x {inp})"
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# FSDP2 shards: every parameter split along dim 0
+# --------------------------------------------------------------------------------------------
+
+
+def shard_rows(rows: int, shards: int) -> list[int]:
+    """Rows of each rank's dim-0 shard of a tensor with `rows` rows, as FSDP2 splits it (torch.chunk:
+    ceil(rows / shards) rows each, the last ranks fewer or none)."""
+    chunk = -(-rows // shards)
+    return [max(0, min(chunk, rows - r * chunk)) for r in range(shards)]
+
+
+def padded_shard_numel(s: ParamSpec, shards: int) -> int:
+    """Elements FSDP2 allocates for one rank's shard of `s`: every rank pads its shard to the first
+    rank's ceil(rows / shards) rows, so that the all-gather and the reduce-scatter are even."""
+    rows = s.shape[0]
+    return -(-rows // shards) * (s.numel // rows)
+
+
+def shard_bytes(s: ParamSpec, shards: int, opts: "Options", quantized: set[str]) -> int:
+    """Bytes of one rank's shard of `s` as stored: its padded rows in `Options.param_bytes`; for a
+    quantized (NF4) weight, the NF4 bytes of its rows / `shards` rows (not padded: finetune_lora
+    and the estimate refuse shapes that do not split into whole NF4 groups, `nf4_unshardable`)."""
+    if s.name in quantized:
+        return quantized_bytes((s.shape[0] // shards, *s.shape[1:]), opts.quantize)  # type: ignore[arg-type]
+    return padded_shard_numel(s, shards) * opts.param_bytes(s)
+
+
+def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") -> list[dict[str, int]]:
+    """Parameter, gradient and optimizer-state bytes on each rank of one shard group (FSDP2).
+
+    Each parameter's shard is padded to the same size on every rank, in the parameter's own dtype
+    (trainable or frozen, `Options.param_bytes`). A trainable parameter's gradient shard has the
+    same padded size: a view into the unit's reduce-scatter output, in the trainable dtype. Frozen
+    parameters get no gradient. AdamW keeps two states shaped like the unpadded local shard, so
+    the first ranks, whose shards are fullest, hold the most. A quantized (NF4) weight's shard is
+    the NF4 bytes of its rows / W rows (`quantized_base`: those bytes alone).
+    """
+    W = column.shard_size
+    params = grads = quantized_base = 0
+    states = [0] * W
+    quantized = quantized_names(opts, specs)
+    for s in specs:
+        shard = shard_bytes(s, W, opts, quantized)
+        params += shard
+        if s.name in quantized:
+            quantized_base += shard
+        if s.trainable:
+            grads += padded_shard_numel(s, W) * opts.trainable_bytes
+            row = s.numel // s.shape[0]
+            for r, rows in enumerate(shard_rows(s.shape[0], W)):
+                states[r] += 2 * rows * row * opts.trainable_bytes
+    return [{"parameters": params, "gradients": grads, "optimizer_state": n, "quantized_base": quantized_base}
+            for n in states]

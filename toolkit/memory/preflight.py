@@ -1,0 +1,96 @@
+"""The start-up pre-flight: does a training step fit in the device's memory?
+
+Training calls `check_fits` once, before any weight is read (`toolkit.training.session`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from toolkit.errors import UserError
+from toolkit.memory.estimator import column_memory
+from toolkit.memory.options import GiB, Options, make_column
+
+
+def check_fits(
+    device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
+    precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
+    lora: Any = None, quantize: Optional[str] = None, headroom: float = 0.95, cpu_offload: bool = False,
+) -> str:
+    """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
+    `device_bytes`; return the line saying it fits otherwise.
+
+    `sharding`: the FSDP sharding, or "single" / "DDP". `finetune`: None (pretraining), "full", or
+    "lora" with the adapters of `lora` (a `toolkit.finetune.lora.LoRAArgs`; default LoRAArgs()).
+    Uses the estimate (`toolkit.memory.estimator.column_memory`; tests hold it to the simulation),
+    because a simulated 70B step takes most of a minute. Measured at Llama-3.1-70B on the 2-core
+    development machine: PREFLIGHT_TIME_NOTE. The refusal names the
+    estimate and the nearest settings that fit: FULL_SHARD instead of HYBRID_SHARD, activation
+    checkpointing, a smaller micro-batch (tried in that order, and combined), and last FSDP's CPU
+    offload. `cpu_offload` is the run's (FSDP only: ignored on one device and with DDP, as training
+    ignores it).
+
+    `quantize` (QLoRA): fake tensors cannot run the 4-bit kernels, so the figure for the quantized
+    base is the analytic one in any case: its bytes (per rank for an nf4 base, which FSDP shards;
+    the whole bnb.* base, which every device holds) and one dequantized weight at a time, held to
+    real bitsandbytes layers and torchao's NF4 in tests/test_estimate.py.
+    """
+    lora_modules: tuple[str, ...] = ()
+    lora_dropout = 0.0
+    if finetune == "lora":
+        if lora is None:
+            raise ValueError("check_fits needs the adapters (`lora`) of a LoRA run")
+        lora_modules, lora_dropout = tuple(lora.module_names()), float(lora.dropout)
+    world = devices * num_nodes
+    shard = sharding if world > 1 else "single"
+    if shard == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
+        shard = "FULL_SHARD"
+    sharded = shard not in ("single", "DDP")
+
+    def options(offload: bool) -> Options:
+        return Options(config, precision, finetune, lora_modules, lora.r if lora_modules else 8, quantize,
+                       max_seq_length, lora_dropout=lora_dropout, cpu_offload=offload and sharded)  # fmt: skip
+
+    budget = int(device_bytes * headroom)
+
+    def need(shard: str, ckpt: bool, micro: int, offload: bool = cpu_offload) -> int:
+        figures = column_memory(options(offload), make_column(shard, devices, num_nodes), micro)
+        return figures["total_checkpointed" if ckpt else "total"]
+
+    wanted = need(shard, activation_checkpointing, micro_batch_size)
+    line = (f"memory pre-flight: about {wanted / GiB:.1f} GiB per device at the peak of a step "
+            f"(analytic estimate) of {device_bytes / GiB:.1f} GiB")
+    if wanted <= budget:
+        return line + ": fits."
+    # (offload turned on, sharding changed, checkpointing turned on, micro-batch lowered): the fewest changes first
+    tries = []
+    shards = [shard] + (["FULL_SHARD"] if shard == "HYBRID_SHARD" else [])
+    for offload in sorted({cpu_offload, cpu_offload or sharded}):
+        for s in shards:
+            for ckpt in sorted({activation_checkpointing, True}):
+                micro = micro_batch_size
+                while micro >= 1:
+                    if (offload, s, ckpt, micro) != (cpu_offload, shard, activation_checkpointing, micro_batch_size):
+                        total = need(s, ckpt, micro, offload)
+                        if total <= budget:
+                            tries.append((offload != cpu_offload, s != shard, ckpt != activation_checkpointing,
+                                          micro_batch_size - micro, offload, s, ckpt, micro, total))  # fmt: skip
+                            break
+                    micro //= 2
+    if tries:
+        *_, offload, s, ckpt, micro, total = min(tries)
+        changes = []
+        if s != shard:
+            changes.append(f"--distributed.sharding {s}")
+        if ckpt != activation_checkpointing:
+            changes.append("--distributed.activation_checkpointing true")
+        if micro != micro_batch_size:
+            changes.append(f"--train.micro_batch_size {micro}")
+        if offload != cpu_offload:
+            changes.append("--distributed.cpu_offload true")
+        advice = f"{' '.join(changes)} fits ({total / GiB:.1f} GiB)"
+    else:
+        instead = {None: "LoRA", "full": "LoRA"}.get(finetune, "a quantized base (--quantize nf4)" if quantize is None else None)
+        advice = ("no sharding, checkpointing, micro-batch or CPU offload setting fits: use more devices"
+                  + (f" or {instead}" if instead else "") + " (see `toolkit estimate`)")
+    raise UserError(f"{line}: does not fit. {advice}; or skip this check with --distributed.preflight false.")
