@@ -124,7 +124,7 @@ class _Head:
     bias_grad: bool
     logits_bytes: int  # a LoRA head's output
     logits_grad: bool  # and whether it needs a gradient
-    hidden_saved: bool  # the head's input is among the saved tensors
+    hidden_saved: bool  # the head's input is among what the head saves
 
 
 @dataclass(frozen=True)
@@ -134,9 +134,11 @@ class Recording:
     blocks: tuple[int, ...]
     block_inputs: tuple[int, ...]
     block_copies: tuple[int, ...]
-    outside: int  # saved outside the blocks, the loss included
-    outside_copies: int
-    loss_saved: int
+    outside: int  # saved outside the blocks, before the head
+    outside_copies: int  # weight copies outside the blocks (the head's included)
+    head_copies: int  # the head's
+    loss_fixed: int  # what the head and loss save: loss_fixed + loss_per_row x rows
+    loss_per_row: int
     hidden: int  # the final norm's output (bytes)
     head: _Head
     in_flight: int  # the most the last recorded block's backward pass holds beyond what it saved
@@ -156,11 +158,14 @@ def record(opts: "Options", gathered: bool, micro_batch: int) -> Recording:
     if found is None:
         if len(_RECORDINGS) > 64:
             _RECORDINGS.clear()
-        found = _RECORDINGS[key] = _record(opts, mode, gathered and opts.autocast, micro_batch)
+        head = _RECORDINGS.get(key[:-1])  # the head's part does not depend on the micro-batch
+        found = _RECORDINGS[key] = _record(opts, mode, gathered and opts.autocast, micro_batch, head)
+        _RECORDINGS[key[:-1]] = found
     return found
 
 
-def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int) -> Recording:
+def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known: Optional[Recording]) -> Recording:
+    """`record`; the head's part is taken from `known` when given."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -196,30 +201,61 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int) -> Re
                 module.register_forward_hook(lambda _m, _a, out, dtype=dtype: out.to(dtype))
     head_module = edges[1][-1] if edges is not None else model.lm_head
     model.train()
-    autocast = (torch.autocast("cpu", dtype=compute) if mode.autocast else _Nothing())
+    autocast = torch.autocast("cpu", dtype=compute) if mode.autocast else _Nothing()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         recorder = _Recorder(model, blocks, head_module, mode.cuda)
         ids = torch.zeros(micro_batch, opts.max_seq_length, dtype=torch.long)
+        # Up to the head: the model's forward pass stops where the head is called (`_AtTheHead`);
+        # then the gradient of the head's input runs back through the blocks.
         with recorder:
-            with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), autocast:
-                loss = model(ids, labels=ids)
+            try:
+                with torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), autocast:
+                    model(ids, labels=ids)
+                raise RuntimeError("the model's forward pass did not call its head")
+            except _AtTheHead as stop:
+                h = stop.hidden
             recorder.forward_done()
-            if loss.requires_grad:
-                loss.backward()
+            if h.requires_grad:
+                h.backward(torch.ones_like(h))
         in_flight = recorder.in_flight()
-    h = recorder.head_input
+        before_head = (recorder.outside, recorder.outside_copies)
+        if known is not None:
+            return replace(known, blocks=tuple(recorder.blocks), block_inputs=tuple(recorder.inputs),
+                           block_copies=tuple(recorder.copies), outside=before_head[0],
+                           outside_copies=before_head[1] + known.head_copies, hidden=h.numel() * h.element_size(),
+                           in_flight=in_flight)  # fmt: skip
+        # The head and the loss (`GPT.head_loss`), on one and on two rows: what they keep is affine
+        # in the rows (a chunked loss over thousands of rows costs seconds on fake tensors).
+        loss_saved = []
+        for rows in (1, 2):
+            recorder.outside = recorder.outside_copies = 0
+            recorder.seen, recorder.keep = set(), []  # freed storages' keys may come back
+            x = torch.zeros(1, rows, h.shape[-1], dtype=h.dtype).requires_grad_(h.requires_grad)
+            with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), autocast:
+                model.head_loss(x, torch.zeros(1, rows, dtype=torch.long))
+            loss_saved.append(recorder.outside)
+            loss_copies, hidden_saved = recorder.outside_copies, recorder.key(x) in recorder.seen
     weight, bias = recorder.head_weights
-    fused = isinstance(head_module, OutputHead)
     head = _Head(
-        fused=fused, hidden_bytes=h.element_size(), hidden_grad=h.requires_grad,
+        fused=isinstance(head_module, OutputHead), hidden_bytes=h.element_size(), hidden_grad=h.requires_grad,
         compute_bytes=compute.itemsize if mode.autocast else weight.element_size(),
         weight_bytes=weight.element_size(), weight_grad=weight.requires_grad,
         bias_bytes=0 if bias is None else bias.element_size(), bias_grad=bias is not None and bias.requires_grad,
-        logits_bytes=recorder.logits_bytes, logits_grad=recorder.logits_grad, hidden_saved=recorder.key(h) in recorder.seen,
+        logits_bytes=recorder.logits_bytes, logits_grad=recorder.logits_grad, hidden_saved=hidden_saved,
     )  # fmt: skip
-    return Recording(tuple(recorder.blocks), tuple(recorder.inputs), tuple(recorder.copies), recorder.outside,
-                     recorder.outside_copies, recorder.loss_saved, h.numel() * h.element_size(), head, in_flight)  # fmt: skip
+    per_row = loss_saved[1] - loss_saved[0]
+    return Recording(tuple(recorder.blocks), tuple(recorder.inputs), tuple(recorder.copies), before_head[0],
+                     before_head[1] + loss_copies, loss_copies, loss_saved[0] - per_row, per_row,
+                     h.numel() * h.element_size(), head, in_flight)  # fmt: skip
+
+
+class _AtTheHead(Exception):
+    """Stops the recorded forward pass where the head is called; carries the head's input."""
+
+    def __init__(self, hidden) -> None:
+        super().__init__()
+        self.hidden = hidden
 
 
 class _Nothing:
@@ -288,11 +324,10 @@ class _Recorder:
         self.copies = [0] * len(blocks)
         self.inputs = [0] * len(blocks)
         self.saved_by: list[set[int]] = [set() for _ in blocks]
-        self.outside = self.outside_copies = self.loss_saved = 0
+        self.outside = self.outside_copies = 0
         self.current: Optional[int] = None
         self.shared: set[int] = set()
-        self.in_loss = False
-        self.head_input = None
+        self.stop_at_head = True
         self.head_weights: tuple = (None, None)
         self.logits_bytes = 0
         self.logits_grad = False
@@ -340,8 +375,6 @@ class _Recorder:
             self.outside_copies += nbytes
         else:
             self.outside += nbytes
-            if self.in_loss:
-                self.loss_saved += nbytes
         return t
 
     def _block_start(self, index: int):
@@ -365,17 +398,19 @@ class _Recorder:
         return hook
 
     def _head_start(self, module, args):
-        self.in_loss = True
-        self.head_input = args[0]
         self.head_weights = (module.weight, getattr(module, "bias", None))
+        if self.stop_at_head:
+            raise _AtTheHead(args[0])
 
     def _head_end(self, _module, _args, out):
         if hasattr(out, "dim") and out.dim() > 0:  # a LoRA head's logits (the fused head returns the loss)
             self.logits_bytes, self.logits_grad = out.element_size(), out.requires_grad
 
     def forward_done(self) -> None:
-        for handle in self.handles:
+        """The blocks recorded: their hooks go (the head's stays, without stopping the head)."""
+        for handle in self.handles[:-2]:
             handle.remove()
+        self.stop_at_head = False
 
     # -------------------------------------------------------------- the watched block's backward pass
     def _watch_start(self, grad):
@@ -488,12 +523,13 @@ def activations(opts: "Options", gathered: bool, micro_batch_size: int, dequant_
     tokens = B * opts.max_seq_length
     forward, backward, kept = loss_transients(one.head, opts.mode(), tokens, opts.config.n_embd, opts.config.vocab_size)
     hidden = f(one.hidden, two.hidden)
+    loss_saved = one.loss_fixed + one.loss_per_row * tokens
     return Activations(
         blocks=per_block(one.blocks, two.blocks),
         block_inputs=per_block(one.block_inputs, two.block_inputs),
-        head=f(one.outside, two.outside),
-        loss_saved=f(one.loss_saved, two.loss_saved),
-        loss_forward=forward + (0 if one.head.hidden_saved or one.head.fused else hidden),
+        head=f(one.outside, two.outside) + loss_saved,
+        loss_saved=loss_saved,
+        loss_forward=forward + (0 if one.head.fused or one.head.hidden_saved else hidden),
         loss_backward=backward,
         loss_kept=kept,
         hidden_grad=hidden if one.head.hidden_grad else 0,
