@@ -132,7 +132,7 @@ def test_lora_blocks_stop_recompiling_once_batch_lengths_vary():
     from toolkit.finetune.lora import LoRAArgs
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, Block
-    from toolkit.training.compile import compile_blocks
+    from toolkit.parallel.compile import compile_blocks
 
     config = Config.from_name("debug-neox")
     models = []
@@ -171,7 +171,7 @@ def test_lora_blocks_stop_recompiling_once_batch_lengths_vary():
 
 
 def test_auto_compiles_only_where_it_was_measured_faster():
-    from toolkit.training.compile import AUTO_MIN_STEPS, should_compile
+    from toolkit.parallel.compile import AUTO_MIN_STEPS, should_compile
 
     long = AUTO_MIN_STEPS
     assert should_compile(None, long, "cuda", "bf16-mixed", variable_lengths=False)[0]  # a long GPU run

@@ -39,7 +39,7 @@ from toolkit.estimate import GiB, estimate
 from toolkit.models.config import Config
 from toolkit.models import gpt
 from toolkit.models.gpt import GPT
-from toolkit.training.precision import PRECISIONS, apply_precision_policy, precision_dtypes
+from toolkit.parallel.precision import PRECISIONS, apply_precision_policy, precision_dtypes
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 300

@@ -265,8 +265,8 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, init_weights
     from toolkit.tokenizer import Tokenizer
-    from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-    from toolkit.training.batches import plan_batches
+    from toolkit.args import EvalArgs, LogArgs, TrainArgs
+    from toolkit.parallel.batches import plan_batches
     from toolkit.training.loop import LoopHooks, TrainState, fit
 
     data = Alpaca(json_path=ALPACA, val_split_fraction=0, group_by_length=False)  # unsorted: much padding

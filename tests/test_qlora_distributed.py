@@ -2,7 +2,7 @@
 torchao nf4 (base sharded by FSDP2; the tests named test_nf4_*, on a wider tiny Llama).
 
 On more than one device the toolkit replicates the quantized base and synchronises only the LoRA
-adapters (`toolkit.training.strategy.plan_quantized_base` says why FSDP2 does not shard it).
+adapters (`toolkit.parallel.plan.plan_quantized_base` says why FSDP2 does not shard it).
 These runs check the result numerically: the adapter of two processes, and of torchrun's 2 nodes x
 2 processes, equals one process's at the same global batch, and a multi-process run killed in the
 middle and resumed ends with the weights of the uninterrupted run. Real bitsandbytes, real peft,
@@ -26,8 +26,8 @@ from toolkit import estimate as est
 from toolkit.cli import run
 from toolkit.errors import UserError
 from toolkit.models.config import Config
-from toolkit.training.args import DistributedArgs
-from toolkit.training.strategy import plan_quantized_base
+from toolkit.args import DistributedArgs
+from toolkit.parallel.plan import plan_quantized_base
 
 STEPS = 6
 # Each micro-batch is computed the same way in every run (the same quantized bytes, the same

@@ -93,7 +93,7 @@ def test_simulated_step_matches_the_analytic_estimate(step_8b):
     # head's weight gradient in bf16 0.98, the hidden one) + the (final norm, head) unit gathered
     # in bf16 0.98 = 30.06 GiB. It had been the loss's forward pass (30.39 GiB) while the head's
     # flat all-gather output (0.98) stayed alive through the loss; the output units' forward
-    # pre-hook (`strategy._free_flat_gather_output`) frees it after the copy-out.
+    # pre-hook (`fsdp._free_flat_gather_output`) frees it after the copy-out.
     # The analytic walk sees the head as gathered (bf16): before, it saw it as stored (float32) and
     # counted a bf16 cast of it that the gathered head does not need, 12% too many activations. The
     # peak had been in the loss's backward pass (32.0 GiB), where the fused loss wrote its float32
@@ -312,7 +312,7 @@ def test_simulated_peak_matches_the_real_step(real_run, setup):
 def test_the_heads_flat_gather_output_is_freed_before_the_loss():
     """FSDP2 keeps a unit's flat all-gather output in the forward pass until the next unit gathers
     (so that the next gather overlaps the copy-out). After the head nothing gathers until the
-    backward pass, so without `strategy._free_flat_gather_output` a second copy of the gathered head
+    backward pass, so without `fsdp._free_flat_gather_output` a second copy of the gathered head
     would stay alive through the loss (a synchronous gather on 2 fake ranks, as NCCL's default)."""
     import torch
     import torch.distributed as dist
@@ -321,8 +321,9 @@ def test_the_heads_flat_gather_output_is_freed_before_the_loss():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from toolkit.models.gpt import GPT, Block
-    from toolkit.training.args import DistributedArgs
-    from toolkit.training.strategy import plan_strategy, shard_model
+    from toolkit.args import DistributedArgs
+    from toolkit.parallel.fsdp import shard_model
+    from toolkit.parallel.plan import plan_strategy
 
     config = Config(name="edges", vocab_size=96, block_size=16, n_layer=2, n_embd=32, n_head=4)
     plan = plan_strategy(2, 1, "32-true", DistributedArgs(strategy="fsdp", sharding="FULL_SHARD"), accelerator="cpu")

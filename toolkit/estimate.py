@@ -41,7 +41,7 @@ upper bound). Under FSDP the moments follow torch 2.13's
 the real step and holds them to it category by category.
 
 What is assumed, and where it comes from:
-- Precision: the toolkit's one policy (`toolkit.training.precision.precision_dtypes`). Under
+- Precision: the toolkit's one policy (`toolkit.parallel.precision.precision_dtypes`). Under
   "*-mixed" and "32-true", trainable weights, their gradients and AdamW state are float32 and frozen
   weights (the LoRA and QLoRA base) are stored in the compute dtype (bf16 under "bf16-mixed");
   under "*-true" everything is 16-bit. "*-mixed" computes under autocast in 16 bits. On one
@@ -68,7 +68,7 @@ What is assumed, and where it comes from:
   64 weights (double quantization: one byte per 64, plus a float32 per 256 of those); int8 = one
   byte per weight + a float32 scale per row. No LoRA head, as in finetune_lora. On more than one
   device finetune_lora replicates a bitsandbytes base and synchronises only the adapters with DDP
-  (`toolkit.training.strategy.plan_quantized_base`), so that is the one column shown: the whole
+  (`toolkit.parallel.plan.plan_quantized_base`), so that is the one column shown: the whole
   quantized base on every device, and DDP's bucket copy of the adapters' gradients.
 - QLoRA with torchao's NF4 (`--quantize nf4`, `toolkit.training.nf4`): half a byte per weight, an
   int8 scale per 64 and a 16-bit factor per 16384, a 16-bit mean per weight. On more than one
@@ -83,7 +83,7 @@ What is assumed, and where it comes from:
   parameters, their gradients and AdamW state live in host memory (counted apart, `host_offload`;
   the optimizer step runs on the CPU); the device holds what a step gathers and computes.
 - FSDP (torch 2.13 FSDP2 `fully_shard`, one unit per Block, one each for the embedding, the final
-  norm and the head (a tied embedding and head stay in the root), on the mesh of `toolkit.training.strategy.mesh_layout`): every parameter is
+  norm and the head (a tied embedding and head stay in the root), on the mesh of `toolkit.parallel.plan.mesh_layout`): every parameter is
   split along dim 0 and each rank's shard is padded to ceil(rows / shard group) rows; a gradient
   shard is as large (a view into the unit's padded reduce-scatter output) and exists only for
   trainable parameters; AdamW's state follows the unpadded local shard. Gradients accumulate in
@@ -116,7 +116,7 @@ from typing import Any, Literal, Optional, get_args
 
 from toolkit.errors import UserError, check_choice
 from toolkit.models.config import CONFIG_FILENAME, Config
-from toolkit.training.args import QUANTIZE_CHOICES, QuantizeName, ShardingName, StrategyName
+from toolkit.args import QUANTIZE_CHOICES, QuantizeName, ShardingName, StrategyName
 
 GiB = 1024**3
 # toolkit.models.gpt.LOSS_CHUNK_BYTES (not imported: that would import torch): the fused loss computes
@@ -735,7 +735,7 @@ Moment = dict[str, int]
 def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> dict[str, Moment]:
     """What FSDP2 holds beside the shards on one rank, by category, at each moment of a step at which
     the step can peak, in the order torch 2.13's `fully_shard` runs. Activations are added by
-    `step_moments`. The units are those of `toolkit.training.strategy.shard_model`: one per block;
+    `step_moments`. The units are those of `toolkit.parallel.fsdp.shard_model`: one per block;
     untied, one for the embedding, one for the final norm and one for the head; tied, the shared
     matrix with the final norm in the root.
 
@@ -745,7 +745,7 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
       not cast. Under CPU offload each shard is first copied to the device. In the forward pass a
       unit's flat output is freed after the next unit's copy-out; the output units' (the final
       norm's and the head's) right after their own, by the toolkit's forward pre-hook
-      (`toolkit.training.strategy._free_flat_gather_output`), so none is alive at the loss but a
+      (`toolkit.parallel.fsdp._free_flat_gather_output`), so none is alive at the loss but a
       tied root's last block's (freed when the forward pass ends); in the backward pass right
       after the unit's own copy-out.
     - Blocks and the embedding are released after their forward pass (not under SHARD_GRAD_OP) and
@@ -976,7 +976,7 @@ def make_column(name: str, devices: int, num_nodes: int) -> Column:
         return Column(name, "single", 1)
     if name == "DDP":
         return Column(name, "ddp", 1)
-    from toolkit.training.strategy import mesh_layout  # the mesh training builds (no torch import)
+    from toolkit.parallel.plan import mesh_layout  # the mesh training builds (no torch import)
 
     shape, dims = mesh_layout(name, num_nodes, devices)
     return Column(name, "fsdp", shape[dims.index("shard")])
@@ -1022,7 +1022,7 @@ class Options:
         """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
         FSDP with "*-mixed" every unit (blocks, embedding, final norm, head) casts its float32
         shards to the compute dtype before the all-gather (the MixedPrecisionPolicy of
-        toolkit.training.strategy.shard_model). The embedding's output is cast back to its stored
+        toolkit.parallel.fsdp.shard_model). The embedding's output is cast back to its stored
         dtype (`_Weight.stored`)."""
         if column.kind == "fsdp" and self.autocast:
             return self.compute_bytes
@@ -1288,7 +1288,7 @@ def _resolve(
     cpu_offload=False,
 ):  # fmt: skip
     """Validate the arguments (UserError) and decide the columns to show."""
-    from toolkit.training.precision import PRECISION_ALIASES, PRECISIONS
+    from toolkit.parallel.precision import PRECISION_ALIASES, PRECISIONS
 
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -1362,7 +1362,7 @@ def _resolve(
             notes.append(f"QLoRA nf4 on {world} devices runs as finetune_lora runs it: FSDP2 shards the NF4 base "
                          "like every frozen weight, so its bytes per device fall as 1/N.")
         if quantize is not None and quantize != "nf4":
-            from toolkit.training.strategy import QUANTIZED_BASE_NOT_SHARDED
+            from toolkit.parallel.plan import QUANTIZED_BASE_NOT_SHARDED
 
             if strategy == "fsdp" or sharding is not None:
                 raise UserError(
@@ -1387,7 +1387,7 @@ def _resolve(
                 for s in wanted:
                     if s == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
                         why = "one node" if num_nodes == 1 else "one device per node"
-                        notes.append(f"HYBRID_SHARD with {why} runs as FULL_SHARD (see toolkit.training.strategy).")
+                        notes.append(f"HYBRID_SHARD with {why} runs as FULL_SHARD (see toolkit.parallel.plan.effective_sharding).")
                         if sharding:
                             columns.append(make_column("FULL_SHARD", devices, num_nodes))
                         continue

@@ -125,8 +125,8 @@ def simulate(
     """
     import torch.distributed as dist
 
-    from toolkit.training.args import DistributedArgs, TrainArgs
-    from toolkit.training.strategy import mesh_layout, plan_strategy
+    from toolkit.args import DistributedArgs, TrainArgs
+    from toolkit.parallel.plan import mesh_layout, plan_strategy
 
     if finetune not in (None, "full", "lora"):
         raise UserError(f"finetune must be lora or full (or left out for pretraining), got {finetune!r}.")
@@ -173,8 +173,9 @@ def _build(config, plan, finetune, lora, mesh):
     import torch
 
     from toolkit.models.gpt import GPT, Block
-    from toolkit.training.precision import apply_precision_policy
-    from toolkit.training.strategy import shard_model, sharded_strategy_class
+    from toolkit.parallel.precision import apply_precision_policy
+    from toolkit.parallel.fsdp import shard_model
+    from toolkit.training.fabric import sharded_strategy_class
     from toolkit.training.session import decay_names
 
     with torch.device("meta"):

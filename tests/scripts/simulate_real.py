@@ -27,11 +27,11 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from toolkit.models import gpt  # noqa: E402
-from toolkit.training import gloo_collectives  # noqa: E402
+from toolkit.parallel import gloo_collectives  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.simulate import _build, _local, tracked_step  # noqa: E402
-from toolkit.training.args import DistributedArgs, TrainArgs  # noqa: E402
-from toolkit.training.strategy import mesh_layout, plan_strategy  # noqa: E402
+from toolkit.args import DistributedArgs, TrainArgs  # noqa: E402
+from toolkit.parallel.plan import mesh_layout, plan_strategy  # noqa: E402
 from toolkit.training.session import make_adamw  # noqa: E402
 
 
@@ -77,7 +77,7 @@ def main() -> None:
     # simulation, allocates them at each call: allocate here as there.
     gpt.REUSE_CPU_SCRATCH = False
     # A GPU, and so the simulation, runs FSDP2's own all-gather and reduce-scatter; gloo's in-place
-    # replacements (toolkit.training.gloo_collectives) move the same bytes as broadcasts and reduces.
+    # replacements (toolkit.parallel.gloo_collectives) move the same bytes as broadcasts and reduces.
     gloo_collectives.ENABLED = False
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=args.world)
     try:

@@ -5,7 +5,7 @@ its LoRA layers; the base weights are frozen. With --quantize nf4 the frozen Lin
 blocks become torchao NF4 tensors (`toolkit.training.nf4`), sharded by FSDP2 on several devices,
 each rank quantizing only its own rows. With --quantize bnb.* they are replaced by bitsandbytes
 4-bit or 8-bit layers on the CPU; on more than one device every rank then quantizes the whole base
-and only the adapters are synchronised (`toolkit.training.strategy.plan_quantized_base` says why).
+and only the adapters are synchronised (`toolkit.parallel.plan.plan_quantized_base` says why).
 
 A finished run writes `<out_dir>/final/`:
     lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
@@ -28,7 +28,7 @@ from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
 from toolkit.models.param_names import unwrapped_name
-from toolkit.training.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
+from toolkit.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
 
 LORA_TRAIN = TrainArgs(
     global_batch_size=16, micro_batch_size=1, learning_rate=3e-4, min_lr=0.0, warmup_steps=10,
@@ -121,7 +121,7 @@ def quantize_linears(model, mode: str, precision: str):
     import bitsandbytes as bnb
     import torch.nn as nn
 
-    from toolkit.training.precision import precision_dtypes
+    from toolkit.parallel.precision import precision_dtypes
 
     compute_dtype = precision_dtypes(precision)[1]
 
@@ -156,16 +156,6 @@ def current_device():
     import torch
 
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def scheme_shards(scheme, devices, num_nodes: int) -> int:
-    """Over how many ranks each frozen weight is split: 1 unless sharded; the devices of one node under HYBRID_SHARD."""
-    from toolkit.training.strategy import plan_strategy
-
-    if scheme.scheme != "sharded":
-        return 1
-    plan = plan_strategy(devices, num_nodes, "32-true", scheme.dist)
-    return plan.mesh[0][-1] if plan.mesh else 1
 
 
 def finetune_lora(
@@ -213,45 +203,33 @@ def finetune_lora(
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise UserError(f"Unknown --quantize {quantize!r}.{did_you_mean(quantize, QUANTIZE_CHOICES)}")
 
-    startup_notes: list[str] = []
-    if quantize is not None:
-        from toolkit.training.strategy import plan_quantized_base, resolve_precision
-
-        # The precision Session.start resolves (the same call): the 4-bit layers compute in its dtype.
-        resolved_precision = resolve_precision(precision, "auto")
-
-        # On more than one device the quantized base is replicated and DDP synchronises the adapters.
-        scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
-        shards = scheme_shards(scheme, devices, num_nodes)
-        if quantize == "nf4" and shards > 1:
+    def check_args(config, run_plan) -> None:
+        if quantize is not None and "head" in lora.targets:
+            raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
+        if quantize == "nf4" and run_plan.shard_size > 1:
             import torch
 
-            from toolkit.model_dir import require_checkpoint_dir
-            from toolkit.models.config import CONFIG_FILENAME, Config
             from toolkit.models.gpt import GPT
             from toolkit.training.nf4 import check_nf4_shardable
 
             with torch.device("meta"):  # shapes only, before any process is launched
-                check_nf4_shardable(GPT(Config.from_file(require_checkpoint_dir(checkpoint_dir) / CONFIG_FILENAME)), shards)
-        distributed = scheme.dist
-        startup_notes.append(scheme.describe())
+                check_nf4_shardable(GPT(config), run_plan.shard_size)
 
-    def check_args(config) -> None:
-        if quantize is not None and "head" in lora.targets:
-            raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
-
-    def prepare(model):
+    def prepare(model, run_plan):
         from peft import get_peft_model
 
+        from toolkit.parallel.precision import precision_dtypes
+
+        # The 4-bit layers compute in the run's compute dtype.
+        compute_dtype = precision_dtypes(run_plan.precision)[1]
         if quantize == "nf4":
             from toolkit.training.nf4 import quantize_blocks_nf4
-            from toolkit.training.precision import precision_dtypes
 
             # The model is still on the meta device (prepare_on_meta below): each weight is quantized
             # as it is read, its own rows on each rank under FSDP, whole on one device.
-            quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1], current_device())
+            quantize_blocks_nf4(model, compute_dtype, current_device())
         elif quantize is not None:
-            model = quantize_linears(model, quantize, resolved_precision)
+            model = quantize_linears(model, quantize, run_plan.precision)
         # peft freezes every weight that is not an adapter.
         model = get_peft_model(model, lora.peft_config())
         init_adapters(model, seed)
@@ -267,7 +245,7 @@ def finetune_lora(
         precision, seed, resume, prepare_model=prepare, frozen_base=True, export=export,
         # nf4 quantizes the meta model's weights one at a time as they are read, on one device too
         prepare_on_meta=quantize == "nf4",
-        check_args=check_args, startup_notes=startup_notes, hparams=hparams, lora=lora, quantize=quantize,
+        check_args=check_args, hparams=hparams, lora=lora, quantize=quantize,
     )
     return model
 

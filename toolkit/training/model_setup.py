@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from toolkit.models.param_names import unwrapped_name
 from toolkit.training.nf4 import is_nf4
-from toolkit.training.precision import replace_parameters
-from toolkit.training.strategy import is_fsdp
+from toolkit.parallel.precision import replace_parameters
+from toolkit.training.fabric import is_fsdp
 
 if TYPE_CHECKING:
     from lightning import Fabric

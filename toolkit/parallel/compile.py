@@ -62,13 +62,13 @@ def compile_blocks(model: nn.Module, block_cls: type, device, dynamic: bool, pri
 
     0 when the compiler does not work on `device` (one line is printed; the model stays eager).
     """
-    from toolkit.training.strategy import _block_units
+    from toolkit.parallel.fsdp import block_units
 
     problem = compiler_problem(device)
     if problem is not None:
         print_fn(f"torch.compile is unavailable here ({problem}); training eagerly.")
         return 0
-    units = _block_units(model, block_cls)
+    units = block_units(model, block_cls)
     for unit in units:
         unit.compile(dynamic=True if dynamic else None)
     shapes = "dynamic shapes" if dynamic else "static shapes"
