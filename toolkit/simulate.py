@@ -176,14 +176,14 @@ def _build(config, plan, finetune, lora, mesh):
     from toolkit.parallel.precision import apply_precision_policy
     from toolkit.parallel.fsdp import shard_model
     from toolkit.training.fabric import sharded_strategy_class
-    from toolkit.training.session import decay_names
+    from toolkit.optim import decay_names
 
     with torch.device("meta"):
         model = GPT(config)
     if finetune == "lora":
         from peft import get_peft_model
 
-        from toolkit.finetune.lora import LoRAArgs
+        from toolkit.models.lora import LoRAArgs
 
         model = get_peft_model(model, (lora or LoRAArgs()).peft_config())  # as finetune_lora's `prepare`
     apply_precision_policy(model, plan.precision)
@@ -197,7 +197,7 @@ def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from toolkit.training.session import make_adamw
+    from toolkit.optim import make_adamw
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
@@ -442,7 +442,7 @@ def preflight(
     lora_dropout = 0.0
     if finetune == "lora":
         if lora is None:
-            from toolkit.finetune.lora import LoRAArgs
+            from toolkit.models.lora import LoRAArgs
 
             lora = LoRAArgs()
         lora_modules, lora_dropout = tuple(lora.module_names()), float(lora.dropout)

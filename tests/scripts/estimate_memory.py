@@ -49,7 +49,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.finetune.lora import LoRAArgs, init_adapters  # noqa: E402
+from toolkit.finetune.lora import init_adapters  # noqa: E402
+from toolkit.models.lora import LoRAArgs  # noqa: E402
 from toolkit.models import gpt  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import Block  # noqa: E402

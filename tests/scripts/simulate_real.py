@@ -32,13 +32,13 @@ from toolkit.models.config import Config  # noqa: E402
 from toolkit.simulate import _build, _local, tracked_step  # noqa: E402
 from toolkit.args import DistributedArgs, TrainArgs  # noqa: E402
 from toolkit.parallel.plan import mesh_layout, plan_strategy  # noqa: E402
-from toolkit.training.session import make_adamw  # noqa: E402
+from toolkit.optim import make_adamw  # noqa: E402
 
 
 def measure(setup: str, config: Config, world: int, micro_batch: int, seq: int, micro_batches: int, lora_r: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
 
     precision, finetune, *rest = setup.split(":")
     dist_args = DistributedArgs(strategy="fsdp", sharding="FULL_SHARD", activation_checkpointing=rest == ["checkpointing"])

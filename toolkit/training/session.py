@@ -21,14 +21,13 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.models.config import Config
-from toolkit.models.param_names import unwrapped_name
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.parallel.plan import RunPlan
 from toolkit.training.failures import run_on_rank_zero
 from toolkit.training.host_memory import return_large_frees_to_the_system
+from toolkit.optim import decay_names, make_adamw
 from toolkit.training.loop import LoopHooks, TrainState, fit
 from toolkit.training.trackers import finish_tracker_runs, make_loggers, plain, start_tracker_runs
-from toolkit.parallel.plan import plan_strategy
 from toolkit.training.fabric import build_fabric
 
 if TYPE_CHECKING:
@@ -420,25 +419,6 @@ def check_fits_device(kind: str, config: Config, run_plan: RunPlan, lora: Any = 
     # torchrun starts them all): the line that it fits is printed by the first one only.
     if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
         print(line)
-
-
-def decay_names(model) -> set[str]:
-    """Weight decay is decided by the parameters' shapes: matrices decay, vectors do not."""
-    return {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
-
-
-def make_adamw(model, decay: set[str], train: TrainArgs, foreach: Optional[bool] = None) -> torch.optim.AdamW:
-    """The training AdamW over `model`'s trainable parameters; `decay`: names from `decay_names`
-    (taken before sharding). `foreach` None is torch's choice (on for CUDA tensors); the
-    simulation (`toolkit.simulate`) passes True to count the GPU's step temporaries on the CPU."""
-    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for n, p in named if n in decay], "weight_decay": train.weight_decay},
-        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=train.learning_rate, betas=(train.beta1, train.beta2), foreach=foreach
-    )
 
 
 def _make_out_dir(out_dir: Path) -> None:
