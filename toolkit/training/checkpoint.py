@@ -367,6 +367,11 @@ def load(fabric, checkpoint: Path, model, optimizer, loader) -> dict:
             "position is kept per process (as with StreamMix, whose streams litdata shards per process), so it "
             f"cannot continue exactly on another number. Resume on {saved_world} process(es), or start a new --out_dir."
         )
+    if meta["sharded"]:
+        from toolkit.distributed_checkpoint import check_distributed_checkpoint
+
+        # torch unpickles the folder's metadata and non-tensor entries: checked first, on every rank.
+        check_distributed_checkpoint(state_path)
     if trainable_only:
         _check_trainable(checkpoint, state_path, model)
     if saved_world == world and not trainable_only:
