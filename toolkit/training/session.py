@@ -292,16 +292,24 @@ class Session:
                 f"epoch {state.epoch}, {state.micro_step} micro-batches consumed per rank"
                 + (f", loader position {_describe_position(position)}" if position else "")
             )
+            abandoned = checkpoint.abandoned_after(resume_from, self.out_dir)
+            if abandoned:
+                self.fabric.print(
+                    f"Note: {', '.join(abandoned)} in {self.out_dir} came later than {resume_from.name}; they are kept, "
+                    "but this run's saves start a new branch, which --resume auto continues from now on."
+                )
         elif self.resume not in (False, "false", "False"):
             self.fabric.print(f"No checkpoint in {self.out_dir / checkpoint.CHECKPOINT_DIR}: starting a fresh run.")
         self._write_run_args()
 
         saved_steps = set()
+        history = {"last": resume_from}  # the checkpoint the next save follows
 
         def save(current: TrainState) -> None:
-            checkpoint.save(
+            history["last"] = checkpoint.save(
                 self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape,
                 self.config, self.train.keep_last, frozen_base=self.frozen_base, tokenizer_dir=self.tokenizer_dir,
+                parent=history["last"], resumed_from=resume_from,
             )
             saved_steps.add(current.step)
 
