@@ -10,14 +10,14 @@ record the load average: see tutorials/compile.md.
 import time, sys, random, torch
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, Block
-from toolkit.training.compile import compile_blocks, compile_seconds
+from toolkit.parallel.compile import compile_blocks, compile_seconds
 torch.manual_seed(0)
 kind, mode, prec = sys.argv[1], sys.argv[2], sys.argv[3]
 cfg = Config.from_name("pythia-14m")
 m = GPT(cfg)
 if kind == "lora":
     from peft import get_peft_model
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
     m = get_peft_model(m, LoRAArgs().peft_config())
 if mode == "whole":
     m = torch.compile(m)

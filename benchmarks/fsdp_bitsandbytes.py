@@ -1,6 +1,6 @@
 """Can FSDP2 (`fully_shard`) shard bitsandbytes layers and still compute what one process computes?
 
-The evidence behind `toolkit.training.strategy.plan_quantized_base` (why QLoRA on several devices
+The evidence behind `toolkit.parallel.plan.plan_quantized_base` (why QLoRA on several devices
 replicates the quantized base instead of sharding it). Two linear layers are quantized as
 `toolkit.finetune.lora.quantize_linears` quantizes them, run forward and backward under bf16
 autocast on one process, then sharded with `fully_shard` over two gloo processes and run again on

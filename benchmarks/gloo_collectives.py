@@ -1,5 +1,5 @@
 """gloo's own all-gather and reduce-scatter against the in-place ones FSDP2 uses on CPU
-(`toolkit.training.gloo_collectives`): time per call and growth of each process's peak memory.
+(`toolkit.parallel.gloo_collectives`): time per call and growth of each process's peak memory.
 
     python benchmarks/gloo_collectives.py                    # 2 and 4 processes, 147 MiB buffer
     python benchmarks/gloo_collectives.py --processes 4 --mib 27
@@ -23,7 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from toolkit.training.gloo_collectives import InPlaceAllGather, InPlaceReduceScatter  # noqa: E402
+from toolkit.parallel.gloo_collectives import InPlaceAllGather, InPlaceReduceScatter  # noqa: E402
 
 MiB = 2**20
 

@@ -17,7 +17,7 @@ keeps (its shard of the model). It is compared with:
 
 - the rank's share of the stored model: its NF4 bytes (printed by the run, "NF4 base bytes per
   rank") plus its shard of the bf16 embedding, norms and head and of the float32 adapters (the
-  estimator's per-rank parameter bytes, `toolkit.estimate.fsdp_rank_memory`, which the tests hold
+  estimator's per-rank parameter bytes, `toolkit.memory.parameters.fsdp_rank_memory`, which the tests hold
   to the real NF4 bytes);
 - the bf16 base: what a rank that read the whole checkpoint before quantizing would hold.
 
@@ -68,7 +68,7 @@ def write_checkpoint(config: Config, folder: Path) -> dict[str, int]:
     import torch
     from safetensors.torch import save_file
 
-    from toolkit.estimate import parameter_specs
+    from toolkit.memory.parameters import parameter_specs
 
     folder.mkdir(parents=True)
     config.save(folder)
@@ -118,7 +118,7 @@ def run(root: Path, checkpoint: Path, data: Path, out_dir: Path, devices: int) -
 
 def shares(config: Config, devices: int) -> list[int]:
     """Each rank's stored parameter bytes (NF4 blocks, bf16 rest, float32 adapters), as the estimator counts them."""
-    from toolkit import estimate as est
+    from toolkit.memory import estimator as est
 
     modules = tuple(sorted({leaf for t in LORA_TARGETS for leaf in est.LORA_TARGETS[t]}))
     opts = est.Options(config, "bf16-mixed", "lora", modules, 8, "nf4", 128)

@@ -1,12 +1,12 @@
 """Per-GPU memory of QLoRA with a sharded NF4 base: Llama-3.1-8B and -70B on 1, 2, 4 and 8 GPUs.
 
-The analytic estimator (`toolkit estimate --finetune lora --quantize nf4`, `toolkit/estimate.py`)
+The analytic estimator (`toolkit estimate --finetune lora --quantize nf4`, `toolkit/memory/`)
 for the set-up `toolkit finetune_lora --quantize nf4` runs: torchao's NF4 base sharded by FSDP2
 (FULL_SHARD, finetune_lora's default on one node), the toolkit's LoRA defaults (r 8, alpha 16,
 dropout 0.05, on query and value; float32 adapters and AdamW state), bf16-mixed, micro-batch 1, at
 sequence 2048 and 8192, with and without activation checkpointing and CPU offload
 (`--distributed.cpu_offload true`: the shards, gradients and AdamW state in host memory; FSDP only,
-so not on one GPU). The simulation (`toolkit.simulate`, fake tensors) does not run torchao's NF4
+so not on one GPU). The simulation (`toolkit.memory.simulate`, fake tensors) does not run torchao's NF4
 tensor, so these are the estimator's figures; on a GPU the CUDA context, NCCL's buffers and the
 caching allocator's fragmentation come on top.
 
@@ -26,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from toolkit.estimate import GiB, estimate  # noqa: E402
+from toolkit.memory import GiB, estimate  # noqa: E402
 
 MODELS = ("llama-3.1-8b", "llama-3.1-70b")
 GPUS = (1, 2, 4, 8)

@@ -1,6 +1,6 @@
 """Per-GPU peak memory and bytes sent per step at 8-512 GPUs, from the simulated training step.
 
-Runs `toolkit.simulate.simulate` (the toolkit's real FSDP2 training step on fake tensors and a fake
+Runs `toolkit.memory.simulate` (the toolkit's real FSDP2 training step on fake tensors and a fake
 process group) for Llama-3.1-8B, Llama-3.1-70B and a 405B shape (Llama-3.1-70B's config with 126
 layers, n_embd 16384, 128 heads, 8 KV heads, intermediate 53248, vocabulary 128256), for pretraining,
 full fine-tuning and LoRA (toolkit defaults: r 8 on query and value), at 8, 16, 64 and 512 GPUs of 8
@@ -61,7 +61,7 @@ def layouts(gpus: list[int]) -> list[tuple[str, int, int]]:
 
 def run(args) -> None:
     from toolkit.models.config import Config
-    from toolkit.simulate import simulate
+    from toolkit.memory import simulate
 
     done = set()
     if args.out.exists():

@@ -553,10 +553,11 @@ def synthetic_worker(argv: list[str]) -> None:
 
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, Block, init_weights
-    from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
-    from toolkit.training.batches import plan_batches
+    from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
+    from toolkit.parallel.batches import plan_batches
     from toolkit.training.loop import LoopHooks, TrainState, fit
-    from toolkit.training.strategy import build_fabric, plan_strategy
+    from toolkit.parallel.plan import plan_strategy
+    from toolkit.training.fabric import build_fabric
     from toolkit.training.throughput import device_peak_flops
 
     config = Config.from_name(a.preset)
@@ -570,9 +571,9 @@ def synthetic_worker(argv: list[str]) -> None:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     model = fabric.setup_module(model)
-    if a.compile:  # as training runs compile: each block in place (toolkit.training.compile)
+    if a.compile:  # as training runs compile: each block in place (toolkit.parallel.compile)
         from toolkit.models.gpt import Block
-        from toolkit.training.compile import compile_blocks
+        from toolkit.parallel.compile import compile_blocks
 
         compile_blocks(model, Block, fabric.device, dynamic=False, print_fn=print)
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],

@@ -75,8 +75,7 @@ def test_the_expected_recipes_exist():
 def test_recipe_parses_and_is_consistent(relative):
     from toolkit.models.config import Config
     from toolkit.models.presets import find_preset
-    from toolkit.training.batches import plan_batches
-    from toolkit.training.strategy import plan_quantized_base, plan_strategy, resolve_devices
+    from toolkit.parallel.plan import plan_run
 
     name, raw, args = parse(relative)
     if name == "pretrain":
@@ -107,16 +106,14 @@ def test_recipe_parses_and_is_consistent(relative):
             assert not {"query", "key", "value"} & set(args["lora"].targets)
 
     train = args["train"]
-    max_seq_length = train.max_seq_length or min(config.block_size, 2048)
+    max_seq_length = train.sequence_length(config)
     assert max_seq_length <= config.block_size
-    # The checks a run makes before it starts; recipes that name a precision are GPU recipes.
+    # The plan a run makes before it starts (devices, strategy, QLoRA scheme, batch split); recipes
+    # that name a precision are GPU recipes.
     accelerator = "cuda" if args["precision"] else "cpu"
-    devices, num_nodes = resolve_devices(args["devices"], accelerator), args["num_nodes"]
-    distributed = args["distributed"]
-    if args.get("quantize") is not None:  # QLoRA picks its own scheme (a replicated base on several devices)
-        distributed = plan_quantized_base(devices, num_nodes, distributed, args["quantize"], accelerator=accelerator).dist
-    plan_strategy(devices, num_nodes, args["precision"], distributed, accelerator=accelerator)
-    plan_batches(devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
+    plan = plan_run(args["devices"], args["num_nodes"], args["precision"], args["distributed"], train, max_seq_length,
+                    quantize=args.get("quantize"), accelerator=accelerator)
+    assert plan.batches.global_batch_size == train.global_batch_size
     if name == "pretrain":
         assert train.max_steps or train.max_tokens or train.max_time, "a pretraining recipe needs a stopping rule"
     # The command in the header comment runs this very file.

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from toolkit.errors import UserError
-from toolkit.training.args import DistributedArgs
-from toolkit.training.batches import plan_batches
-from toolkit.training.strategy import plan_strategy, resolve_precision
+from toolkit.args import DistributedArgs
+from toolkit.parallel.batches import plan_batches
+from toolkit.parallel.plan import plan_strategy, resolve_precision
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_train.py"
 OFFLOAD_SCRIPT = Path(__file__).parent / "scripts" / "cpu_offload_step.py"
@@ -213,7 +213,8 @@ def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     from lightning.fabric.plugins import MixedPrecision
     from lightning.fabric.strategies import ModelParallelStrategy
 
-    from toolkit.training.strategy import build_fabric, is_fsdp, mesh_layout
+    from toolkit.parallel.plan import mesh_layout
+    from toolkit.training.fabric import build_fabric, is_fsdp
 
     def build(devices, nodes, precision, dist, block):
         return build_fabric(plan_strategy(devices, nodes, precision, dist, "cpu"), block_cls=block)
@@ -339,7 +340,7 @@ def _script():
 def _reference(micro: int, global_batch: int, steps: int = 3, checkpointing: bool = False):
     """One process, one device, float32: (weights, losses, number of checkpointed blocks)."""
     from toolkit.training.checkpoint_io import full_state_dict
-    from toolkit.training.strategy import build_fabric
+    from toolkit.training.fabric import build_fabric
 
     script = _script()
     dist = DistributedArgs(activation_checkpointing=checkpointing)
@@ -443,7 +444,7 @@ def test_one_process_checkpoint_save_streams_to_the_file(tmp_path, checkpointing
     import torch
 
     from toolkit.training.model_setup import host_memory_growth, start_host_memory_window
-    from toolkit.training.strategy import build_fabric
+    from toolkit.training.fabric import build_fabric
 
     script = _script()
     dist = DistributedArgs(activation_checkpointing=checkpointing)
@@ -462,9 +463,10 @@ _BUFFER_SETUP = r"""
 import dataclasses, json, sys
 import torch
 from torch import nn
-from toolkit.training.args import DistributedArgs
+from toolkit.args import DistributedArgs
 from toolkit.training.model_setup import setup_model
-from toolkit.training.strategy import build_fabric, is_fsdp, plan_strategy
+from toolkit.parallel.plan import plan_strategy
+from toolkit.training.fabric import build_fabric, is_fsdp
 
 class Block(nn.Module):
     def __init__(self):
@@ -532,10 +534,11 @@ import dataclasses, json, sys
 import torch
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, Block
-from toolkit.training.args import DistributedArgs
+from toolkit.args import DistributedArgs
 from toolkit.training.model_setup import setup_model
-from toolkit.training.precision import apply_precision_policy
-from toolkit.training.strategy import build_fabric, plan_strategy
+from toolkit.parallel.precision import apply_precision_policy
+from toolkit.parallel.plan import plan_strategy
+from toolkit.training.fabric import build_fabric
 
 tied = sys.argv[1] == "tied"
 config = Config(name="edges", vocab_size=96, block_size=16, n_layer=2, n_embd=32, n_head=4, tie_embeddings=tied)
@@ -593,3 +596,58 @@ def test_embedding_and_head_are_their_own_units_gathered_in_the_compute_dtype(ti
         assert outcome["still_tied"] and not outcome["embed_unit"] and not outcome["head_unit"]
     else:
         assert outcome["embed_unit"] and outcome["head_unit"] and not outcome["still_tied"]
+
+
+# ------------------------------------------------------------------ the run plan
+def test_the_run_plan_resolves_devices_and_precision_once(monkeypatch):
+    """plan_run decides everything a run needs (strategy, QLoRA scheme, batches) resolving devices and
+    precision exactly once: no later step resolves them again and gets another answer."""
+    from toolkit.args import TrainArgs
+    from toolkit.parallel import plan as planning
+
+    calls = {"devices": 0, "precision": 0}
+    resolve_devices, resolve_precision = planning.resolve_devices, planning.resolve_precision
+
+    def count_devices(*args, **kwargs):
+        calls["devices"] += 1
+        return resolve_devices(*args, **kwargs)
+
+    def count_precision(*args, **kwargs):
+        calls["precision"] += 1
+        return resolve_precision(*args, **kwargs)
+
+    monkeypatch.setattr(planning, "resolve_devices", count_devices)
+    monkeypatch.setattr(planning, "resolve_precision", count_precision)
+    train = TrainArgs(global_batch_size=16, micro_batch_size=2)
+    plan = planning.plan_run("2", 2, None, DistributedArgs(), train, 128, quantize="nf4", accelerator="cpu")
+    assert calls == {"devices": 1, "precision": 1}
+    assert plan.precision == "bf16-mixed" and plan.world_size == 4
+    assert plan.strategy.kind == "fsdp" and plan.strategy.sharding == "HYBRID_SHARD" and plan.shard_size == 2
+    assert plan.quantized.scheme == "sharded"
+    assert plan.batches.gradient_accumulation_iters == 2 and plan.batches.tokens_per_step == 16 * 128
+
+
+@pytest.mark.parametrize(
+    "quantize, devices, nodes, kind, scheme, shard_size",
+    [(None, 1, 1, "single", None, 1), ("bnb.nf4", 2, 1, "ddp", "replicated", 1), ("nf4", 2, 1, "fsdp", "sharded", 2),
+     (None, 4, 1, "fsdp", None, 4), (None, 1, 3, "fsdp", None, 3)],
+)
+def test_the_run_plan_picks_the_strategy_a_quantized_base_allows(quantize, devices, nodes, kind, scheme, shard_size):
+    from toolkit.args import TrainArgs
+    from toolkit.parallel.plan import plan_run
+
+    train = TrainArgs(global_batch_size=12, micro_batch_size=1)
+    plan = plan_run(devices, nodes, "32-true", DistributedArgs(), train, 64, quantize=quantize, accelerator="cpu")
+    assert plan.strategy.kind == kind and plan.shard_size == shard_size
+    assert (plan.quantized.scheme if plan.quantized else None) == scheme
+    assert plan.quantize == quantize
+    lines = plan.describe()
+    assert ("QLoRA scheme" in lines) == (quantize is not None) and "Batch plan" in lines
+
+
+def test_the_run_plan_refuses_a_batch_that_does_not_split():
+    from toolkit.args import TrainArgs
+    from toolkit.parallel.plan import plan_run
+
+    with pytest.raises(UserError, match="global_batch_size 10 is not a multiple"):
+        plan_run(4, 1, "32-true", DistributedArgs(), TrainArgs(global_batch_size=10, micro_batch_size=1), 64, accelerator="cpu")

@@ -40,7 +40,7 @@ from toolkit.memory import estimator as est
 from toolkit.models.config import Config
 from toolkit.models import gpt
 from toolkit.models.gpt import GPT
-from toolkit.training.precision import PRECISIONS, apply_precision_policy, precision_dtypes
+from toolkit.parallel.precision import PRECISIONS, apply_precision_policy, precision_dtypes
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 300
@@ -287,7 +287,8 @@ def test_qlora_model_bytes_match(kind):
     and what autograd saves in a bf16-mixed forward pass (float32 frozen weights, as Fabric keeps them)."""
     from peft import get_peft_model
 
-    from toolkit.finetune.lora import LoRAArgs, quantize_linears
+    from toolkit.finetune.lora import quantize_linears
+    from toolkit.models.lora import LoRAArgs
 
     torch.manual_seed(0)
     config = Config.from_name("debug-phi")
@@ -359,7 +360,7 @@ def test_nf4_dequantization_scratch_matches_torchao(dtype):
     of a real forward and backward pass (the few small tensors beside it: within 1%)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
 
-    from toolkit.training.nf4 import nf4_quantize
+    from toolkit.parallel.nf4 import nf4_quantize
 
     out_features, in_features = 1024, 2048
     weight = nf4_quantize(torch.randn(out_features, in_features, dtype=dtype), dtype)
@@ -381,8 +382,8 @@ def test_nf4_qlora_model_bytes_and_saved_tensors_match():
     bf16-mixed forward pass (LinearNF4 keeps only its weight) equal the estimate."""
     from peft import get_peft_model
 
-    from toolkit.finetune.lora import LoRAArgs
-    from toolkit.training.nf4 import is_nf4, nf4_storage_bytes, quantize_blocks_nf4
+    from toolkit.models.lora import LoRAArgs
+    from toolkit.parallel.nf4 import is_nf4, nf4_storage_bytes, quantize_blocks_nf4
 
     torch.manual_seed(0)
     config = Config(**NF4_CONFIG)
@@ -453,7 +454,7 @@ def test_70b_qlora_on_two_24gb_gpus():
     """The goal of QLoRA with a sharded base: Llama-3.1-70B, sequence 2048, micro batch 1, on two
     24 GB GPUs, below 22 GiB per GPU, with the settings the tutorial gives (activation
     checkpointing, CPU offload); the recommendation and the start-up pre-flight agree."""
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
 
     kwargs = dict(finetune="lora", quantize="nf4", devices=2, max_seq_length=2048, micro_batch_size=1)
     result = _quiet_estimate("llama-3.1-70b", activation_checkpointing=True, cpu_offload=True,
@@ -486,7 +487,7 @@ def _saved_bytes(model, config: Config, B: int, T: int, autocast: bool) -> int:
     """
     seen: dict[int, int] = {}
 
-    from toolkit.training.nf4 import is_nf4
+    from toolkit.parallel.nf4 import is_nf4
 
     def pack(t):
         if is_nf4(t):  # torchao's LinearNF4 keeps its weight, a parameter
@@ -844,7 +845,7 @@ def test_estimated_peaks_are_within_4_percent_of_measured(runs):
 
 @pytest.mark.parametrize("shape", [(256, 256), (512, 1024)])
 def test_quantized_bytes_match_torchao_nf4(shape):
-    from toolkit.training.nf4 import nf4_quantize, nf4_storage_bytes
+    from toolkit.parallel.nf4 import nf4_quantize, nf4_storage_bytes
 
     weight = torch.randn(shape, dtype=torch.bfloat16)
     assert est.quantized_bytes(shape, "nf4") == nf4_storage_bytes(nf4_quantize(weight, torch.bfloat16))

@@ -68,7 +68,8 @@ def _adapted_logits(base, lora_run, tokens):
     """Logits of the base model with the saved adapter applied through peft (not merged)."""
     from peft import get_peft_model, set_peft_model_state_dict
 
-    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, LoRAArgs
+    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META
+    from toolkit.models.lora import LoRAArgs
 
     final = lora_run["out"] / "final"
     meta = json.loads((final / LORA_META).read_text())
@@ -205,7 +206,8 @@ def test_quantized_layers_keep_passing_gradients_after_an_evaluation_pass():
 
 
 def test_adapters_on_fused_projections_have_no_peft_copy_but_are_saved(tmp_path):
-    from toolkit.finetune.lora import LoRAArgs, write_peft_adapter
+    from toolkit.finetune.lora import write_peft_adapter
+    from toolkit.models.lora import LoRAArgs
     from toolkit.models.config import Config
 
     adapters = {"blocks.0.attn.q_proj.lora_A.weight": torch.zeros(4, 64), "blocks.0.attn.q_proj.lora_B.weight": torch.zeros(64, 4)}
@@ -222,7 +224,8 @@ def test_merging_a_head_adapter_into_tied_embeddings_leaves_the_embeddings_alone
     from peft import get_peft_model, set_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, LoRAArgs, merge_lora
+    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, merge_lora
+    from toolkit.models.lora import LoRAArgs
     from toolkit.model_dir import save_checkpoint_files
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, init_weights
@@ -265,8 +268,8 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, init_weights
     from toolkit.tokenizer import Tokenizer
-    from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
-    from toolkit.training.batches import plan_batches
+    from toolkit.args import EvalArgs, LogArgs, TrainArgs
+    from toolkit.parallel.batches import plan_batches
     from toolkit.training.loop import LoopHooks, TrainState, fit
 
     data = Alpaca(json_path=ALPACA, val_split_fraction=0, group_by_length=False)  # unsorted: much padding

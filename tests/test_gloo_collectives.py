@@ -1,4 +1,4 @@
-"""FSDP2's collectives on gloo, done in place (toolkit.training.gloo_collectives): the same results
+"""FSDP2's collectives on gloo, done in place (toolkit.parallel.gloo_collectives): the same results
 as gloo's own on 4 processes and on a subgroup, no whole-buffer temporary, the unsharded gradient
 released once copied in, installed on every unit by `shard_model` on a CPU mesh and never on
 another backend."""
@@ -11,7 +11,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from conftest import launch_env
-from toolkit.training.gloo_collectives import use_in_place_collectives
+from toolkit.parallel.gloo_collectives import use_in_place_collectives
 
 SCRIPT = Path(__file__).parent / "scripts" / "gloo_collectives.py"
 

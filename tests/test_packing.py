@@ -17,7 +17,8 @@ from peft.tuners.lora import LoraLayer
 from toolkit.cli import run
 from toolkit.data.chat import Chat
 from toolkit.data.instruct import IGNORE_INDEX, Alpaca, PackedSamples, pack_lengths
-from toolkit.finetune.lora import LoRAArgs, init_adapters
+from toolkit.finetune.lora import init_adapters
+from toolkit.models.lora import LoRAArgs
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, document_segments
 from toolkit.tokenizer import Tokenizer

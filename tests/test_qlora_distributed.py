@@ -2,7 +2,7 @@
 torchao nf4 (base sharded by FSDP2; the tests named test_nf4_*, on a wider tiny Llama).
 
 On more than one device the toolkit replicates the quantized base and synchronises only the LoRA
-adapters (`toolkit.training.strategy.plan_quantized_base` says why FSDP2 does not shard it).
+adapters (`toolkit.parallel.plan.plan_quantized_base` says why FSDP2 does not shard it).
 These runs check the result numerically: the adapter of two processes, and of torchrun's 2 nodes x
 2 processes, equals one process's at the same global batch, and a multi-process run killed in the
 middle and resumed ends with the weights of the uninterrupted run. Real bitsandbytes, real peft,
@@ -26,8 +26,8 @@ from toolkit.memory import estimator as est
 from toolkit.cli import run
 from toolkit.errors import UserError
 from toolkit.models.config import Config
-from toolkit.training.args import DistributedArgs
-from toolkit.training.strategy import plan_quantized_base
+from toolkit.args import DistributedArgs
+from toolkit.parallel.plan import plan_quantized_base
 
 STEPS = 6
 # Each micro-batch is computed the same way in every run (the same quantized bytes, the same
@@ -333,7 +333,7 @@ def test_one_device_quantizes_nf4_weights_one_at_a_time(tmp_path):
     from toolkit.model_dir import checkpoint_row_reader
     from toolkit.models.gpt import GPT
     from toolkit.training.model_setup import materialize
-    from toolkit.training.nf4 import is_nf4, nf4_quantize, quantize_blocks_nf4
+    from toolkit.parallel.nf4 import is_nf4, nf4_quantize, quantize_blocks_nf4
 
     config = Config(name="nf4-tiny", vocab_size=512, block_size=64, n_layer=2, n_embd=128, n_head=2,
                     n_query_groups=2, intermediate_size=256)  # fmt: skip

@@ -111,3 +111,27 @@ def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert result.returncode != 0 and "holds no usable checkpoint" in result.stderr
     assert not (tmp_path / "empty").exists()
+
+
+def test_resuming_an_older_checkpoint_prunes_by_history_and_auto_follows_the_new_branch(reference):
+    """Resumed from step 4 while steps 6 and 8 exist, with keep_last 1: the checkpoint it resumed from
+    and the one it just wrote survive, the abandoned step 8 is left alone, and --resume auto then
+    continues the new branch (its step 6), not the abandoned step 8 with the higher number."""
+    out = reference.parent / "branch"
+    shutil.copytree(reference, out)
+    root = out / "checkpoints"
+    assert {p.name for p in root.iterdir()} >= {"step-00000004", "step-00000006", "step-00000008"}
+    older = root / "step-00000004"
+    result = _run(_pretrain_cmd(out, 6, "--resume", str(older), "--train.keep_last", "1"))
+    assert f"Resumed from {older}" in result.stdout
+    assert "step-00000006, step-00000008" in result.stdout and "came later than step-00000004" in result.stdout
+    names = {p.name for p in root.iterdir()}
+    assert {"step-00000004", "step-00000006", "step-00000008"} <= names, names  # nothing it needs was pruned
+
+    resumed = _run(_pretrain_cmd(out, 7, "--train.keep_last", "1"))  # --resume auto
+    assert f"Resumed from {root / 'step-00000006'}" in resumed.stdout, resumed.stdout[-2000:]
+    assert "Stopped: reached 7 steps" in resumed.stdout
+    names = {p.name for p in root.iterdir()}
+    # keep_last 1 along this history: step 7 (just written) and step 6 (resumed from) stay, the
+    # new branch's older step 4 goes; the abandoned step 8 is never touched.
+    assert names == {"step-00000006", "step-00000007", "step-00000008"}, names

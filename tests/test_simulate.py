@@ -94,7 +94,7 @@ def test_simulated_step_matches_the_analytic_estimate(step_8b):
     # head's weight gradient in bf16 0.98, the hidden one) + the (final norm, head) unit gathered
     # in bf16 0.98 = 30.06 GiB. It had been the loss's forward pass (30.39 GiB) while the head's
     # flat all-gather output (0.98) stayed alive through the loss; the output units' forward
-    # pre-hook (`strategy._free_flat_gather_output`) frees it after the copy-out.
+    # pre-hook (`fsdp._free_flat_gather_output`) frees it after the copy-out.
     # The analytic walk sees the head as gathered (bf16): before, it saw it as stored (float32) and
     # counted a bf16 cast of it that the gathered head does not need, 12% too many activations. The
     # peak had been in the loss's backward pass (32.0 GiB), where the fused loss wrote its float32
@@ -141,7 +141,7 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
     The analytic total had been 9% low for 8B LoRA with checkpointing (6.04 vs 6.62 GiB) when
     the root unit held embedding, final norm and head: the moment of a unit gathered beside the
     previous unit's flat output was not modelled; `fsdp_moments` now has it for every unit."""
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
 
     config = Config.from_name(name, n_layer=4)
     lora = LoRAArgs()
@@ -174,7 +174,7 @@ def test_estimate_is_within_3_percent_of_the_simulated_step(name, setting):
     tensors, the moments of `toolkit.memory.moments`) against the real step simulated on 8 fake
     ranks, FULL_SHARD, bf16-mixed, two micro-batches: pretraining, LoRA (finetune_lora's adapters),
     and pretraining with activation checkpointing. Measured: every one within 0.5%."""
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
 
     config = Config.from_name(name, n_layer=4)
     lora = LoRAArgs() if setting == "lora" else None
@@ -192,7 +192,7 @@ def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
     """LoRA runs with their adapters; a quantized base by the analytic figure, since fake tensors
     cannot run the 4-bit kernels (held to real bitsandbytes layers and torchao's NF4 in
     tests/test_estimate.py): replicated (bnb.*) or sharded by FSDP (nf4)."""
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
 
     eighty, config, lora = 80 * 10**9, Config.from_name("llama-3.1-70b"), LoRAArgs()
     # 70B LoRA on one GPU: the bf16 base alone is 141 GB. Nothing fits; the way out is named.
@@ -319,7 +319,7 @@ def test_simulated_peak_matches_the_real_step(real_run, setup):
     """The simulation's rank 0 against the real rank 0, same model, set-up and step, tracked by the
     same FSDPMemTracker. Tolerance: 0.1% of the peak (measured: equal but for 4 KiB of 20-40 MiB
     in activations; every other category, and the bytes sent, equal to the byte)."""
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
 
     precision, finetune, *rest = setup.split(":")
     sim = simulate(
@@ -339,7 +339,7 @@ def test_simulated_peak_matches_the_real_step(real_run, setup):
 def test_the_heads_flat_gather_output_is_freed_before_the_loss():
     """FSDP2 keeps a unit's flat all-gather output in the forward pass until the next unit gathers
     (so that the next gather overlaps the copy-out). After the head nothing gathers until the
-    backward pass, so without `strategy._free_flat_gather_output` a second copy of the gathered head
+    backward pass, so without `fsdp._free_flat_gather_output` a second copy of the gathered head
     would stay alive through the loss (a synchronous gather on 2 fake ranks, as NCCL's default)."""
     import torch
     import torch.distributed as dist
@@ -348,8 +348,9 @@ def test_the_heads_flat_gather_output_is_freed_before_the_loss():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from toolkit.models.gpt import GPT, Block
-    from toolkit.training.args import DistributedArgs
-    from toolkit.training.strategy import plan_strategy, shard_model
+    from toolkit.args import DistributedArgs
+    from toolkit.parallel.fsdp import shard_model
+    from toolkit.parallel.plan import plan_strategy
 
     config = Config(name="edges", vocab_size=96, block_size=16, n_layer=2, n_embd=32, n_head=4)
     plan = plan_strategy(2, 1, "32-true", DistributedArgs(strategy="fsdp", sharding="FULL_SHARD"), accelerator="cpu")

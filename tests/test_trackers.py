@@ -162,3 +162,48 @@ def test_a_run_that_crashes_mid_training_ends_its_mlflow_run_failed(run):
     assert mlrun.info.status == "FAILED" and mlrun.info.end_time is not None
     # It crashed in mid-run: steps 1 and 2 were trained and logged, the save after step 2 failed.
     assert sorted(m.step for m in client.get_metric_history(mlrun.info.run_id, "train/loss")) == [1, 2]
+
+
+# ------------------------------------------------------------------ where the trackers write
+def test_an_mlflow_file_store_is_refused_in_one_line_before_anything_starts(tmp_path, monkeypatch):
+    from toolkit.args import LogArgs
+    from toolkit.errors import UserError
+    from toolkit.training.trackers import make_loggers
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"file:{tmp_path / 'mlruns'}")
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    with pytest.raises(UserError, match="MLFLOW_TRACKING_URI file:.* is an MLflow file store") as error:
+        make_loggers(tmp_path / "run", LogArgs(loggers=("mlflow",)), continue_runs=False)
+    assert "\n" not in str(error.value) and "sqlite:///" in str(error.value)
+    assert not (tmp_path / "mlruns").exists()
+    # With MLflow's own opt-out the file store is the user's choice: no refusal from us.
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    (logger,) = make_loggers(tmp_path / "run", LogArgs(loggers=("mlflow",)), continue_runs=False)
+    assert logger._tracking_uri.startswith("file:")
+
+
+def test_the_cli_says_one_line_for_a_file_store(tmp_path, monkeypatch):
+    import os
+    import subprocess
+
+    env = {**os.environ, "MLFLOW_TRACKING_URI": f"file:{tmp_path / 'mlruns'}", "OMP_NUM_THREADS": "1"}
+    env.pop("MLFLOW_ALLOW_FILE_STORE", None)
+    out = subprocess.run([sys.executable, "-m", "toolkit", *tiny_pretrain_args(tmp_path / "run", 1), "--log.loggers", "[mlflow]"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode != 0
+    assert out.stderr.strip().count("\n") == 0 and "is an MLflow file store" in out.stderr, out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+
+
+def test_wandb_writes_under_wandb_dir_when_it_is_set(tmp_path, monkeypatch):
+    from toolkit.args import LogArgs
+    from toolkit.training.trackers import make_loggers
+
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):
+        monkeypatch.setenv(name, str(tmp_path / "wandb_home"))
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "elsewhere"))
+    (logger,) = make_loggers(tmp_path / "run", LogArgs(loggers=("wandb",), offline=True), continue_runs=False)
+    assert logger.save_dir == str(tmp_path / "elsewhere")
+    monkeypatch.delenv("WANDB_DIR")
+    (logger,) = make_loggers(tmp_path / "run", LogArgs(loggers=("wandb",), offline=True), continue_runs=False)
+    assert logger.save_dir == str(tmp_path / "run" / "logs")

@@ -32,7 +32,7 @@ def inference_dtype(precision: Optional[str], device: str) -> torch.dtype:
 
 def check_sampling(temperature: float, top_k: Optional[int], top_p: Optional[float], num_samples: int, seed: int) -> None:
     """One line for a sampling setting out of range, instead of a traceback from torch (or a silent misreading)."""
-    from toolkit.training.args import check_seed
+    from toolkit.args import check_seed
 
     if temperature < 0:
         raise UserError(f"--temperature must be 0 (greedy) or more, got {temperature}")

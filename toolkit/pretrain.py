@@ -9,7 +9,7 @@ from toolkit.data.streams import PretrainData
 from toolkit.errors import UserError
 from toolkit.models.config import Config
 from toolkit.tokenizer import MIN_BPE_VOCAB
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs, check_seed
+from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs, check_seed
 from toolkit.training.failures import run_on_rank_zero
 
 NO_DATA_HELP = (
@@ -66,6 +66,7 @@ def pretrain(
             --initial_checkpoint_dir's weights, or the dtype trained in (float32 master weights
             under mixed precision).
     """
+    from toolkit.parallel.plan import plan_run
     from toolkit.training.session import Session
     from toolkit.training.trackers import run_config
 
@@ -90,10 +91,10 @@ def pretrain(
 
         Tokenizer(tokenizer_dir)  # an unreadable tokenizer fails here, before anything is written
 
+    run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length)
     with Session.start(
-        kind="pretrain", out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
-        devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
-        max_seq_length=max_seq_length, hparams=hparams,
+        kind="pretrain", out_dir=out_dir, config=config, train=train, eval=eval, log=log, run_plan=run_plan,
+        seed=seed, resume=resume, hparams=hparams,
     ) as session:
         fabric = session.fabric
         block_size = max_seq_length + 1  # inputs and their next-token targets

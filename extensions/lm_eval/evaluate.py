@@ -104,8 +104,9 @@ def evaluate(
     from toolkit.models.config import Config
     from toolkit.models.gpt import Block
     from toolkit.tokenizer import Tokenizer
-    from toolkit.training.args import DistributedArgs
-    from toolkit.training.strategy import build_fabric, plan_strategy, resolve_accelerator, resolve_devices
+    from toolkit.args import DistributedArgs
+    from toolkit.parallel.plan import plan_strategy, resolve_accelerator, resolve_devices
+    from toolkit.training.fabric import build_fabric
 
     logging.getLogger("lm_eval.api.task").addFilter(_drop_metadata_hint)
     names = [name.strip() for name in (tasks or "").split(",") if name.strip()]

@@ -207,7 +207,7 @@ class ToolkitLM(TemplateLM):
             self._device = torch.device(fabric.device)
         else:
             self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        from toolkit.training.strategy import is_fsdp
+        from toolkit.training.fabric import is_fsdp
 
         self.sharded = fabric is not None and is_fsdp(fabric)
         dtype = inference_dtype(precision, self._device.type)

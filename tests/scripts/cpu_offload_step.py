@@ -39,9 +39,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.training.args import DistributedArgs  # noqa: E402
+from toolkit.args import DistributedArgs  # noqa: E402
 from toolkit.training.loop import optimizer_step  # noqa: E402
-from toolkit.training.strategy import StrategyPlan, build_fabric, plan_strategy  # noqa: E402
+from toolkit.parallel.plan import StrategyPlan, plan_strategy  # noqa: E402
+from toolkit.training.fabric import build_fabric  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("dist_train", Path(__file__).parent / "dist_train.py")
 dist_train = importlib.util.module_from_spec(_spec)

@@ -1,4 +1,4 @@
-"""Train a tiny block model with `toolkit.training.strategy` and write what came out.
+"""Train a tiny block model with `toolkit.training.fabric` and `toolkit.parallel` and write what came out.
 
 Used by tests/test_distributed_setup.py, both as a script (one process per rank, started by
 Fabric's own launcher, torchrun, or the test setting LOCAL_RANK/NODE_RANK itself) and as a module
@@ -23,9 +23,10 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.training.args import DistributedArgs  # noqa: E402
-from toolkit.training.batches import BatchPlan, plan_batches  # noqa: E402
-from toolkit.training.strategy import build_fabric, is_fsdp, plan_strategy  # noqa: E402
+from toolkit.args import DistributedArgs  # noqa: E402
+from toolkit.parallel.batches import BatchPlan, plan_batches  # noqa: E402
+from toolkit.parallel.plan import plan_strategy  # noqa: E402
+from toolkit.training.fabric import build_fabric, is_fsdp  # noqa: E402
 
 WIDTH = 16  # hidden size
 FEATURES = 4  # input/output features per position

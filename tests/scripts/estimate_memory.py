@@ -49,13 +49,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.finetune.lora import LoRAArgs, init_adapters  # noqa: E402
+from toolkit.finetune.lora import init_adapters  # noqa: E402
+from toolkit.models.lora import LoRAArgs  # noqa: E402
 from toolkit.models import gpt  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import Block  # noqa: E402
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
+from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
 from toolkit.training.session import Session  # noqa: E402
-from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
+from toolkit.parallel.plan import plan_strategy  # noqa: E402
+from toolkit.training.fabric import build_fabric  # noqa: E402
 
 MARK = "measured step"
 MEASURED_STEPS = 3

@@ -27,12 +27,13 @@ import torch  # noqa: E402
 from toolkit.model_dir import save_checkpoint_files  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import GPT, Block  # noqa: E402
-from toolkit.training.args import DistributedArgs  # noqa: E402
+from toolkit.args import DistributedArgs  # noqa: E402
 from toolkit.training import checkpoint_io  # noqa: E402
 from toolkit.training.checkpoint_io import full_state_dict, stream_weights  # noqa: E402
 from toolkit.training.model_setup import host_memory_growth, setup_model, start_host_memory_window  # noqa: E402
-from toolkit.training.precision import apply_precision_policy  # noqa: E402
-from toolkit.training.strategy import build_fabric, plan_strategy  # noqa: E402
+from toolkit.parallel.precision import apply_precision_policy  # noqa: E402
+from toolkit.parallel.plan import plan_strategy  # noqa: E402
+from toolkit.training.fabric import build_fabric  # noqa: E402
 
 
 def main() -> None:

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from toolkit.training.gloo_collectives import InPlaceAllGather, InPlaceReduceScatter  # noqa: E402
+from toolkit.parallel.gloo_collectives import InPlaceAllGather, InPlaceReduceScatter  # noqa: E402
 
 WORLD = 4
 MiB = 2**20
@@ -84,8 +84,9 @@ def _installed_by_shard_model() -> dict[str, int]:
 
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, Block
-    from toolkit.training.args import DistributedArgs
-    from toolkit.training.strategy import plan_strategy, shard_model
+    from toolkit.args import DistributedArgs
+    from toolkit.parallel.fsdp import shard_model
+    from toolkit.parallel.plan import plan_strategy
 
     plan = plan_strategy(WORLD, 1, "32-true", DistributedArgs(strategy="fsdp", sharding="FULL_SHARD"), accelerator="cpu")
     config = Config(name="tiny", vocab_size=64, block_size=16, n_layer=2, n_embd=32, n_head=4)
@@ -106,7 +107,7 @@ def _embedding_backward(rank: int) -> dict:
     (this rank's 32 MiB) comes once the gradient is released."""
     from torch.distributed.fsdp import fully_shard
 
-    from toolkit.training.gloo_collectives import use_in_place_collectives
+    from toolkit.parallel.gloo_collectives import use_in_place_collectives
 
     vocab, width, tokens = 32768, 1024, 64
     embedding = torch.nn.Embedding(vocab, width)

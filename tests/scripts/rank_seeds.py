@@ -19,10 +19,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.finetune.lora import LoRAArgs, init_adapters  # noqa: E402
+from toolkit.finetune.lora import init_adapters  # noqa: E402
+from toolkit.models.lora import LoRAArgs  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.param_names import unwrapped_name  # noqa: E402
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
+from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
+from toolkit.parallel.plan import plan_run  # noqa: E402
 from toolkit.training.session import Session  # noqa: E402
 
 SEED, SEQ = 7, 8
@@ -33,9 +35,9 @@ def main() -> None:
 
     config = Config.from_name("debug-neox")
     train = TrainArgs(global_batch_size=2, micro_batch_size=1, max_seq_length=SEQ, max_steps=1)
+    run_plan = plan_run(2, 1, "32-true", DistributedArgs(strategy="ddp"), train, SEQ)
     session = Session.start("finetune_lora", Path(sys.argv[1]), config, train, EvalArgs(), LogArgs(loggers=()),
-                            DistributedArgs(strategy="ddp"), devices=2, num_nodes=1, precision="32-true", seed=SEED,
-                            resume=False, max_seq_length=SEQ)
+                            run_plan, seed=SEED, resume=False)
     lora = LoRAArgs(dropout=0.5)
 
     def prepare(model):

@@ -27,16 +27,17 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from toolkit.models import gpt  # noqa: E402
-from toolkit.training import gloo_collectives  # noqa: E402
+from toolkit.parallel import gloo_collectives  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
-from toolkit.memory.simulation import StepSettings, _local, adamw, build, fsdp_plan, tracked_step  # noqa: E402
-from toolkit.training.strategy import mesh_layout  # noqa: E402
+from toolkit.args import TrainArgs  # noqa: E402
+from toolkit.memory.simulation import _local, adamw, build, fsdp_plan, tracked_step  # noqa: E402
+from toolkit.parallel.plan import mesh_layout  # noqa: E402
 
 
 def measure(setup: str, config: Config, world: int, micro_batch: int, seq: int, micro_batches: int, lora_r: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from toolkit.finetune.lora import LoRAArgs
+    from toolkit.models.lora import LoRAArgs
 
     precision, finetune, *rest = setup.split(":")
     plan = fsdp_plan(world, 1, precision, "FULL_SHARD", rest == ["checkpointing"])
@@ -50,10 +51,10 @@ def measure(setup: str, config: Config, world: int, micro_batch: int, seq: int, 
         for p in model.parameters():
             local = _local(p)
             local.copy_(torch.randn(local.shape, generator=generator) * 0.02)
-    step = StepSettings()
-    optimizer = adamw(model, decay, step)
+    train = TrainArgs()
+    optimizer = adamw(model, decay, train)
     ids = torch.randint(0, config.vocab_size, (micro_batch, seq), generator=generator)
-    peak, persistent, _, sent, attempts = tracked_step(model, optimizer, plan, step, ids, ids.clone(),
+    peak, persistent, _, sent, attempts = tracked_step(model, optimizer, plan, train, ids, ids.clone(),
                                                        micro_batches)
     return {"peak": peak, "persistent": persistent, "sent": sent, "attempts": attempts}
 
@@ -74,7 +75,7 @@ def main() -> None:
     # simulation, allocates them at each call: allocate here as there.
     gpt.REUSE_CPU_SCRATCH = False
     # A GPU, and so the simulation, runs FSDP2's own all-gather and reduce-scatter; gloo's in-place
-    # replacements (toolkit.training.gloo_collectives) move the same bytes as broadcasts and reduces.
+    # replacements (toolkit.parallel.gloo_collectives) move the same bytes as broadcasts and reduces.
     gloo_collectives.ENABLED = False
     dist.init_process_group("gloo", rank=int(os.environ["RANK"]), world_size=args.world)
     try:

@@ -8,9 +8,10 @@ import torch
 
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, Block
-from toolkit.training.args import DistributedArgs
-from toolkit.training.batches import plan_batches
-from toolkit.training.strategy import build_fabric, plan_strategy
+from toolkit.args import DistributedArgs
+from toolkit.parallel.batches import plan_batches
+from toolkit.parallel.plan import plan_strategy
+from toolkit.training.fabric import build_fabric
 
 
 def start_two_rank_ddp(seq: int, accumulation: int, timeout: int):

@@ -87,15 +87,17 @@ def _load_training_model_state(training_checkpoint: Path) -> tuple[dict, Path]:
         except Exception as err:  # torch raises several types for damaged files
             raise UserError(f"Cannot read {state_file}: {str(err).splitlines()[0] if str(err) else err!r}") from None
     else:
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
         from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+        from toolkit.distributed_checkpoint import safe_file_system_reader
+
         checkpoint = {}
+        reader = safe_file_system_reader(folder)  # refuses, in one line, a folder whose pickles would run code
         try:
             _load_state_dict(
                 checkpoint,
-                storage_reader=FileSystemReader(folder),
+                storage_reader=reader,
                 planner=_EmptyStateDictLoadPlanner(keys={"model"}),  # skip the optimizer state
                 no_dist=True,
             )

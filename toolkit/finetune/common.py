@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs, check_seed
+from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs, check_seed
 
 # Defaults that suit fine-tuning rather than pretraining: one epoch, short warmup.
 FINETUNE_TRAIN = TrainArgs(
@@ -43,13 +43,14 @@ def run_finetune(
     export: Optional[Callable] = None,
     check_args: Optional[Callable] = None,
     export_dtype: Optional[str] = None,
-    startup_notes: Sequence[str] = (),
     hparams: Optional[dict] = None,
     lora: Optional[Any] = None,
     quantize: Optional[str] = None,
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model).
-    `lora` and `quantize`: LoRA's adapters and quantized base, for the memory pre-flight.
+    The run plan (`plan_run`: devices, precision, strategy, batches, the `quantize` scheme) is made
+    here, once; `check_args(config, run_plan)` and `prepare_model(model, run_plan)` read it.
+    `lora`: LoRA's adapters, for the memory pre-flight.
     `frozen_base`: the weights of `checkpoint_dir` stay frozen (LoRA): training checkpoints hold only
     what trains, and a resume is refused if `checkpoint_dir` is not the base they were trained on.
     `prepare_on_meta`: `prepare_model` works on the meta model (nf4 quantizes each weight as it is read).
@@ -57,6 +58,7 @@ def run_finetune(
     from toolkit.model_dir import export_dtype as resolve_export_dtype
     from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
+    from toolkit.parallel.plan import plan_run
     from toolkit.tokenizer import Tokenizer
     from toolkit.training.session import Session
     from toolkit.training.trackers import plain
@@ -67,8 +69,9 @@ def run_finetune(
     dtype = resolve_export_dtype(export_dtype, checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
     max_seq_length = train.sequence_length(config)
+    run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length, quantize)
     if check_args is not None:
-        check_args(config)
+        check_args(config, run_plan)
     # Read and tokenize the data before any process starts or anything is written: bad records fail here.
     data.setup(tokenizer, max_seq_length, config)
     if not (train.max_steps or train.max_tokens or train.max_time or train.epochs):
@@ -76,13 +79,9 @@ def run_finetune(
 
     hparams = dict(hparams or {}, train=plain(train))  # with the epochs default resolved
     with Session.start(
-        kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, distributed=distributed,
-        devices=devices, num_nodes=num_nodes, precision=precision, seed=seed, resume=resume,
-        max_seq_length=max_seq_length, hparams=hparams, lora=lora, quantize=quantize,
-        frozen_base=checkpoint_dir if frozen_base else None,
+        kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, run_plan=run_plan, seed=seed,
+        resume=resume, hparams=hparams, lora=lora, frozen_base=checkpoint_dir if frozen_base else None,
     ) as session:
-        for note in startup_notes:  # what the entry point decided before launch, e.g. the QLoRA scheme
-            session.fabric.print(note)
         session.export_dtype = dtype
         fabric = session.fabric
         with session.remove_output_on_error():
@@ -105,7 +104,8 @@ def run_finetune(
             + f", {steps_per_epoch} optimizer steps per epoch, "
             f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
         )
-        model = session.build_model(weights=checkpoint_dir, prepare=prepare_model, prepare_on_meta=prepare_on_meta)
+        prepare = None if prepare_model is None else (lambda model: prepare_model(model, run_plan))
+        model = session.build_model(weights=checkpoint_dir, prepare=prepare, prepare_on_meta=prepare_on_meta)
         optimizer = session.build_optimizer(model)
         limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
         total_steps = min(limits) if limits else None

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.finetune.common import FINETUNE_EVAL, FINETUNE_TRAIN, run_finetune
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
+from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
 
 
 def finetune_full(

@@ -2,10 +2,10 @@
 
 LoRA comes from `peft`, applied to the toolkit's own model: peft swaps the chosen Linear layers for
 its LoRA layers; the base weights are frozen. With --quantize nf4 the frozen Linear weights of the
-blocks become torchao NF4 tensors (`toolkit.training.nf4`), sharded by FSDP2 on several devices,
+blocks become torchao NF4 tensors (`toolkit.parallel.nf4`), sharded by FSDP2 on several devices,
 each rank quantizing only its own rows. With --quantize bnb.* they are replaced by bitsandbytes
 4-bit or 8-bit layers on the CPU; on more than one device every rank then quantizes the whole base
-and only the adapters are synchronised (`toolkit.training.strategy.plan_quantized_base` says why).
+and only the adapters are synchronised (`toolkit.parallel.plan.plan_quantized_base` says why).
 
 A finished run writes `<out_dir>/final/`:
     lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
@@ -20,64 +20,25 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
+from toolkit.models.lora import LoRAArgs
 from toolkit.models.param_names import unwrapped_name
-from toolkit.training.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
+from toolkit.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
 
 LORA_TRAIN = TrainArgs(
     global_batch_size=16, micro_batch_size=1, learning_rate=3e-4, min_lr=0.0, warmup_steps=10,
     save_interval=100, weight_decay=0.0,
 )
 
-# User-facing target names -> the toolkit module names they cover.
-TARGETS = {
-    "query": ("q_proj",),
-    "key": ("k_proj",),
-    "value": ("v_proj",),
-    "projection": ("o_proj",),
-    "mlp": ("gate_proj", "up_proj", "down_proj", "fc_in", "fc_out"),
-    "head": ("lm_head",),
-}
 ADAPTER_FILE = "lora_adapter.safetensors"
 LORA_META = "lora.json"
 
-
-@dataclass
-class LoRAArgs:
-    """The adapters: rank, scale, dropout and which projections get them."""
-
-    r: int = 8  # rank of the update B @ A
-    alpha: int = 16  # the update is scaled by alpha / r
-    dropout: float = 0.05
-    targets: tuple[str, ...] = ("query", "value")  # any of: query, key, value, projection, mlp, head
-
-    def __post_init__(self) -> None:
-        if self.r < 1:
-            raise UserError(f"--lora.r must be at least 1, got {self.r}")
-        if not self.alpha > 0:
-            raise UserError(f"--lora.alpha must be positive, got {self.alpha}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise UserError(f"--lora.dropout must be in [0, 1), got {self.dropout}")
-        for target in self.targets:
-            if target not in TARGETS:
-                raise UserError(f"Unknown LoRA target {target!r}.{did_you_mean(target, TARGETS)} Valid: {', '.join(TARGETS)}.")
-        if not self.targets:
-            raise UserError("--lora.targets is empty: name at least one of " + ", ".join(TARGETS))
-
-    def module_names(self) -> list[str]:
-        return sorted({name for target in self.targets for name in TARGETS[target]})
-
-    def peft_config(self, module_names: Optional[list[str]] = None):
-        from peft import LoraConfig
-
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                          target_modules=module_names or self.module_names(), bias="none")
 
 
 def is_adapter_weight(name: str) -> bool:
@@ -121,7 +82,7 @@ def quantize_linears(model, mode: str, precision: str):
     import bitsandbytes as bnb
     import torch.nn as nn
 
-    from toolkit.training.precision import precision_dtypes
+    from toolkit.parallel.precision import precision_dtypes
 
     compute_dtype = precision_dtypes(precision)[1]
 
@@ -156,16 +117,6 @@ def current_device():
     import torch
 
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def scheme_shards(scheme, devices, num_nodes: int) -> int:
-    """Over how many ranks each frozen weight is split: 1 unless sharded; the devices of one node under HYBRID_SHARD."""
-    from toolkit.training.strategy import plan_strategy
-
-    if scheme.scheme != "sharded":
-        return 1
-    plan = plan_strategy(devices, num_nodes, "32-true", scheme.dist)
-    return plan.mesh[0][-1] if plan.mesh else 1
 
 
 def finetune_lora(
@@ -213,45 +164,33 @@ def finetune_lora(
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise UserError(f"Unknown --quantize {quantize!r}.{did_you_mean(quantize, QUANTIZE_CHOICES)}")
 
-    startup_notes: list[str] = []
-    if quantize is not None:
-        from toolkit.training.strategy import plan_quantized_base, resolve_precision
-
-        # The precision Session.start resolves (the same call): the 4-bit layers compute in its dtype.
-        resolved_precision = resolve_precision(precision, "auto")
-
-        # On more than one device the quantized base is replicated and DDP synchronises the adapters.
-        scheme = plan_quantized_base(devices, num_nodes, distributed, quantize)
-        shards = scheme_shards(scheme, devices, num_nodes)
-        if quantize == "nf4" and shards > 1:
-            import torch
-
-            from toolkit.model_dir import require_checkpoint_dir
-            from toolkit.models.config import CONFIG_FILENAME, Config
-            from toolkit.models.gpt import GPT
-            from toolkit.training.nf4 import check_nf4_shardable
-
-            with torch.device("meta"):  # shapes only, before any process is launched
-                check_nf4_shardable(GPT(Config.from_file(require_checkpoint_dir(checkpoint_dir) / CONFIG_FILENAME)), shards)
-        distributed = scheme.dist
-        startup_notes.append(scheme.describe())
-
-    def check_args(config) -> None:
+    def check_args(config, run_plan) -> None:
         if quantize is not None and "head" in lora.targets:
             raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
+        if quantize == "nf4" and run_plan.shard_size > 1:
+            import torch
 
-    def prepare(model):
+            from toolkit.models.gpt import GPT
+            from toolkit.parallel.nf4 import check_nf4_shardable
+
+            with torch.device("meta"):  # shapes only, before any process is launched
+                check_nf4_shardable(GPT(config), run_plan.shard_size)
+
+    def prepare(model, run_plan):
         from peft import get_peft_model
 
+        from toolkit.parallel.precision import precision_dtypes
+
+        # The 4-bit layers compute in the run's compute dtype.
+        compute_dtype = precision_dtypes(run_plan.precision)[1]
         if quantize == "nf4":
-            from toolkit.training.nf4 import quantize_blocks_nf4
-            from toolkit.training.precision import precision_dtypes
+            from toolkit.parallel.nf4 import quantize_blocks_nf4
 
             # The model is still on the meta device (prepare_on_meta below): each weight is quantized
             # as it is read, its own rows on each rank under FSDP, whole on one device.
-            quantize_blocks_nf4(model, precision_dtypes(resolved_precision)[1], current_device())
+            quantize_blocks_nf4(model, compute_dtype, current_device())
         elif quantize is not None:
-            model = quantize_linears(model, quantize, resolved_precision)
+            model = quantize_linears(model, quantize, run_plan.precision)
         # peft freezes every weight that is not an adapter.
         model = get_peft_model(model, lora.peft_config())
         init_adapters(model, seed)
@@ -267,7 +206,7 @@ def finetune_lora(
         precision, seed, resume, prepare_model=prepare, frozen_base=True, export=export,
         # nf4 quantizes the meta model's weights one at a time as they are read, on one device too
         prepare_on_meta=quantize == "nf4",
-        check_args=check_args, startup_notes=startup_notes, hparams=hparams, lora=lora, quantize=quantize,
+        check_args=check_args, hparams=hparams, lora=lora, quantize=quantize,
     )
     return model
 
@@ -276,7 +215,7 @@ def report_nf4_bytes(fabric, model) -> list[int]:
     """Print (rank 0) and return the bytes of NF4 base weights each rank holds (collective call)."""
     import torch
 
-    from toolkit.training.nf4 import is_nf4, nf4_storage_bytes
+    from toolkit.parallel.nf4 import is_nf4, nf4_storage_bytes
 
     mine = 0
     for param in model.parameters():

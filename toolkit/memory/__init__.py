@@ -16,6 +16,6 @@ step at which it can peak. Nothing here imports the training code or the entry p
 from toolkit.memory.estimator import estimate
 from toolkit.memory.options import GiB
 from toolkit.memory.preflight import check_fits
-from toolkit.memory.simulation import Simulation, StepSettings, simulate
+from toolkit.memory.simulation import Simulation, simulate
 
-__all__ = ["GiB", "Simulation", "StepSettings", "check_fits", "estimate", "simulate"]
+__all__ = ["GiB", "Simulation", "check_fits", "estimate", "simulate"]

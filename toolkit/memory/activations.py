@@ -27,38 +27,13 @@ What is not recorded, and why (each is a rule below, held to the real thing by a
 
 from __future__ import annotations
 
-import math
 import weakref
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import Any, Optional
 
-from toolkit.models.config import Config
 from toolkit.models.gpt import LOSS_CHUNK_BYTES
 
-if TYPE_CHECKING:
-    from toolkit.memory.options import Options
-
-
-@dataclass(frozen=True)
-class Mode:
-    """The precision rules of the forward pass."""
-
-    autocast: bool  # *-mixed: matmuls in 16 bits under torch.autocast
-    compute: int  # bytes of the compute dtype
-    device: Literal["cuda", "cpu", "fake"] = "cuda"  # whose rules: see `Options.device`
-    lora_dropout: bool = False  # adapters apply dropout to their input
-    float16: bool = False  # the 16-bit compute dtype is float16 (not bfloat16)
-
-    @property
-    def cuda(self) -> bool:
-        """CUDA's kernels (dropout keeps a bool mask); else the CPU's, fake tensors included."""
-        return self.device == "cuda"
-
-    @property
-    def real_cpu(self) -> bool:
-        """Real CPU tensors: the fused loss keeps its chunk buffers between calls
-        (`toolkit.models.gpt._scratch`), and a cast on writing goes through a temporary."""
-        return self.device == "cpu"
+from toolkit.memory.options import Mode, Options
 
 
 @dataclass
@@ -171,7 +146,7 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
 
     from toolkit.memory.parameters import _units, meta_model
     from toolkit.models.gpt import Block, OutputHead
-    from toolkit.training.precision import precision_dtypes
+    from toolkit.parallel.precision import precision_dtypes
 
     config = opts.config.replace(n_layer=min(opts.config.n_layer, 2))
     # A fresh model each time: the dtypes and the quantized stand-ins below change it.

@@ -36,10 +36,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
+from toolkit.args import QUANTIZE_CHOICES, QuantizeName, ShardingName, StrategyName
 from toolkit.errors import UserError, check_choice
 from toolkit.memory.activations import Activations, activations
 from toolkit.memory.moments import Moment, step_moments, strategy_moments
-from toolkit.memory.options import COLUMN_ORDER, GiB, LORA_TARGETS, Column, Options, make_column
+from toolkit.memory.options import COLUMN_ORDER, GiB, Column, Options, make_column
 from toolkit.memory.parameters import (
     ParamSpec,
     fsdp_rank_memory,
@@ -50,7 +51,10 @@ from toolkit.memory.parameters import (
     quantized_names,
 )
 from toolkit.models.config import CONFIG_FILENAME, Config
-from toolkit.training.args import QUANTIZE_CHOICES, QuantizeName, ShardingName, StrategyName
+from toolkit.models.lora import TARGETS as LORA_TARGETS
+from toolkit.models.lora import LoRAArgs
+from toolkit.parallel.plan import QUANTIZED_BASE_NOT_SHARDED, effective_sharding
+from toolkit.parallel.precision import PRECISION_ALIASES, PRECISIONS
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,8 +244,6 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
 
     lora = None
     if opts.finetune == "lora":
-        from toolkit.finetune.lora import LoRAArgs
-
         lora = LoRAArgs(r=lora_r, alpha=2 * lora_r, dropout=lora_dropout, targets=tuple(lora_targets))
     result = simulate(
         opts.config, devices, num_nodes, micro_batch_size, opts.max_seq_length, opts.precision,
@@ -258,8 +260,6 @@ def _resolve(
     cpu_offload=False,
 ):  # fmt: skip
     """Validate the arguments (UserError) and decide the columns to show."""
-    from toolkit.training.precision import PRECISION_ALIASES, PRECISIONS
-
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise UserError(f"{name} must be a positive whole number, got {value!r}.")
@@ -332,8 +332,6 @@ def _resolve(
             notes.append(f"QLoRA nf4 on {world} devices runs as finetune_lora runs it: FSDP2 shards the NF4 base "
                          "like every frozen weight, so its bytes per device fall as 1/N.")
         if quantize is not None and quantize != "nf4":
-            from toolkit.training.strategy import QUANTIZED_BASE_NOT_SHARDED
-
             if strategy == "fsdp" or sharding is not None:
                 raise UserError(
                     f"quantize cannot be combined with FSDP sharding: {QUANTIZED_BASE_NOT_SHARDED}. Leave strategy "
@@ -355,9 +353,9 @@ def _resolve(
                     # device's whole base (on the device, or in host memory with CPU offload).
                     wanted = ["HYBRID_SHARD", "FULL_SHARD"]
                 for s in wanted:
-                    if s == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
+                    if effective_sharding(s, num_nodes, devices)[0] != s:
                         why = "one node" if num_nodes == 1 else "one device per node"
-                        notes.append(f"HYBRID_SHARD with {why} runs as FULL_SHARD (see toolkit.training.strategy).")
+                        notes.append(f"HYBRID_SHARD with {why} runs as FULL_SHARD (see toolkit.parallel.plan.effective_sharding).")
                         if sharding:
                             columns.append(make_column("FULL_SHARD", devices, num_nodes))
                         continue

@@ -1,6 +1,6 @@
 """The moments of a training step at which memory can peak, and what is alive at each, by category.
 
-The FSDP part follows torch 2.13's `fully_shard` as `toolkit.training.strategy.shard_model`
+The FSDP part follows torch 2.13's `fully_shard` as `toolkit.parallel.fsdp.shard_model`
 applies it (`fsdp_moments`); the simulation (`toolkit.memory.simulation`) runs the real step and
 tests/test_simulate.py holds the two to each other category by category.
 """
@@ -33,7 +33,7 @@ Moment = dict[str, int]
 def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> dict[str, Moment]:
     """What FSDP2 holds beside the shards on one rank, by category, at each moment of a step at which
     the step can peak, in the order torch 2.13's `fully_shard` runs. Activations are added by
-    `step_moments`. The units are those of `toolkit.training.strategy.shard_model`: one per block;
+    `step_moments`. The units are those of `toolkit.parallel.fsdp.shard_model`: one per block;
     untied, one for the embedding, one for the final norm and one for the head; tied, the shared
     matrix with the final norm in the root.
 
@@ -43,7 +43,7 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
       not cast. Under CPU offload each shard is first copied to the device. In the forward pass a
       unit's flat output is freed after the next unit's copy-out; the output units' (the final
       norm's and the head's) right after their own, by the toolkit's forward pre-hook
-      (`toolkit.training.strategy._free_flat_gather_output`), so none is alive at the loss but a
+      (`toolkit.parallel.fsdp._free_flat_gather_output`), so none is alive at the loss but a
       tied root's last block's (freed when the forward pass ends); in the backward pass right
       after the unit's own copy-out.
     - Blocks and the embedding are released after their forward pass (not under SHARD_GRAD_OP) and

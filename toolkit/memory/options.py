@@ -1,27 +1,17 @@
-"""What is trained and how (`Options`), and the strategy a column of the estimate shows (`Column`)."""
+"""The plain data the memory code works on: what is trained and how (`Options`), the precision
+rules of its forward pass (`Mode`), the strategy of a column of the estimate (`Column`), and one
+parameter of the model (`ParamSpec`, read from the model by `toolkit.memory.parameters`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Literal, Optional
 
 from toolkit.models.config import Config
 
-if TYPE_CHECKING:
-    from toolkit.memory.activations import Mode
-    from toolkit.memory.parameters import ParamSpec
-
 GiB = 1024**3
 
-# LoRA target name -> the linear layers (last name component) it adapts
-LORA_TARGETS: dict[str, tuple[str, ...]] = {
-    "query": ("q_proj",),
-    "key": ("k_proj",),
-    "value": ("v_proj",),
-    "projection": ("o_proj",),
-    "mlp": ("fc_in", "fc_out", "gate_proj", "up_proj", "down_proj"),
-    "head": ("lm_head",),
-}
 # Strategy columns, cheapest communication first: the order the recommendation tries them in.
 COLUMN_ORDER = ("single", "DDP", "NO_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "FULL_SHARD")
 
@@ -39,7 +29,7 @@ def make_column(name: str, devices: int, num_nodes: int) -> Column:
         return Column(name, "single", 1)
     if name == "DDP":
         return Column(name, "ddp", 1)
-    from toolkit.training.strategy import mesh_layout  # the mesh training builds (no torch import)
+    from toolkit.parallel.plan import mesh_layout  # the mesh training builds
 
     shape, dims = mesh_layout(name, num_nodes, devices)
     return Column(name, "fsdp", shape[dims.index("shard")])
@@ -85,7 +75,7 @@ class Options:
         """Bytes per element of `s` as the forward and backward passes see it: as stored, but under
         FSDP with "*-mixed" every unit (blocks, embedding, final norm, head) casts its float32
         shards to the compute dtype before the all-gather (the MixedPrecisionPolicy of
-        toolkit.training.strategy.shard_model). The embedding's output is cast back to its stored
+        toolkit.parallel.fsdp.shard_model). The embedding's output is cast back to its stored
         dtype (`_Weight.stored`)."""
         if column.kind == "fsdp" and self.autocast:
             return self.compute_bytes
@@ -97,6 +87,48 @@ class Options:
 
     def mode(self) -> "Mode":
         """The precision and kernel rules of the forward pass."""
-        from toolkit.memory.activations import Mode
-
         return Mode(self.autocast, self.compute_bytes, self.device, self.lora_dropout > 0, self.precision.startswith("16-"))
+
+
+@dataclass(frozen=True)
+class Mode:
+    """The precision rules of the forward pass."""
+
+    autocast: bool  # *-mixed: matmuls in 16 bits under torch.autocast
+    compute: int  # bytes of the compute dtype
+    device: Literal["cuda", "cpu", "fake"] = "cuda"  # whose rules: see `Options.device`
+    lora_dropout: bool = False  # adapters apply dropout to their input
+    float16: bool = False  # the 16-bit compute dtype is float16 (not bfloat16)
+
+    @property
+    def cuda(self) -> bool:
+        """CUDA's kernels (dropout keeps a bool mask); else the CPU's, fake tensors included."""
+        return self.device == "cuda"
+
+    @property
+    def real_cpu(self) -> bool:
+        """Real CPU tensors: the fused loss keeps its chunk buffers between calls
+        (`toolkit.models.gpt._scratch`), and a cast on writing goes through a temporary."""
+        return self.device == "cpu"
+
+
+# Where a parameter lives among FSDP's units: a block; the input edge (the embedding); an output
+# edge before the last one (the final norm); the last output edge (the head, which computes the
+# loss); or the root (a tied embedding and head, and whatever else no unit claims).
+Group = Literal["block", "input", "output", "head", "root"]
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter tensor of the model as built (after LoRA injection), in registration order."""
+
+    name: str  # as in GPT.named_parameters() (peft's wrapping included)
+    shape: tuple[int, ...]
+    unit: int  # the block index, or -1 outside the blocks
+    trainable: bool
+    kind: Literal["embedding", "linear", "bias", "norm", "lora"]
+    group: Group = "root"
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)

@@ -14,35 +14,10 @@ Quantized bases are not built: their bytes follow the layouts of bitsandbytes an
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import Optional
 
+from toolkit.memory.options import Column, Group, Options, ParamSpec
 from toolkit.models.config import Config
-
-if TYPE_CHECKING:
-    from toolkit.memory.options import Column, Options
-
-# Where a parameter lives among FSDP's units: a block; the input edge (the embedding); an output
-# edge before the last one (the final norm); the last output edge (the head, which computes the
-# loss); or the root (a tied embedding and head, and whatever else no unit claims).
-Group = Literal["block", "input", "output", "head", "root"]
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter tensor of the model as built (after LoRA injection), in registration order."""
-
-    name: str  # as in GPT.named_parameters() (peft's wrapping included)
-    shape: tuple[int, ...]
-    unit: int  # the block index, or -1 outside the blocks
-    trainable: bool
-    kind: Literal["embedding", "linear", "bias", "norm", "lora"]
-    group: Group = "root"
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
 
 _MODELS: dict = {}
 
@@ -131,7 +106,7 @@ def _read_specs(model, lora: bool) -> list[ParamSpec]:
 def _units(model, block_cls):
     """(the blocks in order, (input modules, output modules, tied) or None): FSDP2's units as
     `shard_model` forms them (`edge_units`)."""
-    from toolkit.training.strategy import edge_units
+    from toolkit.parallel.fsdp import edge_units
 
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]
     edges = edge_units(model, block_cls)
@@ -147,7 +122,7 @@ def quantized_bytes(shape: tuple[int, ...], quantize: str) -> int:
     """Bytes stored for one quantized weight of `shape` (data + quantization state): bitsandbytes'
     layouts for "bnb.*", torchao's NF4Tensor for "nf4" (two 4-bit values per byte, one int8 scale
     per block of 64, one bfloat16 factor per 256 of those scales, a 2-byte mean: about 0.516 bytes
-    per weight, toolkit.training.nf4)."""
+    per weight, toolkit.parallel.nf4)."""
     numel = math.prod(shape)
     if quantize == "nf4":
         scalers = -(-numel // 64)
@@ -179,8 +154,8 @@ def quantized_names(opts: "Options", specs: list[ParamSpec]) -> set[str]:
 
 def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
     """The first block linear weight (toolkit name, shape) that does not split into `shards` row
-    ranges of whole NF4 groups (`toolkit.training.nf4.check_nf4_shardable`'s rule), or None."""
-    from toolkit.training.nf4 import ROW_ALIGN  # no torch import
+    ranges of whole NF4 groups (`toolkit.parallel.nf4.check_nf4_shardable`'s rule), or None."""
+    from toolkit.parallel.nf4 import ROW_ALIGN
 
     for s in parameter_specs(config):
         if s.kind == "linear" and s.unit >= 0:

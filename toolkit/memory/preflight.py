@@ -1,6 +1,7 @@
 """The start-up pre-flight: does a training step fit in the device's memory?
 
-Training calls `check_fits` once, before any weight is read (`toolkit.training.session`).
+Training calls `check_fits` once, before any weight is read (`check_fits_device` in
+`toolkit.training.session`); nothing here imports training.
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Any, Optional
 from toolkit.errors import UserError
 from toolkit.memory.estimator import column_memory
 from toolkit.memory.options import GiB, Options, make_column
+from toolkit.models.lora import LoRAArgs
+from toolkit.parallel.plan import effective_sharding
 
 
 def check_fits(
@@ -21,7 +24,7 @@ def check_fits(
     `device_bytes`; return the line saying it fits otherwise.
 
     `sharding`: the FSDP sharding, or "single" / "DDP". `finetune`: None (pretraining), "full", or
-    "lora" with the adapters of `lora` (a `toolkit.finetune.lora.LoRAArgs`; default LoRAArgs()).
+    "lora" with the adapters of `lora` (a `toolkit.models.lora.LoRAArgs`; default LoRAArgs()).
     Uses the estimate (`toolkit.memory.estimator.column_memory`; tests hold it to the simulation),
     because a simulated 70B step takes most of a minute. Measured at Llama-3.1-70B on the 2-core
     development machine: PREFLIGHT_TIME_NOTE. The refusal names the
@@ -38,13 +41,12 @@ def check_fits(
     lora_modules: tuple[str, ...] = ()
     lora_dropout = 0.0
     if finetune == "lora":
-        if lora is None:
-            raise ValueError("check_fits needs the adapters (`lora`) of a LoRA run")
+        lora = lora or LoRAArgs()
         lora_modules, lora_dropout = tuple(lora.module_names()), float(lora.dropout)
     world = devices * num_nodes
     shard = sharding if world > 1 else "single"
-    if shard == "HYBRID_SHARD" and (num_nodes == 1 or devices == 1):
-        shard = "FULL_SHARD"
+    if shard not in ("single", "DDP"):
+        shard = effective_sharding(shard, num_nodes, devices)[0]
     sharded = shard not in ("single", "DDP")
 
     def options(offload: bool) -> Options:

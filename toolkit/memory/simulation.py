@@ -39,6 +39,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from toolkit.args import DistributedArgs, TrainArgs
 from toolkit.errors import UserError
 from toolkit.memory import moments as est
 from toolkit.memory.options import GiB
@@ -58,18 +59,6 @@ CATEGORIES = {
     "Buffer": "module buffers",
     "Inputs": "inputs",
 }
-
-
-@dataclass(frozen=True)
-class StepSettings:
-    """The optimizer step: AdamW's hyperparameters (their values change no memory) and gradient
-    clipping by global norm (None: off), as `toolkit.training.args.TrainArgs` sets them by default."""
-
-    learning_rate: float = 3e-4
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    max_norm: Optional[float] = 1.0
 
 
 @dataclass
@@ -124,20 +113,20 @@ def simulate(
     activation_checkpointing: bool = False,
     micro_batches: int = 2,
     forward: bool = True,
-    step: StepSettings = StepSettings(),
+    train: Optional[TrainArgs] = None,
 ) -> Simulation:
     """One optimizer step of training `config` on devices x num_nodes fake ranks (rank 0's view).
 
     `finetune` None or "full" trains every weight; "lora" trains the adapters of `lora` (a
-    `toolkit.finetune.lora.LoRAArgs`, default LoRAArgs()). `micro_batches` is the gradient
+    `toolkit.models.lora.LoRAArgs`, default LoRAArgs()). `micro_batches` is the gradient
     accumulation per step (2: gradients are alive through a forward pass, as whenever the global
     batch is larger than one micro-batch per rank). `forward=False` only shards the model and
-    creates the optimizer state (seconds, for the persistent figures). `step`: the optimizer's
-    hyperparameters and clipping.
+    creates the optimizer state (seconds, for the persistent figures). `train` gives the
+    optimizer's hyperparameters and clipping (default TrainArgs()).
     """
     import torch.distributed as dist
 
-    from toolkit.training.strategy import mesh_layout
+    from toolkit.parallel.plan import mesh_layout
 
     if finetune not in (None, "full", "lora"):
         raise UserError(f"finetune must be lora or full (or left out for pretraining), got {finetune!r}.")
@@ -152,6 +141,7 @@ def simulate(
         raise UserError("simulate runs FSDP on more than one device in total; use the analytic estimate for one device.")
     if dist.is_initialized():
         raise UserError("simulate needs its own (fake) process group, but one is already initialised in this process.")
+    train = train or TrainArgs()
     notes = [n for _, n in plan.notes]
     start = time.perf_counter()
 
@@ -164,7 +154,7 @@ def simulate(
 
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model, decay = build(config, plan, finetune, lora, mesh)
-        result = _run(model, decay, plan, step, micro_batch_size, max_seq_length, micro_batches, forward)
+        result = _run(model, decay, plan, train, micro_batch_size, max_seq_length, micro_batches, forward)
     finally:
         dist.destroy_process_group()
     peak, persistent, comm, sent, attempts = result
@@ -179,8 +169,7 @@ def simulate(
 
 def fsdp_plan(devices: int, num_nodes: int, precision: str, sharding: str, activation_checkpointing: bool):
     """The training strategy's plan for FSDP on devices x num_nodes CPU ranks (`plan_strategy`)."""
-    from toolkit.training.args import DistributedArgs
-    from toolkit.training.strategy import plan_strategy
+    from toolkit.parallel.plan import plan_strategy
 
     dist_args = DistributedArgs(strategy="fsdp", sharding=sharding, activation_checkpointing=activation_checkpointing)
     return plan_strategy(devices, num_nodes, precision, dist_args, accelerator="cpu")
@@ -192,16 +181,16 @@ def build(config, plan, finetune, lora, mesh):
     import torch
 
     from toolkit.models.gpt import GPT, Block
-    from toolkit.training.precision import apply_precision_policy
-    from toolkit.training.session import decay_names
-    from toolkit.training.strategy import shard_model
+    from toolkit.optim import decay_names
+    from toolkit.parallel.fsdp import shard_model
+    from toolkit.parallel.precision import apply_precision_policy
 
     with torch.device("meta"):
         model = GPT(config)
     if finetune == "lora":
         from peft import get_peft_model
 
-        from toolkit.finetune.lora import LoRAArgs
+        from toolkit.models.lora import LoRAArgs
 
         model = get_peft_model(model, (lora or LoRAArgs()).peft_config())  # as finetune_lora's `prepare`
     apply_precision_policy(model, plan.precision)
@@ -210,22 +199,22 @@ def build(config, plan, finetune, lora, mesh):
     return model, decay
 
 
-def adamw(model, decay: set[str], step: StepSettings):
+def adamw(model, decay: set[str], train: TrainArgs):
     """The training AdamW, foreach as on GPUs (its temporaries count)."""
-    from toolkit.training.session import make_adamw
+    from toolkit.optim import make_adamw
 
-    return make_adamw(model, decay, step, foreach=True)
+    return make_adamw(model, decay, train, foreach=True)
 
 
-def _run(model, decay, plan, step, micro_batch_size, max_seq_length, micro_batches, forward):
+def _run(model, decay, plan, train, micro_batch_size, max_seq_length, micro_batches, forward):
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
-        optimizer = adamw(model, decay, step)
+        optimizer = adamw(model, decay, train)
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
-        return tracked_step(model, optimizer, plan, step, x, x.clone(), micro_batches, forward)
+        return tracked_step(model, optimizer, plan, train, x, x.clone(), micro_batches, forward)
 
 
 @contextmanager
@@ -246,7 +235,7 @@ def _deferred_all_reduce(model, deferred: bool):
             unit.set_requires_all_reduce(True, recurse=False)
 
 
-def tracked_step(model, optimizer, plan, step: StepSettings, x, y, micro_batches: int, forward: bool = True):
+def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: int, forward: bool = True):
     """One untracked step, then one optimizer step under the memory tracker (on fake tensors in
     `simulate`; on real ones in tests/scripts/simulate_real.py, which proves the simulation).
     Returns (peak by category, persistent by category, collectives, bytes sent, attempts)."""
@@ -273,8 +262,8 @@ def tracked_step(model, optimizer, plan, step: StepSettings, x, y, micro_batches
     with autocast:
         loss = model(x, labels=y)
     loss.backward()
-    if step.max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), step.max_norm, error_if_nonfinite=False)
+    if train.max_norm is not None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for attempt in range(1, _ATTEMPTS + 1):
@@ -287,8 +276,8 @@ def tracked_step(model, optimizer, plan, step: StepSettings, x, y, micro_batches
                     with autocast:
                         loss = model(x, labels=y)
                     (loss * 0.5).backward()  # the loop scales by world_size / target tokens
-            if step.max_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), step.max_norm, error_if_nonfinite=False)
+            if train.max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
             optimizer.step()
             now = _snapshot(tracker)
             optimizer.zero_grad(set_to_none=True)

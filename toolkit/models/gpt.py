@@ -1,7 +1,7 @@
 """One decoder-only transformer for every supported family, driven by `Config` fields only.
 
 Single-device code: nothing here knows about Fabric, FSDP or precision plugins. Those are applied
-from outside (`toolkit.training.strategy`).
+from outside (`toolkit.parallel.fsdp`, `toolkit.training.fabric`).
 
 Shapes: B batch, T tokens in this call, L cached tokens, E n_embd, H query heads, G key/value heads
 (query groups), D head size, V vocabulary.

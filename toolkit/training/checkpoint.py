@@ -61,12 +61,60 @@ def step_dir_name(step: int) -> str:
 
 
 def list_checkpoints(out_dir: Path) -> list[Path]:
-    """Completed checkpoint folders, newest first (temporary folders of interrupted saves excluded)."""
+    """Completed checkpoint folders, the most recently written first (temporary folders of
+    interrupted saves excluded).
+
+    Written order, not step order: a run resumed from an older checkpoint while newer ones exist
+    writes a new branch of history, and its checkpoints come first although their steps are lower,
+    so `--resume auto` continues the branch that was last run, never the abandoned one. Each
+    checkpoint's meta.json holds its place in that order (`sequence`); checkpoints of earlier
+    versions, without one, come after, by step.
+    """
     root = checkpoint_root(out_dir)
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-") and not p.name.endswith(".tmp")]
-    return sorted(found, key=lambda p: p.name, reverse=True)
+    return sorted(found, key=lambda p: (_sequence(p), p.name), reverse=True)
+
+
+def _sequence(checkpoint: Path) -> int:
+    meta = _read_meta(checkpoint)
+    value = meta.get("sequence") if isinstance(meta, dict) else None
+    return value if isinstance(value, int) else -1
+
+
+def _parent_name(parent: Optional[Path], final: Path) -> Optional[str]:
+    """The name meta.json records for `parent`: only a checkpoint in the same folder (a run resumed
+    from another run's checkpoint starts a history of its own)."""
+    if parent is None or parent.name == final.name or Path(parent).resolve().parent != final.parent.resolve():
+        return None
+    return parent.name
+
+
+def abandoned_after(checkpoint: Path, out_dir: Path) -> list[str]:
+    """Names of the checkpoints in `out_dir` with a later step than `checkpoint`: resuming from it
+    leaves them on another branch of history."""
+    step = _step_of(checkpoint)
+    return sorted(c.name for c in list_checkpoints(out_dir) if step is not None and (_step_of(c) or -1) > step)
+
+
+def _step_of(checkpoint: Path) -> Optional[int]:
+    match = re.fullmatch(r"step-(\d+)", Path(checkpoint).name)
+    return int(match.group(1)) if match else None
+
+
+def history(checkpoint: Path) -> list[Path]:
+    """`checkpoint` and the checkpoints it follows, newest first, along the `parent` links in their
+    meta.json (a run's own previous save, or the checkpoint it resumed from), while they exist."""
+    chain, seen = [], set()
+    current: Optional[Path] = checkpoint
+    while current is not None and current.is_dir() and current.name not in seen:
+        chain.append(current)
+        seen.add(current.name)
+        meta = _read_meta(current)
+        parent = meta.get("parent") if isinstance(meta, dict) else None
+        current = current.parent / parent if isinstance(parent, str) and "/" not in parent else None
+    return chain
 
 
 def _sha256(path: Path) -> str:
@@ -173,8 +221,15 @@ def set_rng_state(state: dict[str, Any]) -> None:
 def save(
     fabric, out_dir: Path, model, optimizer, loader, train_state: dict, run_shape: dict, config,
     keep_last: Optional[int], frozen_base: Optional[dict] = None, tokenizer_dir: Optional[Path] = None,
+    parent: Optional[Path] = None, resumed_from: Optional[Path] = None,
 ) -> Path:
     """Write one checkpoint atomically (collective: every rank calls it). Returns its folder.
+
+    `parent`: the checkpoint this one follows in the run's history (the run's previous save, or the
+    checkpoint it resumed from). `keep_last` prunes along that history only: the newest
+    `keep_last` of it are kept, and so is `resumed_from`; checkpoints on another branch (newer ones
+    left behind by resuming from an older checkpoint) are never deleted, and no longer chosen by
+    `--resume auto` (`list_checkpoints`). A checkpoint of the same step on that branch is replaced.
 
     `frozen_base` ({"checkpoint": path, "fingerprint": ...}): the run trains on a frozen base read
     from that checkpoint (LoRA), so only the trainable parameters and the optimizer state are
@@ -233,8 +288,11 @@ def save(
         files = {rel: digest for digests in gathered for rel, digest in digests.items()}
         for p in _files(tmp):  # a file no rank claimed (a writer rank beyond this world): hash it here
             files.setdefault(str(p.relative_to(tmp)), _digest(p))
+        sequence = 1 + max((_sequence(c) for c in list_checkpoints(out_dir)), default=0)
         meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
-                "world_size_independent": _world_size_independent(loader), "files": dict(sorted(files.items()))}
+                "world_size_independent": _world_size_independent(loader), "sequence": sequence,
+                "parent": _parent_name(parent, final),
+                "files": dict(sorted(files.items()))}
         if frozen_base is not None:
             meta["frozen_base"] = frozen_base
         _write_atomically(tmp / META, json.dumps(meta, indent=2, default=str))
@@ -243,8 +301,10 @@ def save(
         os.rename(tmp, final)
         _fsync_dir(root)
         if keep_last:
-            for old in list_checkpoints(out_dir)[keep_last:]:
-                shutil.rmtree(old, ignore_errors=True)
+            keep = {resumed_from.name} if resumed_from is not None else set()
+            for old in history(final)[keep_last:]:
+                if old.name not in keep:
+                    shutil.rmtree(old, ignore_errors=True)
 
     run_on_rank_zero(fabric, complete)
     seconds = time.perf_counter() - start
@@ -367,6 +427,11 @@ def load(fabric, checkpoint: Path, model, optimizer, loader) -> dict:
             "position is kept per process (as with StreamMix, whose streams litdata shards per process), so it "
             f"cannot continue exactly on another number. Resume on {saved_world} process(es), or start a new --out_dir."
         )
+    if meta["sharded"]:
+        from toolkit.distributed_checkpoint import check_distributed_checkpoint
+
+        # torch unpickles the folder's metadata and non-tensor entries: checked first, on every rank.
+        check_distributed_checkpoint(state_path)
     if trainable_only:
         _check_trainable(checkpoint, state_path, model)
     if saved_world == world and not trainable_only:

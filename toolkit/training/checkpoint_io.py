@@ -314,9 +314,9 @@ def saved_trainable_shapes(path: Any) -> dict[str, tuple[int, ...]]:
 
     path = Path(path)
     if path.is_dir():
-        from torch.distributed.checkpoint import FileSystemReader
+        from toolkit.distributed_checkpoint import read_metadata
 
-        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = read_metadata(path).state_dict_metadata  # unpickled with only the checkpoint's own classes
         return {key.removeprefix("model."): tuple(value.size) for key, value in metadata.items()
                 if key.startswith("model.") and hasattr(value, "size")}
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
@@ -390,12 +390,14 @@ def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict
     from torch.distributed.fsdp import FSDPModule
 
     if path.is_dir():
+        from toolkit.distributed_checkpoint import safe_file_system_reader
+
         # Model first, then the optimizer (whose state is created at its parameters' current shards).
         model_state = {"model": get_model_state_dict(root, options=StateDictOptions(ignore_frozen_params=trainable_only))}
-        dcp.load(model_state, checkpoint_id=path)
+        dcp.load(model_state, storage_reader=safe_file_system_reader(path))
         set_model_state_dict(root, model_state["model"], options=StateDictOptions(strict=strict))
         optim_state = {"optimizer": get_optimizer_state_dict(root, optim)}
-        dcp.load(optim_state, checkpoint_id=path)
+        dcp.load(optim_state, storage_reader=safe_file_system_reader(path))
         set_optimizer_state_dict(root, optim, optim_state["optimizer"])
         from lightning.fabric.utilities.load import _METADATA_FILENAME  # "meta.pt": what is not model or optimizer
 

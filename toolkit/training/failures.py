@@ -27,7 +27,7 @@ from toolkit.errors import PeerFailure, UserError
 if TYPE_CHECKING:
     from lightning import Fabric
 
-    from toolkit.training.strategy import StrategyPlan
+    from toolkit.parallel.plan import StrategyPlan
 
 log = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from toolkit.models.gpt import IGNORE_INDEX
-from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.args import EvalArgs, LogArgs, TrainArgs
 
 
 @dataclass
@@ -47,7 +47,7 @@ class LoopHooks:
     flops_per_token: Optional[float] = None
     # Peak FLOP/s of one device, for MFU; None means MFU is not reported.
     device_peak_flops: Optional[float] = None
-    # Seconds spent compiling so far (`toolkit.training.compile.compile_seconds`); the time compiled
+    # Seconds spent compiling so far (`toolkit.parallel.compile.compile_seconds`); the time compiled
     # within a logged window is left out of its step time and throughput and logged as
     # train/compile_seconds; the first compilation is also printed.
     compile_seconds: Optional[Callable[[], float]] = None

@@ -3,7 +3,7 @@
 `setup_model` shards the meta model (under FSDP) and then fills each rank's own rows of every
 parameter from a `ReadRows` function (the checkpoint, memory-mapped, or the initialiser), so no
 rank ever holds the whole model. `materialize` does the same for one device. NF4 weights
-(`toolkit.training.nf4`) are quantized one weight at a time as their rows are read, on N devices
+(`toolkit.parallel.nf4`) are quantized one weight at a time as their rows are read, on N devices
 and on one, so no process holds the 16-bit base. The host-memory helpers measure what the set-up
 cost.
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable
 
 from toolkit.models.param_names import unwrapped_name
-from toolkit.training.nf4 import is_nf4
-from toolkit.training.precision import replace_parameters
-from toolkit.training.strategy import is_fsdp
+from toolkit.parallel.nf4 import is_nf4
+from toolkit.parallel.precision import replace_parameters
+from toolkit.training.fabric import is_fsdp
 
 if TYPE_CHECKING:
     from lightning import Fabric
@@ -85,7 +85,7 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
 
 
 def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: ReadRows) -> None:
-    """Quantize this rank's rows of an NF4 weight into its shard `local` (toolkit.training.nf4).
+    """Quantize this rank's rows of an NF4 weight into its shard `local` (toolkit.parallel.nf4).
 
     The rows are read in the checkpoint's dtype, one weight at a time: no rank holds more than its
     own rows of one weight unquantized. The one number that spans the whole weight, the mean of the
@@ -95,7 +95,7 @@ def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: Re
     import torch
     import torch.distributed as dist
 
-    from toolkit.training.nf4 import BLOCK, block_absmax_sum, nf4_from_rows
+    from toolkit.parallel.nf4 import BLOCK, block_absmax_sum, nf4_from_rows
 
     rows = read_rows(name, start, stop).to(local.device)
     total = block_absmax_sum(rows, local.dtype)
@@ -155,7 +155,7 @@ def materialize(model: nn.Module, read_rows: ReadRows, policy_applied: bool = Fa
 
 def _quantize_nf4_weight(meta_weight, rows: Tensor):
     """The NF4Tensor of a whole weight `rows`, in `meta_weight`'s dtype, on the device of its level table."""
-    from toolkit.training.nf4 import nf4_quantize
+    from toolkit.parallel.nf4 import nf4_quantize
 
     quantized = nf4_quantize(rows.to(meta_weight.nf4.device), meta_weight.dtype)
     del rows

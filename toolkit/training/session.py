@@ -21,14 +21,14 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.models.config import Config
-from toolkit.models.param_names import unwrapped_name
-from toolkit.training.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
-from toolkit.training.batches import plan_batches
+from toolkit.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.parallel.plan import RunPlan
 from toolkit.training.failures import run_on_rank_zero
 from toolkit.training.host_memory import return_large_frees_to_the_system
+from toolkit.optim import decay_names, make_adamw
 from toolkit.training.loop import LoopHooks, TrainState, fit
 from toolkit.training.trackers import finish_tracker_runs, make_loggers, plain, start_tracker_runs
-from toolkit.training.strategy import build_fabric, plan_strategy
+from toolkit.training.fabric import build_fabric
 
 if TYPE_CHECKING:
     from toolkit.tokenizer import Tokenizer
@@ -65,7 +65,8 @@ class Session:
     train: TrainArgs
     eval: EvalArgs
     log: LogArgs
-    plan: Any
+    plan: Any  # the BatchPlan (run_plan.batches), which the loop reads
+    run_plan: RunPlan
     seed: int
     resume: Union[bool, str, Path]
     tokenizer_dir: Optional[Path] = None
@@ -87,15 +88,17 @@ class Session:
     @classmethod
     def start(
         cls, kind: str, out_dir: Path, config: Config, train: TrainArgs, eval: EvalArgs, log: LogArgs,
-        distributed: DistributedArgs, devices: Union[int, str], num_nodes: int, precision: Optional[str],
-        seed: int, resume: Union[bool, str, Path], max_seq_length: int, hparams: Optional[dict] = None,
-        lora: Any = None, quantize: Optional[str] = None, frozen_base: Optional[Path] = None,
+        run_plan: RunPlan, seed: int, resume: Union[bool, str, Path], hparams: Optional[dict] = None,
+        lora: Any = None, frozen_base: Optional[Path] = None,
     ) -> "Session":
         """Validate what can be validated before any process starts, then launch Fabric.
 
+        `run_plan`: the run's devices, precision, strategy, batches and quantized base, resolved
+        once by the entry point (`toolkit.parallel.plan.plan_run`); every process (the launched
+        ones re-run the command) plans the same and uses that plan throughout.
         `hparams`: the command's resolved arguments (`trackers.run_config`), logged as
-        hyperparameters with the model config and the batch plan. `lora` (LoRAArgs) and `quantize`:
-        finetune_lora's adapters and base, for the memory pre-flight (`check_fits_device`).
+        hyperparameters with the model config and the batch plan. `lora` (LoRAArgs): finetune_lora's
+        adapters, for the memory pre-flight (`check_fits_device`).
         `frozen_base`: the checkpoint whose weights the run keeps frozen (LoRA); its training
         checkpoints then hold only what trains, and a resume onto another base is refused here,
         before anything is read or written.
@@ -108,12 +111,9 @@ class Session:
         check_out_dir(out_dir, resume)
         if resume in (True, "true", "True") and not list_checkpoints(out_dir):
             raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
-        # Strategy and batch arithmetic are planned once, here, before any process starts; every
-        # process (the launched ones re-run this) plans the same and uses that plan throughout.
-        strategy = plan_strategy(devices, num_nodes, precision, distributed)
-        plan = plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
-        if distributed.preflight and strategy.accelerator == "cuda" and torch.cuda.is_available():
-            check_fits_device(kind, config, strategy, train, max_seq_length, distributed, lora, quantize)
+        strategy, plan = run_plan.strategy, run_plan.batches
+        if run_plan.preflight and strategy.accelerator == "cuda" and torch.cuda.is_available():
+            check_fits_device(kind, config, run_plan, lora)
         created_out_dir = not out_dir.exists()
         # A start that resumes from a checkpoint of out_dir continues its W&B / MLflow runs.
         continue_runs = resume not in (False, "false", "False") and (
@@ -125,8 +125,7 @@ class Session:
         # build_fabric checks the launcher of a multi-node run first, before Lightning is imported.
         fabric = build_fabric(strategy, block_cls=Block, loggers=make_loggers(out_dir, log, continue_runs))
         fabric.launch()
-        fabric.print(strategy.describe())
-        fabric.print(plan.table())
+        fabric.print(run_plan.describe())
         from toolkit.training.checkpoint import find_resume_checkpoint
 
         resume_from = find_resume_checkpoint(fabric, out_dir, resume)
@@ -136,8 +135,8 @@ class Session:
         start_tracker_runs(fabric, out_dir, all_hparams, continue_runs)
         fabric.seed_everything(rank_seed(seed, fabric.global_rank))
         return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
-                   plan=plan, seed=seed, resume=resume, created_out_dir=created_out_dir, precision=strategy.precision,
-                   frozen_base=base_record, resume_from=resume_from)
+                   plan=plan, run_plan=run_plan, seed=seed, resume=resume, created_out_dir=created_out_dir,
+                   precision=strategy.precision, frozen_base=base_record, resume_from=resume_from)
 
     def __enter__(self) -> "Session":
         return self
@@ -216,8 +215,8 @@ class Session:
         """
         from toolkit.models.gpt import GPT
         from toolkit.training.model_setup import host_memory_growth, materialize, setup_model, start_host_memory_window
-        from toolkit.training.precision import apply_precision_policy
-        from toolkit.training.strategy import is_fsdp
+        from toolkit.parallel.precision import apply_precision_policy
+        from toolkit.training.fabric import is_fsdp
 
         memory_start = start_host_memory_window()
         with torch.device("meta"):
@@ -277,7 +276,7 @@ class Session:
     def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int]) -> TrainState:
         """Resume if asked, run the loop, save a training checkpoint at every interval and at the end."""
         from toolkit.training import checkpoint
-        from toolkit.training.compile import compile_blocks, compile_seconds, should_compile
+        from toolkit.parallel.compile import compile_blocks, compile_seconds, should_compile
         from toolkit.training.throughput import device_peak_flops
 
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
@@ -293,16 +292,24 @@ class Session:
                 f"epoch {state.epoch}, {state.micro_step} micro-batches consumed per rank"
                 + (f", loader position {_describe_position(position)}" if position else "")
             )
+            abandoned = checkpoint.abandoned_after(resume_from, self.out_dir)
+            if abandoned:
+                self.fabric.print(
+                    f"Note: {', '.join(abandoned)} in {self.out_dir} came later than {resume_from.name}; they are kept, "
+                    "but this run's saves start a new branch, which --resume auto continues from now on."
+                )
         elif self.resume not in (False, "false", "False"):
             self.fabric.print(f"No checkpoint in {self.out_dir / checkpoint.CHECKPOINT_DIR}: starting a fresh run.")
         self._write_run_args()
 
         saved_steps = set()
+        history = {"last": resume_from}  # the checkpoint the next save follows
 
         def save(current: TrainState) -> None:
-            checkpoint.save(
+            history["last"] = checkpoint.save(
                 self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape,
                 self.config, self.train.keep_last, frozen_base=self.frozen_base, tokenizer_dir=self.tokenizer_dir,
+                parent=history["last"], resumed_from=resume_from,
             )
             saved_steps.add(current.step)
 
@@ -400,45 +407,26 @@ def rank_seed(seed: int, rank: int) -> int:
     return (seed + rank * 1_000_003) % 2**32
 
 
-def check_fits_device(kind: str, config: Config, strategy: Any, train: TrainArgs, max_seq_length: int,
-                      distributed: DistributedArgs, lora: Any = None, quantize: Optional[str] = None) -> None:
+def check_fits_device(kind: str, config: Config, run_plan: RunPlan, lora: Any = None) -> None:
     """Stop before any weight is read when a step will not fit in GPU 0's memory (see
-    `toolkit.memory.check_fits`). finetune_lora passes its adapters (`lora`) and `quantize`; the
-    strategy plan says whether FSDP offloads to the CPU."""
+    `toolkit.memory.check_fits`). finetune_lora passes its adapters (`lora`); the plan says
+    everything else (sharding, checkpointing, CPU offload, the quantized base)."""
     if kind not in ("pretrain", "finetune_full", "finetune_lora"):
         return
     from toolkit.memory import check_fits
 
-    sharding = distributed.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
+    strategy, batches = run_plan.strategy, run_plan.batches
+    sharding = strategy.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
     line = check_fits(
         torch.cuda.get_device_properties(0).total_memory, config, strategy.devices, strategy.num_nodes,
-        train.micro_batch_size, max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
-        finetune={"pretrain": None, "finetune_lora": "lora"}.get(kind, "full"), lora=lora, quantize=quantize,
+        batches.micro_batch_size, batches.max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
+        finetune={"pretrain": None, "finetune_lora": "lora"}.get(kind, "full"), lora=lora, quantize=run_plan.quantize,
         cpu_offload=strategy.cpu_offload,
     )
     # Before launch every process of the run gets here (Fabric re-runs the command per local rank,
     # torchrun starts them all): the line that it fits is printed by the first one only.
     if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
         print(line)
-
-
-def decay_names(model) -> set[str]:
-    """Weight decay is decided by the parameters' shapes: matrices decay, vectors do not."""
-    return {unwrapped_name(n) for n, p in model.named_parameters() if p.ndim >= 2}
-
-
-def make_adamw(model, decay: set[str], train: TrainArgs, foreach: Optional[bool] = None) -> torch.optim.AdamW:
-    """The training AdamW over `model`'s trainable parameters; `decay`: names from `decay_names`
-    (taken before sharding). `foreach` None is torch's choice (on for CUDA tensors); the
-    simulation (`toolkit.memory.simulation`) passes True to count the GPU's step temporaries on the CPU."""
-    named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for n, p in named if n in decay], "weight_decay": train.weight_decay},
-        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
-    ]
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=train.learning_rate, betas=(train.beta1, train.beta2), foreach=foreach
-    )
 
 
 def _make_out_dir(out_dir: Path) -> None:

@@ -43,9 +43,32 @@ def check_available(loggers: Sequence[str]) -> None:
 
 
 def mlflow_tracking_uri(log, out_dir: Path) -> str:
-    """--log.tracking_uri, else MLFLOW_TRACKING_URI, else a SQLite store in the run's folder (offline)."""
+    """--log.tracking_uri, else MLFLOW_TRACKING_URI, else a SQLite store in the run's folder (offline).
+
+    A file store (`file:...` or a plain path) is refused in one line unless MLFLOW_ALLOW_FILE_STORE
+    is true: MLflow 3 itself refuses it, with a long traceback, when the run starts.
+    """
     uri = log.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and _is_file_store(uri) and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true", "yes"):
+        where = "--log.tracking_uri" if log.tracking_uri else "MLFLOW_TRACKING_URI"
+        raise UserError(
+            f"{where} {uri} is an MLflow file store, which MLflow 3 no longer writes to: use a database, e.g. "
+            f"--log.tracking_uri sqlite:///{(Path(out_dir) / 'logs' / 'mlflow.db').resolve()} (`mlflow migrate-filestore` "
+            "moves old runs), a tracking server (http://...), or set MLFLOW_ALLOW_FILE_STORE=true to keep the file store."
+        )
     return uri or f"sqlite:///{(Path(out_dir) / 'logs' / 'mlflow.db').resolve()}"
+
+
+def _is_file_store(uri: str) -> bool:
+    """`file:` URIs and plain paths (no scheme, or a Windows drive letter) are MLflow's file store."""
+    scheme, sep, _ = uri.partition(":")
+    return scheme.lower() == "file" or not sep or len(scheme) == 1
+
+
+def wandb_dir(out_dir: Path) -> str:
+    """Where W&B writes its run folders: WANDB_DIR when the user sets it (W&B's own convention), else
+    `<out_dir>/logs` (a `wandb/` folder is created inside)."""
+    return os.environ.get("WANDB_DIR") or str(Path(out_dir) / "logs")
 
 
 def read_tracker_ids(out_dir: Path) -> dict:
@@ -83,7 +106,7 @@ def make_loggers(out_dir: Path, log, continue_runs: bool) -> list:
         loggers.append(WandbLogger(
             name=os.environ.get("WANDB_NAME") or name,
             project=log.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
-            save_dir=str(out_dir / "logs"),
+            save_dir=wandb_dir(out_dir),
             id=run_id,  # None: a new run; WandbLogger always passes resume="allow"
             tags=list(log.tags) or None,
             **kwargs,
@@ -91,13 +114,18 @@ def make_loggers(out_dir: Path, log, continue_runs: bool) -> list:
     if "mlflow" in log.loggers:
         from lightning.pytorch.loggers import MLFlowLogger
 
-        loggers.append(MLFlowLogger(
-            experiment_name=log.project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT,
-            run_name=name,
-            tracking_uri=mlflow_tracking_uri(log, out_dir),
-            tags=_mlflow_tags(log.tags) or None,
-            run_id=previous.get("mlflow", {}).get("run_id"),
-        ))
+        uri = mlflow_tracking_uri(log, out_dir)
+        try:
+            loggers.append(MLFlowLogger(
+                experiment_name=log.project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT,
+                run_name=name,
+                tracking_uri=uri,
+                tags=_mlflow_tags(log.tags) or None,
+                run_id=previous.get("mlflow", {}).get("run_id"),
+            ))
+        except Exception as error:  # MlflowException and the store's own errors: one line, not its traceback
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            raise UserError(f"MLflow cannot use the tracking store {uri}: {reason[:300]}") from None
     return loggers
 
 

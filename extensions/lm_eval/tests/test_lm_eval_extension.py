@@ -293,7 +293,8 @@ def _write_adapter(models, out: Path) -> Path:
     from peft import get_peft_model
     from safetensors.torch import save_file
 
-    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, LoRAArgs, adapter_key, is_adapter_weight, write_peft_adapter
+    from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, adapter_key, is_adapter_weight, write_peft_adapter
+    from toolkit.models.lora import LoRAArgs
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT
 

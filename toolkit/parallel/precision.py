@@ -2,7 +2,7 @@
 
 `precision_dtypes` is the one table (trainable, frozen, compute); `apply_precision_policy` casts a
 model's parameters by it, cheaply on the meta device, before anything is allocated. The FSDP
-strategy gathers and reduces in the dtypes this table gives (see `toolkit.training.strategy`).
+strategy gathers and reduces in the dtypes this table gives (see `toolkit.parallel.fsdp`).
 
 Importing this module is cheap: torch is imported inside the functions.
 """

@@ -62,13 +62,13 @@ def compile_blocks(model: nn.Module, block_cls: type, device, dynamic: bool, pri
 
     0 when the compiler does not work on `device` (one line is printed; the model stays eager).
     """
-    from toolkit.training.strategy import _block_units
+    from toolkit.parallel.fsdp import block_units
 
     problem = compiler_problem(device)
     if problem is not None:
         print_fn(f"torch.compile is unavailable here ({problem}); training eagerly.")
         return 0
-    units = _block_units(model, block_cls)
+    units = block_units(model, block_cls)
     for unit in units:
         unit.compile(dynamic=True if dynamic else None)
     shapes = "dynamic shapes" if dynamic else "static shapes"
@@ -79,15 +79,20 @@ def compile_blocks(model: nn.Module, block_cls: type, device, dynamic: bool, pri
 
 def compiler_problem(device) -> Optional[str]:
     """None when torch.compile's default backend compiles a forward and backward pass on `device`;
-    otherwise the first line of the error."""
+    otherwise the first line of the error.
+
+    The probe's inputs are drawn from no random generator: it runs after a resumed run has restored
+    its RNG state, and a draw here would shift every later dropout mask (LoRA dropout) off the
+    uninterrupted run's.
+    """
     import torch
 
     def probe(x, w):
         return torch.nn.functional.gelu(x @ w).sum()
 
     try:
-        x = torch.randn(4, 8, device=device)
-        w = torch.randn(8, 8, device=device, requires_grad=True)
+        x = torch.linspace(-1.0, 1.0, 32, device=device).reshape(4, 8)
+        w = torch.linspace(1.0, -1.0, 64, device=device).reshape(8, 8).requires_grad_()
         torch.compile(probe, fullgraph=True)(x, w).backward()
     except Exception as error:  # any failure of the toolchain means: train eagerly
         text = str(error).strip().splitlines()

@@ -1,0 +1,191 @@
+"""FSDP2 applied to a model from outside: one `fully_shard` unit per transformer block (after
+activation checkpointing, when asked), one per edge (the embedding; the final norm and head), then
+the root, with the precision policies of the run's precision.
+
+Training reaches it through Fabric's strategy (`toolkit.training.fabric.ShardedStrategy.setup_module`);
+the memory simulation (`toolkit.memory`) calls `shard_model` directly on a fake process group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from toolkit.parallel.precision import precision_dtypes
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from toolkit.parallel.plan import StrategyPlan
+
+
+def checkpoint_blocks(module: nn.Module, block_cls: type[nn.Module]) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
+        return  # already checkpointed (e.g. set up twice)
+    apply_activation_checkpointing(
+        module, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, block_cls)
+    )
+
+
+def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: type[nn.Module]) -> nn.Module:
+    """`module` sharded in place with FSDP2 on `mesh` as training shards it: one unit per `block_cls`
+    (checkpointed when the plan asks), one per edge (the embedding; the final norm and head), then
+    the root. `ShardedStrategy.setup_module` calls it; so does the simulation (`toolkit.memory.simulation`),
+    on a fake process group."""
+    import torch
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    if plan.activation_checkpointing:
+        checkpoint_blocks(module, block_cls)
+    precision = plan.precision
+    compute_dtype = precision_dtypes(precision)[1]
+    reduce_dtype = None if precision.endswith("-true") and precision != "32-true" else torch.float32
+    # Pinned host memory makes the copies to and from the accelerator asynchronous, and needs one
+    # (a CPU build of torch refuses it): plan_strategy never offloads on the CPU, but the test that
+    # emulates an offloaded GPU run on CPU processes shards with this plan.
+    offload = CPUOffloadPolicy(pin_memory=plan.accelerator != "cpu") if plan.cpu_offload else OffloadPolicy()
+    # Blocks: under "*-mixed" the float32 weights are cast to the compute dtype before the
+    # all-gather, so the gathered copy is 16-bit and autocast has nothing to cast (left to
+    # autocast, it would keep a 16-bit copy of every block's weights until the backward
+    # pass: a whole model's worth per rank). Inputs are not cast: the residual stream
+    # stays in the dtype the single-device model uses.
+    block_policy = MixedPrecisionPolicy(
+        param_dtype=compute_dtype if precision.endswith("-mixed") else None,
+        reduce_dtype=reduce_dtype, cast_forward_inputs=False,
+    )
+    for unit in block_units(module, block_cls):
+        fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
+                    reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
+    # The edges: what runs before the blocks (the embedding) and after them (final norm and
+    # head) are units of their own, gathered in the compute dtype like the blocks. The
+    # embedding is freed after its forward pass and gathered again at the very end of the
+    # backward pass; the head is gathered from the end of the forward pass to the start of
+    # the backward pass, and its gradient is reduce-scattered right there instead of being
+    # held, in full and in float32, through every block's backward pass. The embedding's
+    # output is cast back to its stored dtype: the residual stream keeps the dtype the
+    # single-device model gives it (float32 under "*-mixed" for trained embeddings).
+    edges = edge_units(module, block_cls)
+    if edges is not None and not edges.tied:
+        # One unit per module (not one per list: FSDPMemTracker, which the simulation uses,
+        # cannot follow a unit of several modules; the final norm's own gather is a few KiB).
+        for part in edges.input:
+            fully_shard(part, mesh=mesh, offload_policy=offload,
+                        mp_policy=replace(block_policy, output_dtype=_output_dtype([part], block_policy)),
+                        reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
+            if isinstance(part, torch.nn.Embedding):
+                # An embedding's gradient needs the token ids, not the weight: it is not gathered
+                # again for the backward pass (a whole embedding, twice during gloo's gather).
+                part.set_unshard_in_backward(False)
+        for part in edges.output:
+            fully_shard(part, mesh=mesh, mp_policy=block_policy, offload_policy=offload, reshard_after_forward=False)
+            part.register_forward_pre_hook(_free_flat_gather_output)
+    root_policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
+    if edges is not None and edges.tied:
+        # A tied embedding and head share one matrix: it stays in one unit, the root, and is
+        # gathered once (in the compute dtype) for forward and backward.
+        root_policy = block_policy
+        _cast_outputs_to_stored_dtype(edges.input, block_policy)
+    # The root: whatever is left (nothing, for an untied GPT). It starts and ends each step.
+    fully_shard(module, mesh=mesh, mp_policy=root_policy, offload_policy=offload)
+    if mesh.device_type == "cpu":
+        # gloo's all-gather and reduce-scatter add a whole buffer of the unit's size (the largest
+        # is the embedding or head, whatever N): toolkit.parallel.gloo_collectives works in place.
+        from torch.distributed.fsdp import FSDPModule
+
+        from toolkit.parallel.gloo_collectives import use_in_place_collectives
+
+        shard_group = mesh.get_group("shard") if mesh.mesh_dim_names else mesh.get_group()
+        for unit in module.modules():
+            if isinstance(unit, FSDPModule):
+                use_in_place_collectives(unit, shard_group)
+    return module
+
+
+def _free_flat_gather_output(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of the output units, run after FSDP2's own (which gathers the weights).
+
+    In the forward pass FSDP2 (torch 2.13, `FSDPParamGroup.wait_for_unshard`) keeps a unit's flat
+    all-gather output alive after copying it into the parameters, until the next unit gathers, so
+    that the next all-gather overlaps the copy. After the output units nothing is gathered until
+    the backward pass, so the head's flat output (a second copy of the gathered head: 0.98 GiB in
+    bf16 at Llama-3.1-8B's vocabulary, 147 MiB for pythia-160m in float32) would stay alive through
+    the loss, the step's peak. It is freed here, after the gather streams wait for the copy, as
+    FSDP2 itself does in the backward pass."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    saved = group.comm_ctx.all_gather_state if group is not None else None
+    if saved is not None:
+        group._wait_all_gather_streams_on_event(saved.event)
+        group.comm_ctx.all_gather_state = None
+
+
+@dataclass(frozen=True)
+class EdgeUnits:
+    """The model's parts outside the repeated blocks: `input` runs before them, `output` after."""
+
+    input: list  # modules, e.g. [embed]
+    output: list  # e.g. [norm_f, lm_head]
+    tied: bool  # input and output share a parameter (tied embedding and head)
+
+
+def edge_units(module: nn.Module, block_cls: type[nn.Module]) -> EdgeUnits | None:
+    """The children registered before and after the list of blocks, in the module that holds it.
+
+    For `GPT`: input [embed], output [norm_f, lm_head] (the order of `__init__`, which is the order
+    of `forward`). Children without parameters are left out. None when no child is a list of
+    blocks, or one side is empty: the model is then sharded as blocks plus the root.
+    """
+    from torch import nn as _nn
+
+    def is_block(m: nn.Module) -> bool:
+        inner = getattr(m, "_checkpoint_wrapped_module", m)
+        return isinstance(inner, block_cls)
+
+    for parent in module.modules():
+        children = list(parent.named_children())
+        index = next((i for i, (_, c) in enumerate(children)
+                      if isinstance(c, _nn.ModuleList) and len(c) and all(is_block(b) for b in c)), None)
+        if index is None:
+            continue
+        before = [c for _, c in children[:index] if any(True for _ in c.parameters())]
+        after = [c for _, c in children[index + 1:] if any(True for _ in c.parameters())]
+        if not before or not after:
+            return None
+        shared = {id(p) for m in before for p in m.parameters()} & {id(p) for m in after for p in m.parameters()}
+        return EdgeUnits(before, after, tied=bool(shared))
+    return None
+
+
+def _output_dtype(modules: list, policy: Any) -> Any:
+    """The dtype the input unit's outputs are cast back to: its stored dtype where the policy gathers
+    in another one (float32 embeddings gathered in bfloat16 under "*-mixed"), else None."""
+    stored = next((p.dtype for m in modules for p in m.parameters() if p.is_floating_point()), None)
+    return stored if policy.param_dtype is not None and stored != policy.param_dtype else None
+
+
+def _cast_outputs_to_stored_dtype(modules: list, policy: Any) -> None:
+    """What `output_dtype` does for a unit of its own, for input modules that stay in the root."""
+    dtype = _output_dtype(modules, policy)
+    if dtype is None:
+        return
+    for m in modules:
+        m.register_forward_hook(lambda _m, _args, out: out.to(dtype) if out.is_floating_point() else out)
+
+
+def block_units(module: nn.Module, block_cls: type[nn.Module]) -> list[nn.Module]:
+    """Each transformer block, or its activation-checkpointing wrapper when it has one."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    units, wrapped = [], set()
+    for m in module.modules():
+        if isinstance(m, CheckpointWrapper) and isinstance(m._checkpoint_wrapped_module, block_cls):
+            units.append(m)
+            wrapped.add(id(m._checkpoint_wrapped_module))
+    units += [m for m in module.modules() if isinstance(m, block_cls) and id(m) not in wrapped]
+    return units
+
