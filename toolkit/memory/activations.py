@@ -28,12 +28,12 @@ What is not recorded, and why (each is a rule below, held to the real thing by a
 from __future__ import annotations
 
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from toolkit.models.gpt import LOSS_CHUNK_BYTES
-
 from toolkit.memory.options import Mode, Options
+from toolkit.models.gpt import LOSS_CHUNK_BYTES
 
 
 @dataclass
@@ -177,7 +177,7 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
     head_module = edges[1][-1] if edges is not None else model.lm_head
     model.train()
     autocast = torch.autocast("cpu", dtype=compute) if mode.autocast else _Nothing()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), loss_as_on_a_gpu():
         model.to_empty(device="cpu")
         recorder = _Recorder(model, blocks, head_module, mode.cuda)
         ids = torch.zeros(micro_batch, opts.max_seq_length, dtype=torch.long)
@@ -223,6 +223,14 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
     return Recording(tuple(recorder.blocks), tuple(recorder.inputs), tuple(recorder.copies), before_head[0],
                      before_head[1] + loss_copies, loss_copies, loss_saved[0] - per_row, per_row,
                      h.numel() * h.element_size(), head, in_flight)  # fmt: skip
+
+
+@contextmanager
+def loss_as_on_a_gpu():
+    """The fused loss as a GPU runs it, for the recording and the simulation: every row computed and
+    its chunk buffers allocated at each call. `toolkit.models.gpt` chooses that path itself under a
+    FakeTensorMode, which both run in: nothing to set (the one place to set it if that changes)."""
+    yield
 
 
 class _AtTheHead(Exception):

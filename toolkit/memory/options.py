@@ -76,7 +76,7 @@ class Options:
         FSDP with "*-mixed" every unit (blocks, embedding, final norm, head) casts its float32
         shards to the compute dtype before the all-gather (the MixedPrecisionPolicy of
         toolkit.parallel.fsdp.shard_model). The embedding's output is cast back to its stored
-        dtype (`_Weight.stored`)."""
+        dtype (`toolkit.memory.activations` records it so)."""
         if column.kind == "fsdp" and self.autocast:
             return self.compute_bytes
         return self.param_bytes(s)

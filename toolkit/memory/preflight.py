@@ -61,7 +61,7 @@ def check_fits(
 
     wanted = need(shard, activation_checkpointing, micro_batch_size)
     line = (f"memory pre-flight: about {wanted / GiB:.1f} GiB per device at the peak of a step "
-            f"(analytic estimate) of {device_bytes / GiB:.1f} GiB")
+            f"(estimate) of {device_bytes / GiB:.1f} GiB")
     if wanted <= budget:
         return line + ": fits."
     # (offload turned on, sharding changed, checkpointing turned on, micro-batch lowered): the fewest changes first

@@ -45,7 +45,7 @@ from toolkit.memory import moments as est
 from toolkit.memory.options import GiB
 
 # FSDPMemTracker's categories (torch 2.13, `_FSDPRefType` values) -> our names, in table order. Those
-# of what is alive beside the shards are the analytic estimator's (`toolkit.memory.moments.step_moments`).
+# of what is alive beside the shards are the estimate's (`toolkit.memory.moments.step_moments`).
 CATEGORIES = {
     "Sharded Param": "sharded parameters",
     "Sharded Grad": "sharded gradients",
@@ -138,7 +138,7 @@ def simulate(
         raise UserError(f"precision {precision} (float16) cannot be simulated on a CPU build; simulate bf16-mixed or bf16-true.")
     plan = fsdp_plan(devices, num_nodes, precision, sharding, activation_checkpointing)
     if plan.kind != "fsdp":
-        raise UserError("simulate runs FSDP on more than one device in total; use the analytic estimate for one device.")
+        raise UserError("simulate runs FSDP on more than one device in total; use the estimate for one device.")
     if dist.is_initialized():
         raise UserError("simulate needs its own (fake) process group, but one is already initialised in this process.")
     train = train or TrainArgs()
@@ -210,7 +210,9 @@ def _run(model, decay, plan, train, micro_batch_size, max_seq_length, micro_batc
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    from toolkit.memory.activations import loss_as_on_a_gpu
+
+    with FakeTensorMode(allow_non_fake_inputs=True), loss_as_on_a_gpu():
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
         optimizer = adamw(model, decay, train)
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
