@@ -12,9 +12,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.models import gpt
+from toolkit.models import IGNORE_INDEX, gpt
+from toolkit.models import loss as fused_loss
 from toolkit.models.config import Config
-from toolkit.models.gpt import GPT, IGNORE_INDEX, cross_entropy_sum, init_weights, linear_cross_entropy_sum
+from toolkit.models.gpt import GPT, init_weights
+from toolkit.models.loss import cross_entropy_sum, linear_cross_entropy_sum, loss_settings
 
 N, E, V = 37, 16, 101  # rows, hidden size, vocabulary: odd sizes so that chunks do not divide evenly
 
@@ -246,10 +248,10 @@ def test_scaled_gradient_equals_the_plain_product_cast(dtype, monkeypatch):
     whatever the chunking (one row, a few rows, all at once), for a matrix and for a vector."""
     g = torch.Generator().manual_seed(0)
     grad, bias, scale = torch.randn(300, 77, generator=g) * 1e-3, torch.randn(1001, generator=g), torch.tensor(0.3712)
-    for chunk_bytes in (1, 77 * 4 * 7, gpt.LOSS_CHUNK_BYTES):
-        monkeypatch.setattr(gpt, "LOSS_CHUNK_BYTES", chunk_bytes)
-        assert torch.equal(gpt._scaled(grad, scale, dtype), (grad * scale).to(dtype))
-        assert torch.equal(gpt._scaled(bias, scale, dtype), (bias * scale).to(dtype))
+    for chunk_bytes in (1, 77 * 4 * 7, fused_loss.LOSS_CHUNK_BYTES):
+        monkeypatch.setattr(fused_loss, "LOSS_CHUNK_BYTES", chunk_bytes)
+        assert torch.equal(fused_loss._scaled(grad, scale, dtype), (grad * scale).to(dtype))
+        assert torch.equal(fused_loss._scaled(bias, scale, dtype), (bias * scale).to(dtype))
 
 
 def test_weight_gradient_pieces_give_the_same_gradients(monkeypatch):
@@ -258,7 +260,7 @@ def test_weight_gradient_pieces_give_the_same_gradients(monkeypatch):
     h, w, b, labels = _inputs(True, 0.3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         whole = _grads(linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8), (h, w, b))
-        monkeypatch.setattr(gpt, "LOSS_CHUNK_BYTES", 3 * 4 * E)  # 3 vocabulary rows per piece
+        monkeypatch.setattr(fused_loss, "LOSS_CHUNK_BYTES", 3 * 4 * E)  # 3 vocabulary rows per piece
         pieces = _grads(linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8), (h, w, b))
     for got, want in zip(pieces, whole):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -274,7 +276,7 @@ def test_loss_memory_is_bounded_by_its_chunks():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     n, hidden, vocab = 2048, 4096, 128256
-    with FakeTensorMode():
+    with FakeTensorMode(), loss_settings(reuse_scratch=False, skip_ignored=False):
         h = torch.empty(n, hidden, requires_grad=True)
         w = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
         labels = torch.zeros(n, dtype=torch.long)
@@ -303,7 +305,7 @@ def test_float32_gradients_are_scaled_in_place():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     n, hidden, vocab = 256, 512, 16000
-    with FakeTensorMode():
+    with FakeTensorMode(), loss_settings(reuse_scratch=False, skip_ignored=False):
         h = torch.empty(n, hidden, requires_grad=True)
         w = torch.empty(vocab, hidden, requires_grad=True)
         b = torch.empty(vocab, requires_grad=True)

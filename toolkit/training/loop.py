@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from toolkit.models.gpt import IGNORE_INDEX
+from toolkit.models import IGNORE_INDEX
 from toolkit.training.args import EvalArgs, LogArgs, TrainArgs
 
 
