@@ -224,3 +224,11 @@ def test_unknown_or_incomplete_rope_scalings_are_refused(scaling, message):
     with pytest.raises(UserError, match=message) as err:
         Config(**TINY, rope_scaling=scaling)
     assert "\n" not in str(err.value)
+
+
+def test_export_refuses_per_layer_fields_it_cannot_express():
+    from toolkit.convert import config_to_hf
+
+    for overrides in (dict(sliding_window=4), dict(no_rope_layers=[0])):
+        with pytest.raises(UserError, match=next(iter(overrides))):
+            config_to_hf(Config.from_name("debug", **overrides))

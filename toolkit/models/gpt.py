@@ -66,7 +66,8 @@ class GPT(nn.Module):
         `document_ids` (B, T): packed rows (see `toolkit.data.instruct.PackedSamples`). Each run of
         equal ids in a row is one sample: its positions restart at 0 and its tokens attend only
         within it (see `document_segments`). Without it (or with one id per row) every row is one
-        sequence, computed exactly as before.
+        sequence, computed exactly as before. A layer with a sliding window (`Config.layer`) lets each
+        query see its last `window` tokens only, within its sample and through the KV cache alike.
         """
         B, T = input_ids.shape
         if per_token and labels is None:
