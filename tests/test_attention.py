@@ -232,3 +232,14 @@ def test_export_refuses_per_layer_fields_it_cannot_express():
     for overrides in (dict(sliding_window=4), dict(no_rope_layers=[0])):
         with pytest.raises(UserError, match=next(iter(overrides))):
             config_to_hf(Config.from_name("debug", **overrides))
+
+
+def test_a_window_shortens_the_attention_flops_only_below_the_sequence_length():
+    full = Config(**TINY).flops_per_token(64)
+    assert Config(**TINY, sliding_window=64).flops_per_token(64) == full
+    local = Config(**TINY, sliding_window=4).flops_per_token(64)
+    mixed = Config(**TINY, sliding_window=4, layer_types=["local", "global"]).flops_per_token(64)
+    assert local < mixed < full
+    # one query-key pair costs 3 (fwd + bwd) x 2 matmuls x 2 FLOPs x heads x head size
+    pair = 3 * 2 * 2 * TINY["n_head"] * (TINY["n_embd"] // TINY["n_head"])
+    assert full - mixed == pytest.approx(pair * (64 / 2 - (4 * 5 / 2 + 60 * 4) / 64))

@@ -193,7 +193,8 @@ class Config:
                 setattr(self, f.name, float(value))  # 10000 for 10000.0
                 continue
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping", list: "a list"}
+                kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
+                        list: "a list"}
                 raise UserError(
                     f"Invalid model config {self.name!r}: {f.name} must be {kind.get(expected, expected.__name__)}, got {value!r}"
                 )
@@ -290,7 +291,12 @@ class Config:
         # is the same tensor as the table and is a matmul, so it counts once either way.
         weights = self.num_parameters() - (0 if self.tie_embeddings else self.vocab_size * self.n_embd)
         dense = (4 + 2 * trainable_fraction) * weights
-        # QK^T and attention x V: 2 matmuls of (T x hs) per head, causal halves them; x3 for fwd+bwd
-        attention = 3 * 2 * 2 * self.n_layer * self.n_head * self.head_size * seq_len / 2
+        # QK^T and attention x V: 2 matmuls of (keys x hs) per head and query, where a query sees T / 2
+        # keys on average (causal), or fewer within a sliding window w < T; x3 for fwd+bwd
+        keys = 0.0
+        for i in range(self.n_layer):
+            w = self.layer(i).window
+            keys += seq_len / 2 if w is None or w >= seq_len else (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+        attention = 3 * 2 * 2 * self.n_head * self.head_size * keys
         return dense + attention
 
