@@ -36,8 +36,8 @@ import torch
 from toolkit import estimate as est
 from toolkit.errors import UserError
 from toolkit.estimate import GiB, estimate
+from toolkit.models import loss
 from toolkit.models.config import Config
-from toolkit.models import gpt
 from toolkit.models.gpt import GPT
 from toolkit.parallel.precision import PRECISIONS, apply_precision_policy, precision_dtypes
 
@@ -570,7 +570,7 @@ def test_activations_scale_with_the_micro_batch():
     # LOSS_CHUNK_BYTES of float32: never the (tokens x vocab) float32 logits.
     V, E = config.vocab_size, config.n_embd
     grad_w = 4 * V * E
-    assert est.LOSS_CHUNK_BYTES == gpt.LOSS_CHUNK_BYTES
+    assert est.LOSS_CHUNK_BYTES == loss.LOSS_CHUNK_BYTES
     for b, fig in ((1, one), (4, four)):
         tokens = b * 2048
         assert fig["logits_and_loss"] - grad_w >= 2 * tokens * E  # grad_h

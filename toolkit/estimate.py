@@ -56,7 +56,7 @@ What is assumed, and where it comes from:
   The math fallback (used with explicit masks; possibly also for float32 with grouped-query
   attention on GPUs, where no fused kernel takes both) would add B x heads x T x T per layer.
 - Autocast rules are CUDA's: linear layers and SDPA run in 16 bits; the loss runs in float32, and
-  the model's norms compute in float32 themselves (`gpt.LayerNorm`, `gpt.RMSNorm`). Each linear layer casts its float32 input separately (casts of activations are not
+  the model's norms compute in float32 themselves (`norms.LayerNorm`, `norms.RMSNorm`). Each linear layer casts its float32 input separately (casts of activations are not
   cached); weight casts are cached for the whole forward pass.
 - LoRA (peft, as `toolkit finetune_lora` applies it): only the adapters train (float32 under
   "*-mixed"); the frozen base is 16-bit, so autocast has nothing to copy but the adapters (under
@@ -115,13 +115,11 @@ from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
 from toolkit.errors import UserError, check_choice
+from toolkit.models import LOSS_CHUNK_BYTES
 from toolkit.models.config import CONFIG_FILENAME, Config
 from toolkit.args import QUANTIZE_CHOICES, QuantizeName, ShardingName, StrategyName
 
 GiB = 1024**3
-# toolkit.models.gpt.LOSS_CHUNK_BYTES (not imported: that would import torch): the fused loss computes
-# at most this many bytes of float32 logits at a time.
-LOSS_CHUNK_BYTES = 128 * 2**20
 
 # LoRA target name -> the linear layers (last name component) it adapts
 LORA_TARGETS: dict[str, tuple[str, ...]] = {
@@ -315,16 +313,17 @@ class Mode:
     @property
     def real_cpu(self) -> bool:
         """Real CPU tensors: the fused loss keeps its chunk buffers between calls
-        (`toolkit.models.gpt._scratch`), and a cast on writing goes through a temporary."""
+        (`toolkit.models.loss._scratch`), and a cast on writing goes through a temporary."""
         return self.device == "cpu"
 
 
 class _Tracer:
     """Follows `GPT.forward` op by op and records each tensor autograd saves (deduplicated).
 
-    Each op below mirrors one line of toolkit/models/gpt.py and saves exactly what the op's
-    backward formula needs: e.g. `a * b` keeps `b` only if `a` requires grad; a linear layer keeps
-    its input only if its weight trains; SDPA keeps q, k, v, the output and a float32 log-sum-exp.
+    Each op below mirrors one line of the model (toolkit/models/gpt.py and its layers) and saves
+    exactly what the op's backward formula needs: e.g. `a * b` keeps `b` only if `a` requires grad;
+    a linear layer keeps its input only if its weight trains; SDPA keeps q, k, v, the output and a
+    float32 log-sum-exp.
     """
 
     def __init__(
@@ -405,7 +404,7 @@ class _Tracer:
         c, n, E = self.c, self.n, self.c.n_embd
         w = self.w[f"{prefix}.weight"]
         if c.norm == "layernorm":
-            # gpt.LayerNorm: F.layer_norm(x.float(), weight.float(), bias.float()), returned in x's dtype
+            # norms.LayerNorm: F.layer_norm(x.float(), weight.float(), bias.float()), returned in x's dtype
             xf = self.cast(x, 4)
             rg = xf.rg or w.trainable
             if rg:
@@ -604,7 +603,7 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
     (on GPUs it is never kept). Returns the loss's transient bytes (forward, backward, kept): the
     forward pass's chunk buffers with the casts and products beside them; the gradients its
     backward pass creates; and the chunk buffers that stay allocated after the call (real CPU runs
-    only, see `toolkit.models.gpt._scratch`). Weights are not autocast-cached: no weight copy.
+    only, see `toolkit.models.loss._scratch`). Weights are not autocast-cached: no weight copy.
     """
     c, mode, n = tr.c, tr.mode, tr.n
     E, V = c.n_embd, c.vocab_size
@@ -621,7 +620,7 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
     if not need_grad:
         return 0, 0, 0
     hidden_input = h.numel * h.b  # alive through the forward pass, not saved
-    # Forward: equal chunks of at most LOSS_CHUNK_BYTES of float32 logits (toolkit.models.gpt).
+    # Forward: equal chunks of at most LOSS_CHUNK_BYTES of float32 logits (toolkit.models.loss).
     chunk = max(1, LOSS_CHUNK_BYTES // (4 * V))
     chunk = -(-n // -(-n // chunk))
     rows = chunk * V
@@ -645,7 +644,7 @@ def _fused_loss(tr: _Tracer, h: _T, w: _Weight, bias: Optional[_Weight]) -> tupl
         forward = hidden_input + kept + casts + max(widened, product)
     # Backward: the hidden's gradient scaled in the compute dtype, then cast to the hidden's dtype;
     # then the weight's and the bias's, scaled in float32 and written into their own dtypes
-    # (`gpt._scaled`; a real CPU run casts through one chunk of float32 rows), or, for float32
+    # (`loss._scaled`; a real CPU run casts through one chunk of float32 rows), or, for float32
     # ones, scaled in place in the kept gradients (nothing new).
     def scaled(numel: int, row: int, b: int) -> int:
         if b == 4:

@@ -197,9 +197,12 @@ def _run(model, decay, strategy, plan, train, micro_batch_size, max_seq_length, 
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from toolkit.models.loss import loss_settings
     from toolkit.optim import make_adamw
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    # Fake tensors have no values to find the ignored rows by, and kept as the fused loss's scratch
+    # buffers they would outlive the simulation: every row is computed, every buffer allocated.
+    with FakeTensorMode(allow_non_fake_inputs=True), loss_settings(reuse_scratch=False, skip_ignored=False):
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
         optimizer = make_adamw(model, decay, train, foreach=True)  # as on GPUs: its temporaries count
         x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
