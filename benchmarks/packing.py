@@ -40,8 +40,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from toolkit.data.chat import Chat  # noqa: E402
 from toolkit.data.instruct import Alpaca  # noqa: E402
+from toolkit.models.attention import segment_attention  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
-from toolkit.models.gpt import GPT, segment_attention  # noqa: E402
+from toolkit.models.gpt import GPT  # noqa: E402
 from toolkit.tokenizer import Tokenizer  # noqa: E402
 from toolkit.training.loop import _loss_sum, _real_tokens  # noqa: E402
 
@@ -139,12 +140,12 @@ def bench_attention() -> None:
         block_mask = create_block_mask(lambda b, h, qi, ki: (doc[b, qi] == doc[b, ki]) & (qi >= ki), B, None, T, T,
                                        device="cpu")
         reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).detach()
-        per_sample = segment_attention(q, k, v, segments, False).detach()
+        per_sample = segment_attention(q, k, v, segments).detach()
         flex = compiled(q.detach(), k.detach(), v.detach(), block_mask=block_mask)
         row = {
             "causal row": time_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()),
             "bool mask": time_ms(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum().backward()),
-            "per sample": time_ms(lambda: segment_attention(q, k, v, segments, False).sum().backward()),
+            "per sample": time_ms(lambda: segment_attention(q, k, v, segments).sum().backward()),
             "flex fwd only": time_ms(lambda: compiled(q.detach(), k.detach(), v.detach(), block_mask=block_mask)),
             "bool mask fwd only": time_ms(
                 lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(), attn_mask=mask)),

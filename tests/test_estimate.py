@@ -38,7 +38,6 @@ from toolkit.errors import UserError
 from toolkit.memory import GiB, check_fits, estimate
 from toolkit.memory import estimator as est
 from toolkit.models.config import Config
-from toolkit.models import gpt
 from toolkit.models.gpt import GPT
 from toolkit.parallel.precision import PRECISIONS, apply_precision_policy, precision_dtypes
 

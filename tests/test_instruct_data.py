@@ -21,7 +21,7 @@ from toolkit.data.instruct import (
 )
 from toolkit.data.prompts import DEFAULT_STYLES, STYLES, default_style_for, get_style, resolve_style
 from toolkit.errors import UserError
-from toolkit.models import gpt
+from toolkit.models import gpt, loss
 from toolkit.models.config import Config
 from toolkit.models.presets import PRESETS
 from toolkit.tokenizer import Tokenizer
@@ -132,7 +132,7 @@ def test_every_preset_has_a_registered_default_style():
 
 
 def test_samples_are_bos_prompt_response_eos_with_prompt_masked(tiny, llama2):
-    assert IGNORE_INDEX == gpt.IGNORE_INDEX
+    assert IGNORE_INDEX == loss.IGNORE_INDEX
     records = json.loads(TINY.read_text())
     style = get_style("alpaca")
     loader = tiny.train_dataloader(micro_batch_size=4, seed=0)

@@ -12,9 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from toolkit.models import gpt
+from toolkit.models import IGNORE_INDEX, gpt
+from toolkit.models import loss as fused_loss
 from toolkit.models.config import Config
-from toolkit.models.gpt import GPT, IGNORE_INDEX, cross_entropy_sum, init_weights, linear_cross_entropy_sum
+from toolkit.models.gpt import GPT, init_weights
+from toolkit.models.loss import (
+    cross_entropy_sum, label_log_probs, linear_cross_entropy_sum, linear_label_log_probs, loss_settings,
+)
 
 N, E, V = 37, 16, 101  # rows, hidden size, vocabulary: odd sizes so that chunks do not divide evenly
 
@@ -246,10 +250,10 @@ def test_scaled_gradient_equals_the_plain_product_cast(dtype, monkeypatch):
     whatever the chunking (one row, a few rows, all at once), for a matrix and for a vector."""
     g = torch.Generator().manual_seed(0)
     grad, bias, scale = torch.randn(300, 77, generator=g) * 1e-3, torch.randn(1001, generator=g), torch.tensor(0.3712)
-    for chunk_bytes in (1, 77 * 4 * 7, gpt.LOSS_CHUNK_BYTES):
-        monkeypatch.setattr(gpt, "LOSS_CHUNK_BYTES", chunk_bytes)
-        assert torch.equal(gpt._scaled(grad, scale, dtype), (grad * scale).to(dtype))
-        assert torch.equal(gpt._scaled(bias, scale, dtype), (bias * scale).to(dtype))
+    for chunk_bytes in (1, 77 * 4 * 7, fused_loss.LOSS_CHUNK_BYTES):
+        monkeypatch.setattr(fused_loss, "LOSS_CHUNK_BYTES", chunk_bytes)
+        assert torch.equal(fused_loss._scaled(grad, scale, dtype), (grad * scale).to(dtype))
+        assert torch.equal(fused_loss._scaled(bias, scale, dtype), (bias * scale).to(dtype))
 
 
 def test_weight_gradient_pieces_give_the_same_gradients(monkeypatch):
@@ -258,7 +262,7 @@ def test_weight_gradient_pieces_give_the_same_gradients(monkeypatch):
     h, w, b, labels = _inputs(True, 0.3)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         whole = _grads(linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8), (h, w, b))
-        monkeypatch.setattr(gpt, "LOSS_CHUNK_BYTES", 3 * 4 * E)  # 3 vocabulary rows per piece
+        monkeypatch.setattr(fused_loss, "LOSS_CHUNK_BYTES", 3 * 4 * E)  # 3 vocabulary rows per piece
         pieces = _grads(linear_cross_entropy_sum(h, w, b, labels, chunk_rows=8), (h, w, b))
     for got, want in zip(pieces, whole):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -274,7 +278,7 @@ def test_loss_memory_is_bounded_by_its_chunks():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     n, hidden, vocab = 2048, 4096, 128256
-    with FakeTensorMode():
+    with FakeTensorMode(), loss_settings(reuse_scratch=False, skip_ignored=False):
         h = torch.empty(n, hidden, requires_grad=True)
         w = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
         labels = torch.zeros(n, dtype=torch.long)
@@ -303,7 +307,7 @@ def test_float32_gradients_are_scaled_in_place():
     from torch.distributed._tools.mem_tracker import MemTracker
 
     n, hidden, vocab = 256, 512, 16000
-    with FakeTensorMode():
+    with FakeTensorMode(), loss_settings(reuse_scratch=False, skip_ignored=False):
         h = torch.empty(n, hidden, requires_grad=True)
         w = torch.empty(vocab, hidden, requires_grad=True)
         b = torch.empty(vocab, requires_grad=True)
@@ -324,3 +328,125 @@ def test_float32_gradients_are_scaled_in_place():
         torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="runs once per forward pass"):
         torch.autograd.grad(loss, (h, w, b))
+
+
+# ------------------------------------------------------------------------------ per-token log-probabilities
+
+
+def _plain_log_probs(h, w, b, labels):
+    """log_softmax of the float32 logits at each label, 0 where ignored: the obvious way."""
+    valid = labels != IGNORE_INDEX
+    log_probs = torch.log_softmax(F.linear(h, w, b).float(), dim=-1)
+    return torch.where(valid, log_probs.gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_rows", [1, 5, 64])
+@pytest.mark.parametrize("skip_ignored", [True, False])
+def test_label_log_probs_and_gradients_match_log_softmax(bias, chunk_rows, skip_ignored):
+    """Values (N,) and gradients w.r.t. hidden, weight and bias under an incoming gradient that differs
+    per row (as a preference loss gives), with ignored labels present."""
+    h, w, b, labels = _inputs(bias, 0.3)
+    assert (labels == IGNORE_INDEX).any()
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    want = _plain_log_probs(h, w, b, labels)
+    got = linear_label_log_probs(h, w, b, labels, chunk_rows=chunk_rows, skip_ignored=skip_ignored)
+    assert got.shape == (N,) and got.dtype == torch.float32
+    assert torch.all(got[labels == IGNORE_INDEX] == 0) and torch.all(got[labels != IGNORE_INDEX] < 0)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for g, ref in zip(_grads((got * upstream).sum(), (h, w, b)), _grads((want * upstream).sum(), (h, w, b))):
+        torch.testing.assert_close(g, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_label_log_probs_sum_to_minus_the_loss_and_keep_the_batch_shape():
+    h, w, b, labels = _inputs(True, 0.3)
+    hb, lb = h[:36].reshape(4, 9, E), labels[:36].reshape(4, 9)
+    got = linear_label_log_probs(hb, w, b, lb)
+    assert got.shape == (4, 9)
+    torch.testing.assert_close(-got.sum(), linear_cross_entropy_sum(hb, w, b, lb), rtol=1e-6, atol=1e-4)
+
+
+def test_bf16_label_log_probs_match_log_softmax():
+    """bf16 weights and hidden states: bf16 gradients; and float32 ones under bf16 autocast. Both
+    against the plain computation in the same precision."""
+    h, w, _, labels = _inputs(False, 0.3, dtype=torch.bfloat16)
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    got = linear_label_log_probs(h, w, None, labels, chunk_rows=8)
+    want = _plain_log_probs(h, w, None, labels)
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=2e-2)
+    for g, ref in zip(_grads((got * upstream).sum(), (h, w)), _grads((want * upstream).sum(), (h, w))):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+    h, w, b, labels = _inputs(True, 0.3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = linear_label_log_probs(h, w, b, labels, chunk_rows=8)
+        want = _plain_log_probs(h, w, b, labels)
+    torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-2)
+    for g, ref in zip(_grads((got * upstream).sum(), (h, w, b)), _grads((want * upstream).sum(), (h, w, b))):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, ref, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("name", ["debug-neox", "debug-gemma", "debug-phi"])
+def test_model_per_token_log_probs_equal_log_softmax_of_its_logits(name):
+    """GPT(ids, labels, per_token=True) (B, T) == log_softmax(GPT(ids)) at the labels, gradients of every
+    parameter included; its sum is minus the summed loss."""
+    model, ids, labels = _model_and_batch(name)
+    params = list(model.parameters())
+    upstream = torch.randn(labels.shape, generator=torch.Generator().manual_seed(9))
+    fused = model(ids, labels=labels, per_token=True)
+    assert fused.shape == labels.shape
+    fused_grads = torch.autograd.grad((fused * upstream).sum(), params)
+    logits = model(ids)
+    plain = torch.log_softmax(logits.float(), dim=-1).gather(-1, labels.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    plain = torch.where(labels != IGNORE_INDEX, plain, 0.0)
+    plain_grads = torch.autograd.grad((plain * upstream).sum(), params)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(-fused.sum(), model(ids, labels=labels), rtol=1e-5, atol=1e-4)
+    for (n, _), g, ref in zip(model.named_parameters(), fused_grads, plain_grads):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+def test_per_token_with_a_lora_head_takes_the_plain_path():
+    peft = pytest.importorskip("peft")
+    model, ids, labels = _model_and_batch("debug-neox")
+    model = peft.get_peft_model(model, peft.LoraConfig(r=2, target_modules=["lm_head", "q_proj"]))
+    got = model(ids, labels=labels, per_token=True)
+    torch.testing.assert_close(got, label_log_probs(model(ids), labels))
+    assert got.shape == labels.shape and torch.all(got[labels == IGNORE_INDEX] == 0)
+
+
+def test_per_token_without_labels_is_refused():
+    model, ids, _ = _model_and_batch("debug-neox")
+    with pytest.raises(ValueError, match="pass labels"):
+        model(ids, per_token=True)
+
+
+def test_label_log_probs_never_hold_the_whole_float32_logits():
+    """Llama-3.1-8B's head (bf16) on 2048 tokens under bf16 autocast, on fake tensors, with torch's
+    memory tracker: the forward pass holds its chunk buffers (a fifth of the (N, V) float32 logits,
+    1002 MiB), the backward pass the weight's float32 gradient, its bf16 copy and the hidden's
+    gradients beside the same chunk buffers: never a (N, V) float32 matrix."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    n, hidden, vocab = 2048, 4096, 128256
+    logits_bytes = n * vocab * 4
+    with FakeTensorMode(), loss_settings(reuse_scratch=False, skip_ignored=False):
+        h = torch.empty(n, hidden, requires_grad=True)
+        w = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
+        labels = torch.zeros(n, dtype=torch.long)
+        forward = MemTracker()
+        forward.track_external(h, w, labels)
+        with forward, torch.autocast("cpu", dtype=torch.bfloat16):
+            log_probs = linear_label_log_probs(h, w, None, labels)
+        backward = MemTracker()
+        backward.track_external(h, w, labels, log_probs, *log_probs.grad_fn.next_functions[0][0].saved_tensors)
+        with backward:
+            log_probs.sum().backward()
+    ((_, fwd),) = forward.get_tracker_snapshot("peak").items()
+    ((_, bwd),) = backward.get_tracker_snapshot("peak").items()
+    assert 0 < {str(k): v for k, v in fwd.items()}["_MemRefType.ACT"] < logits_bytes // 3
+    gradients = vocab * hidden * (4 + 2) + n * hidden * (4 + 2)  # float32 and bf16 weight; bf16 and float32 hidden
+    assert gradients < {str(k): v for k, v in bwd.items()}["_MemRefType.TEMP"] < gradients + logits_bytes // 3

@@ -6,7 +6,8 @@ import torch
 from toolkit.errors import UserError
 from toolkit.sampling import generate_tokens
 from toolkit.models.config import Config
-from toolkit.models.gpt import GPT, IGNORE_INDEX, init_weights
+from toolkit.models import IGNORE_INDEX
+from toolkit.models.gpt import GPT, init_weights
 from toolkit.models.presets import PRESETS, find_preset
 
 

@@ -19,8 +19,9 @@ from toolkit.data.chat import Chat
 from toolkit.data.instruct import IGNORE_INDEX, Alpaca, PackedSamples, pack_lengths
 from toolkit.finetune.lora import init_adapters
 from toolkit.models.lora import LoRAArgs
+from toolkit.models.attention import document_segments
 from toolkit.models.config import Config
-from toolkit.models.gpt import GPT, document_segments
+from toolkit.models.gpt import GPT
 from toolkit.tokenizer import Tokenizer
 from toolkit.training.loop import _loss_sum, _real_tokens
 

@@ -99,7 +99,7 @@ def test_simulated_step_matches_the_analytic_estimate(step_8b):
     # counted a bf16 cast of it that the gathered head does not need, 12% too many activations. The
     # peak had been in the loss's backward pass (32.0 GiB), where the fused loss wrote its float32
     # weight gradient scaled in float32 beside the kept one before casting it (2 GB of waste, fixed
-    # in toolkit.models.gpt._scaled; its 16-bit product, 1 GB, is now added up in pieces too).
+    # in toolkit.models.loss._scaled; its 16-bit product, 1 GB, is now added up in pieces too).
     assert _holds_to_the_analytic_peak(step_8b, opts, make_column("FULL_SHARD", 8, 1), False, 1) == "loss backward"
     # At the peak, of the edges only the (final norm, head) unit is gathered, in bf16 like a block
     # (0.98 GiB); the embedding was released after its forward pass.
@@ -349,6 +349,7 @@ def test_the_heads_flat_gather_output_is_freed_before_the_loss():
 
     from toolkit.models.gpt import GPT, Block
     from toolkit.args import DistributedArgs
+    from toolkit.models.loss import loss_settings
     from toolkit.parallel.fsdp import shard_model
     from toolkit.parallel.plan import plan_strategy
 
@@ -362,7 +363,7 @@ def test_the_heads_flat_gather_output_is_freed_before_the_loss():
         group = model.lm_head._get_fsdp_state()._fsdp_param_group
         seen = {}
         model.lm_head.register_forward_hook(lambda m, a, out: seen.update(kept=group.comm_ctx.all_gather_state))
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with FakeTensorMode(allow_non_fake_inputs=True), loss_settings(reuse_scratch=False, skip_ignored=False):
             model.to_empty(device="cpu")
             ids = torch.zeros(1, 8, dtype=torch.long)
             model(ids, labels=ids)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.models.gpt import IGNORE_INDEX  # noqa: E402
+from toolkit.models import IGNORE_INDEX  # noqa: E402
 from toolkit.args import EvalArgs, LogArgs, TrainArgs  # noqa: E402
 from toolkit.training.loop import LoopHooks, TrainState, fit  # noqa: E402
 from two_rank_ddp import start_two_rank_ddp  # noqa: E402  (this folder)

@@ -19,7 +19,7 @@ in place, as every micro-batch after the first does. It records:
   which records every allocation and free of the CPU allocator with its address: the count
   `torch.cuda.max_memory_allocated` keeps on a GPU. A measured step starts from the storages that
   live between steps, found from the tensors themselves (parameters, gradients, AdamW state and
-  the fused loss's chunk buffers, kept between calls: `toolkit.models.gpt._scratch`); then every
+  the fused loss's chunk buffers, kept between calls: `toolkit.models.loss._scratch`); then every
   allocation adds and every free subtracts. Only threads the profiler follows record, and gloo's
   worker thread frees a collective's buffer itself when it still holds it after the training
   thread let go (it waits for a core, at random): an address handed out again counts as freed,
@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 
 from toolkit.finetune.lora import init_adapters  # noqa: E402
 from toolkit.models.lora import LoRAArgs  # noqa: E402
-from toolkit.models import gpt  # noqa: E402
+from toolkit.models import loss as fused_loss  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import Block  # noqa: E402
 from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
@@ -145,7 +145,7 @@ def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int
     session = Session(kind=f"finetune_{finetune}", fabric=fabric, out_dir=out_dir, config=config, train=train,
                       eval=EvalArgs(), log=LogArgs(), plan=None, seed=0, resume=False, precision=precision)  # fmt: skip
     prepare = add_lora(LoRAArgs(r=lora_r)) if finetune == "lora" else None  # finetune_lora's defaults otherwise
-    gpt._SCRATCH.clear()
+    fused_loss._SCRATCH.clear()
     model = session.build_model("random", prepare)
     optimizer = session.build_optimizer(model)
     generator = torch.Generator().manual_seed(fabric.global_rank)
@@ -167,7 +167,7 @@ def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int
         "parameters": storages(params),
         "gradients": storages(p.grad for p in params if p.grad is not None),
         "optimizer_state": storages(t for t in states if t.dim() > 0),
-        "loss_buffers": storages(gpt._SCRATCH.values()),
+        "loss_buffers": storages(fused_loss._SCRATCH.values()),
     }
     figures = {key: sum(found.values()) for key, found in alive.items()}
     figures["step_counters"] = sorted({f"{t.dim()} {t.dtype} {t.device}" for t in states if t.dim() == 0})

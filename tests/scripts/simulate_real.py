@@ -26,7 +26,7 @@ import torch.distributed as dist  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
-from toolkit.models import gpt  # noqa: E402
+from toolkit.models import loss as fused_loss  # noqa: E402
 from toolkit.parallel import gloo_collectives  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.args import TrainArgs  # noqa: E402
@@ -71,9 +71,9 @@ def main() -> None:
     parser.add_argument("--lora-r", type=int, default=8)
     parser.add_argument("--setups", required=True, help="comma-separated")
     args = parser.parse_args()
-    # The fused loss keeps its CPU buffers between calls (gpt._scratch); a GPU, and so the
+    # The fused loss keeps its CPU buffers between calls (toolkit.models.loss._scratch); a GPU, and so the
     # simulation, allocates them at each call: allocate here as there.
-    gpt.REUSE_CPU_SCRATCH = False
+    fused_loss.SETTINGS.reuse_scratch = False
     # A GPU, and so the simulation, runs FSDP2's own all-gather and reduce-scatter; gloo's in-place
     # replacements (toolkit.parallel.gloo_collectives) move the same bytes as broadcasts and reduces.
     gloo_collectives.ENABLED = False

@@ -294,6 +294,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_embeddings,
     }
     _check(config, family, scale_embeddings=family == "gemma", norm_unit_offset=family == "gemma")
+    # Per-layer attention spans and NoPE layers have no export yet: refused, never silently dropped.
+    _check(config, family, sliding_window=None, layer_types=None, no_rope_layers=None)
     if config.rope_scaling is not None and family not in ("llama", "mistral", "qwen2", "gemma"):
         raise _unsupported(config, "llama3 RoPE scaling is only supported for Llama-like families")
 

@@ -1,17 +1,18 @@
 """What a micro-batch's forward pass leaves for the backward pass, recorded from the real model.
 
-`record` runs the model's own code on fake tensors (shapes and dtypes, no memory): `GPT` with the
-first two of its blocks (the first block may see an input that needs no gradient, under LoRA; from
-the second on every block sees what the second sees), peft's LoRA layers (dropout included) when
+`record` runs the model's own code on fake tensors (shapes and dtypes, no memory): `GPT` with its
+first block and one block of each kind after it (`layer_slots`: the first block may see an input
+that needs no gradient, under LoRA; from the second on, blocks of a kind save alike), peft's LoRA layers (dropout included) when
 asked, the parameters in the dtypes the forward pass sees (as stored, or as FSDP gathers them under
 "*-mixed"; the embedding's output cast back to its stored dtype as FSDP's output policy does),
 autocast for "*-mixed", and the loss. `torch.autograd.graph.saved_tensors_hooks` sees every tensor
 autograd keeps; they are counted once per storage, parameters left out, and attributed to the
 block that saved them, or to the rest of the model (the token ids, rotary tables every block shares,
 the final norm, the loss's kept gradients). A dispatch mode beside it names autocast's copies of
-weights (a cast whose input is a parameter) and dropout's noise (what `bernoulli_` fills). Then the
-second block's backward pass runs, and the most its gradients in flight add to what it saved, at
-any moment, is recorded too. Recorded at one and two sequences per micro-batch; everything saved is
+weights (a cast whose input is a parameter) and dropout's noise (what `bernoulli_` fills). The
+forward pass stops at the head; the gradient of the head's input then runs back through the blocks,
+and the most the last recorded block's backward pass holds beyond what it saved, at any moment, is
+recorded too. The head and the loss (`GPT.head_loss`) run apart, on one and on two rows. Recorded at one and two sequences per micro-batch; everything saved is
 affine in the micro-batch (weight copies and rotary tables do not grow with it).
 
 What is not recorded, and why (each is a rule below, held to the real thing by a test):
@@ -33,7 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from toolkit.memory.options import Mode, Options
-from toolkit.models.gpt import LOSS_CHUNK_BYTES
+from toolkit.models import LOSS_CHUNK_BYTES
 
 
 @dataclass
@@ -104,9 +105,9 @@ class _Head:
 
 @dataclass(frozen=True)
 class Recording:
-    """What one forward pass of `micro_batch` sequences saved, block by block (the first two blocks)."""
+    """What one forward pass of `micro_batch` sequences saved, block by block (the blocks of `layer_slots`)."""
 
-    blocks: tuple[int, ...]
+    blocks: tuple[int, ...]  # of the blocks recorded (`layer_slots`)
     block_inputs: tuple[int, ...]
     block_copies: tuple[int, ...]
     outside: int  # saved outside the blocks, before the head
@@ -123,7 +124,7 @@ _RECORDINGS: dict = {}
 
 
 def record(opts: "Options", gathered: bool, micro_batch: int) -> Recording:
-    """One forward and backward pass of the model's first two blocks on fake tensors (cached).
+    """One forward and backward pass of the model's recorded blocks (`layer_slots`) on fake tensors (cached).
 
     `gathered`: the weights as FSDP gathers them (in the compute dtype under "*-mixed"), else as stored."""
     mode = opts.mode()
@@ -148,12 +149,10 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
     from toolkit.models.gpt import Block, OutputHead
     from toolkit.parallel.precision import precision_dtypes
 
-    config = opts.config.replace(n_layer=min(opts.config.n_layer, 2))
-    # A fresh model each time: the dtypes and the quantized stand-ins below change it.
-    model = meta_model(config, opts.lora_modules, opts.lora_r, opts.lora_dropout)
-    import copy
-
-    model = copy.deepcopy(model)
+    # A fresh model each time (the dtypes and the quantized stand-ins below change it), with the first
+    # block and one block of each kind after it (`layer_slots`).
+    slots, chosen = layer_slots(opts.config)
+    model = meta_model(opts.config, opts.lora_modules, opts.lora_r, opts.lora_dropout, layers=chosen)
     trainable, compute = precision_dtypes(opts.precision.replace("16-", "bf16-", 1) if opts.precision.startswith("16-")
                                           else opts.precision)  # same sizes: the CPU's autocast is bfloat16's  # fmt: skip
     if opts.quantize:
@@ -228,9 +227,29 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
 @contextmanager
 def loss_as_on_a_gpu():
     """The fused loss as a GPU runs it, for the recording and the simulation: every row computed and
-    its chunk buffers allocated at each call. `toolkit.models.gpt` chooses that path itself under a
-    FakeTensorMode, which both run in: nothing to set (the one place to set it if that changes)."""
-    yield
+    its chunk buffers allocated at each call (`toolkit.models.loss.loss_settings`)."""
+    from toolkit.models.loss import loss_settings
+
+    # Fake tensors have no values to find ignored rows by, and kept as the fused loss's scratch
+    # buffers they would outlive the recording or the simulation.
+    with loss_settings(reuse_scratch=False, skip_ignored=False):
+        yield
+
+
+def layer_slots(config) -> tuple[list[int], tuple[int, ...]]:
+    """(for each layer, the recorded block that stands for it; the layers recorded): the first layer,
+    whose input may need no gradient (a frozen embedding), and the first layer after it of each kind
+    (`Config.layer`: attention span, rotation). From the second layer on, what a block saves depends
+    only on its kind: its input's dtype and need of a gradient are the same for every block."""
+    chosen, slot_of_kind = [0], {}
+    slots = [0]
+    for i in range(1, config.n_layer):
+        kind = config.layer(i)
+        if kind not in slot_of_kind:
+            slot_of_kind[kind] = len(chosen)
+            chosen.append(i)
+        slots.append(slot_of_kind[kind])
+    return slots, tuple(chosen)
 
 
 class _AtTheHead(Exception):
@@ -493,14 +512,15 @@ def activations(opts: "Options", gathered: bool, micro_batch_size: int, dequant_
     transients by `loss_transients` at the micro-batch's own size."""
     one = record(opts, gathered, 1)
     two = one if micro_batch_size == 1 else record(opts, gathered, 2)
-    B, n_layer = micro_batch_size, opts.config.n_layer
+    B = micro_batch_size
 
     def f(x1: int, x2: int) -> int:
         return x1 + (x2 - x1) * (B - 1)
 
+    slots, _ = layer_slots(opts.config)
+
     def per_block(values1: tuple[int, ...], values2: tuple[int, ...]) -> list[int]:
-        first, rest = f(values1[0], values2[0]), f(values1[-1], values2[-1])
-        return [first] + [rest] * (n_layer - 1)
+        return [f(values1[slot], values2[slot]) for slot in slots]
 
     copies = per_block(one.block_copies, one.block_copies)
     tokens = B * opts.max_seq_length

@@ -22,28 +22,47 @@ from toolkit.models.config import Config
 _MODELS: dict = {}
 
 
-def meta_model(config: Config, lora_modules: tuple[str, ...] = (), lora_r: int = 8, lora_dropout: float = 0.0):
+def meta_model(config: Config, lora_modules: tuple[str, ...] = (), lora_r: int = 8, lora_dropout: float = 0.0,
+               layers: Optional[tuple[int, ...]] = None):  # fmt: skip
     """`GPT(config)` on the meta device, with peft's LoRA on `lora_modules` (only the adapters train),
-    as finetune_lora prepares it. Cached: the estimate asks for the same model many times."""
+    as finetune_lora prepares it. Cached: the estimate asks for the same model many times.
+
+    `layers`: only these blocks of it (indices into the config's layers; what they do comes from
+    `Block(config, index)`), a fresh model the caller may change (`toolkit.memory.activations`)."""
+    import copy
+
+    import torch
+
+    from toolkit.models.gpt import GPT
+
     key = (repr(config), lora_modules, lora_r, lora_dropout)
-    model = _MODELS.get(key)
-    if model is None:
-        import torch
-
-        from toolkit.models.gpt import GPT
-
+    model = _MODELS.get(key) if layers is None else None
+    if model is not None:
+        return model
+    if layers is None:
         with torch.device("meta"):
             model = GPT(config)
-            if lora_modules:
-                from peft import LoraConfig, inject_adapter_in_model
+    else:
+        whole = meta_model(config)
+        blocks = whole.blocks
+        whole.blocks = torch.nn.ModuleList()
+        try:
+            model = copy.deepcopy(whole)  # the rest of the model (a tied head stays tied)
+        finally:
+            whole.blocks = blocks
+        model.blocks = torch.nn.ModuleList(copy.deepcopy(blocks[i]) for i in layers)
+    if lora_modules:
+        from peft import LoraConfig, inject_adapter_in_model
 
-                present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-                targets = [m for m in lora_modules if m in present]
-                lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, target_modules=targets,
-                                  bias="none")  # fmt: skip
-                model = inject_adapter_in_model(lora, model)
-                for name, p in model.named_parameters():
-                    p.requires_grad_(_is_adapter(name))
+        present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+        targets = [m for m in lora_modules if m in present]
+        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, target_modules=targets,
+                          bias="none")  # fmt: skip
+        with torch.device("meta"):
+            model = inject_adapter_in_model(lora, model)
+        for name, p in model.named_parameters():
+            p.requires_grad_(_is_adapter(name))
+    if layers is None:
         if len(_MODELS) > 8:
             _MODELS.clear()
         _MODELS[key] = model

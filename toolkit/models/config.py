@@ -11,11 +11,28 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Literal, Optional, Union, get_args, get_origin, get_type_hints
+from typing import Any, Literal, NamedTuple, Optional, Union, get_args, get_origin, get_type_hints
 
 from toolkit.errors import UserError, did_you_mean
 
 CONFIG_FILENAME = "model_config.json"
+
+# RoPE frequency scalings: type name -> the keys its `rope_scaling` mapping holds beside "rope_type".
+# Each has one function in toolkit.models.rope (`ROPE_SCALINGS`, same names; a test keeps the two in
+# step). Listed here, free of torch, so that a config is checked when it is read.
+ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+}
+# A `rope_scaling` without "rope_type" is Llama-3.1's (the only kind before the key existed).
+DEFAULT_ROPE_SCALING = "llama3"
+LAYER_TYPES = ("global", "local")
+
+
+class LayerSpec(NamedTuple):
+    """What one layer does differently from the others (`Config.layer(i)`)."""
+
+    window: Optional[int]  # tokens each query attends to, itself included; None: every earlier token
+    rope: bool  # whether queries and keys are rotated
 
 
 @dataclass
@@ -62,9 +79,20 @@ class Config:
     # --- rotary position embedding
     rotary_percentage: float = 1.0  # fraction of each head's dimensions that rotate (0.25 for Pythia)
     rope_base: float = 10000.0
-    # Llama-3.1 frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
-    # "original_max_seq_len"}; None for plain RoPE.
-    rope_scaling: Optional[dict[str, float]] = None
+    # Frequency scaling: {"rope_type": one of ROPE_SCALING_KEYS, and that type's keys}; without
+    # "rope_type", Llama-3.1's: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_seq_len"}. None for plain RoPE.
+    rope_scaling: Optional[dict[str, Any]] = None
+    # Layers (0-based indices) whose attention uses no rotary embedding at all (SmolLM3's NoPE layers).
+    no_rope_layers: Optional[list[int]] = None
+
+    # --- attention span, per layer
+    # Tokens a query of a "local" layer attends to, itself included (Mistral, Gemma 2/3). None: no
+    # layer is local.
+    sliding_window: Optional[int] = None
+    # Per layer, "global" (every earlier token) or "local" (the last `sliding_window` tokens).
+    # None: every layer local when sliding_window is set (Mistral), else every layer global.
+    layer_types: Optional[list[str]] = None
 
     # --- derived in __post_init__; not meant to be set
     rope_n_elem: int = field(default=0, init=False)
@@ -108,12 +136,43 @@ class Config:
         if self.shared_attention_norm and not self.parallel_residual:
             raise UserError(f"Invalid model config {self.name!r}: shared_attention_norm needs parallel_residual")
         if self.rope_scaling is not None:
-            missing = {"factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"} - set(self.rope_scaling)
+            kind = self.rope_scaling_type
+            if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:
+                raise UserError(
+                    f"Invalid model config {self.name!r}: rope_scaling's rope_type {kind!r} is not one of "
+                    f"{tuple(ROPE_SCALING_KEYS)}"
+                )
+            missing = set(ROPE_SCALING_KEYS[kind]) - set(self.rope_scaling)
             if missing:
                 raise UserError(f"Invalid model config {self.name!r}: rope_scaling lacks {sorted(missing)}")
+        self._check_layers()
         for name, allowed in (("norm", ("rmsnorm", "layernorm")), ("mlp", ("gelu", "swiglu", "geglu"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"Invalid model config {self.name!r}: {name} must be one of {allowed}")
+
+    def _check_layers(self) -> None:
+        """sliding_window, layer_types and no_rope_layers describe n_layer layers consistently."""
+        problems = []
+        window = self.sliding_window
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            problems.append(f"sliding_window must be a positive integer, got {window!r}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layer:
+                problems.append(f"layer_types has {len(self.layer_types)} entries for n_layer={self.n_layer}")
+            wrong = [t for t in self.layer_types if t not in LAYER_TYPES]
+            if wrong:
+                problems.append(f"layer_types entries must be one of {LAYER_TYPES}, got {wrong[0]!r}")
+            elif "local" in self.layer_types and window is None:
+                problems.append("layer_types has local layers but sliding_window is not set")
+        if self.no_rope_layers is not None:
+            wrong = [i for i in self.no_rope_layers if isinstance(i, bool) or not isinstance(i, int)
+                     or not 0 <= i < self.n_layer]
+            if wrong:
+                problems.append(f"no_rope_layers entries must be layer indices in [0, {self.n_layer}), got {wrong[0]!r}")
+            elif len(set(self.no_rope_layers)) != len(self.no_rope_layers):
+                problems.append("no_rope_layers lists a layer twice")
+        if problems:
+            raise UserError(f"Invalid model config {self.name!r}: " + "; ".join(problems))
 
     def _check_types(self) -> None:
         """Every field holds a value of its annotated type (a JSON file or --model_overrides may not)."""
@@ -134,7 +193,8 @@ class Config:
                 setattr(self, f.name, float(value))  # 10000 for 10000.0
                 continue
             if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
-                kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping"}
+                kind = {int: "an integer", float: "a number", bool: "true or false", str: "a string", dict: "a mapping",
+                        list: "a list"}
                 raise UserError(
                     f"Invalid model config {self.name!r}: {f.name} must be {kind.get(expected, expected.__name__)}, got {value!r}"
                 )
@@ -182,6 +242,23 @@ class Config:
     def replace(self, **changes: Any) -> "Config":
         return self.from_dict({**self.to_dict(), **changes})
 
+    # ------------------------------------------------------------------ derived per layer
+    @property
+    def rope_scaling_type(self) -> Optional[str]:
+        """The key of `rope_scaling` in ROPE_SCALING_KEYS (None without scaling)."""
+        if self.rope_scaling is None:
+            return None
+        return self.rope_scaling.get("rope_type", DEFAULT_ROPE_SCALING)
+
+    def layer(self, index: int) -> LayerSpec:
+        """What layer `index` (0-based) does: its attention span and whether it rotates."""
+        if self.layer_types is None:
+            local = self.sliding_window is not None
+        else:
+            local = self.layer_types[index] == "local"
+        rope = self.no_rope_layers is None or index not in self.no_rope_layers
+        return LayerSpec(window=self.sliding_window if local else None, rope=rope)
+
     # ------------------------------------------------------------------ derived sizes
     @property
     def kv_heads(self) -> int:
@@ -214,7 +291,12 @@ class Config:
         # is the same tensor as the table and is a matmul, so it counts once either way.
         weights = self.num_parameters() - (0 if self.tie_embeddings else self.vocab_size * self.n_embd)
         dense = (4 + 2 * trainable_fraction) * weights
-        # QK^T and attention x V: 2 matmuls of (T x hs) per head, causal halves them; x3 for fwd+bwd
-        attention = 3 * 2 * 2 * self.n_layer * self.n_head * self.head_size * seq_len / 2
+        # QK^T and attention x V: 2 matmuls of (keys x hs) per head and query, where a query sees T / 2
+        # keys on average (causal), or fewer within a sliding window w < T; x3 for fwd+bwd
+        keys = 0.0
+        for i in range(self.n_layer):
+            w = self.layer(i).window
+            keys += seq_len / 2 if w is None or w >= seq_len else (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+        attention = 3 * 2 * 2 * self.n_head * self.head_size * keys
         return dense + attention
 

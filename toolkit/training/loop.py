@@ -17,8 +17,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from toolkit.models.gpt import IGNORE_INDEX
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.models import IGNORE_INDEX
 
 
 @dataclass

@@ -1,0 +1,245 @@
+"""Attention masks (causal, sliding window, packed samples, KV cache), per-layer config data and RoPE scalings.
+
+References are written the slow, obvious way (a dense mask filled by Python loops, attention as
+softmax(q k^T / sqrt(D)) v in float32), on tiny random models.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from toolkit.errors import UserError
+from toolkit.models.attention import CausalSelfAttention, attention_mask, document_segments
+from toolkit.models.config import ROPE_SCALING_KEYS, Config
+from toolkit.models.gpt import GPT, init_weights
+from toolkit.models.rope import ROPE_SCALINGS, RotaryEmbedding, apply_rope, llama3_scale_frequencies
+
+TINY = dict(vocab_size=97, block_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=48)
+
+
+def _model(seed: int = 0, **overrides) -> GPT:
+    config = Config(name="tiny", **{**TINY, **overrides})
+    torch.manual_seed(seed)
+    model = GPT(config).eval()
+    init_weights(model, config.n_layer, std=0.3, seed=seed)  # large weights: attention far from uniform
+    return model
+
+
+def _dense_reference(attn: CausalSelfAttention, x, cos, sin, sees) -> torch.Tensor:
+    """The layer's output with query i of row b attending to key j where sees(b, i, j)."""
+    B, T, _ = x.shape
+    H, G, D = attn.n_head, attn.n_kv, attn.head_size
+    q = apply_rope(attn.q_proj(x).view(B, T, H, D).transpose(1, 2), cos, sin, attn.rope_n_elem)
+    k = apply_rope(attn.k_proj(x).view(B, T, G, D).transpose(1, 2), cos, sin, attn.rope_n_elem)
+    v = attn.v_proj(x).view(B, T, G, D).transpose(1, 2)
+    k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)  # (B, H, T, D)
+    allowed = torch.zeros(B, 1, T, T, dtype=torch.bool)
+    for b in range(B):
+        for i in range(T):
+            for j in range(T):
+                allowed[b, 0, i, j] = sees(b, i, j)
+    scores = (q @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~allowed, float("-inf"))
+    y = torch.softmax(scores, dim=-1) @ v
+    return attn.o_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+
+@pytest.mark.parametrize("window", [1, 3, 5, 100])
+def test_sliding_window_attention_equals_a_dense_mask_reference(window):
+    model = _model(sliding_window=window)
+    attn = model.blocks[0].attn
+    assert attn.window == window
+    x = torch.randn(2, 11, 32, generator=torch.Generator().manual_seed(1))
+    cos, sin = model.rope(0, 11, x.device)
+    with torch.no_grad():
+        got = attn(x, cos, sin, None)
+        want = _dense_reference(attn, x, cos, sin, lambda b, i, j: j <= i and i - j < window)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [None, 2, 4])
+def test_packed_samples_with_a_window_equal_a_dense_block_diagonal_reference(window):
+    model = _model(sliding_window=window)
+    attn = model.blocks[0].attn
+    document_ids = torch.tensor([[0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 2], [5] * 7 + [6] * 5])
+    positions, segments = document_segments(document_ids)
+    cos, sin = model.rope.at(positions, "cpu")
+    x = torch.randn(2, 12, 32, generator=torch.Generator().manual_seed(2))
+    span = window or 12
+
+    def sees(b, i, j):
+        return document_ids[b, i] == document_ids[b, j] and j <= i and i - j < span
+
+    with torch.no_grad():
+        got = attn(x, cos, sin, None, segments)
+        want = _dense_reference(attn, x, cos, sin, sees)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_a_packed_row_with_a_window_gives_each_sample_what_it_gets_alone():
+    model = _model(sliding_window=3, layer_types=["local", "global"])
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randint(0, 97, (6,), generator=g), torch.randint(0, 97, (9,), generator=g)
+    with torch.no_grad():
+        packed = model(torch.cat([a, b])[None], document_ids=torch.tensor([[0] * 6 + [1] * 9]))[0]
+        alone = torch.cat([model(a[None])[0], model(b[None])[0]])
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+
+
+def test_the_window_changes_the_output_only_past_its_length():
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 97, (1, 12), generator=g)
+    with torch.no_grad():
+        full = _model()(ids)
+        windowed = _model(sliding_window=4)(ids)
+        wide = _model(sliding_window=12)(ids)
+    torch.testing.assert_close(windowed[:, :4], full[:, :4], rtol=0, atol=1e-6)  # nothing out of reach yet
+    assert not torch.allclose(windowed[:, 4:], full[:, 4:], atol=1e-3)
+    torch.testing.assert_close(wide, full, rtol=0, atol=0)  # a window as long as the input is no window
+
+
+@pytest.mark.parametrize("layer_types", [None, ["local", "global"]])
+def test_kv_cache_decoding_past_the_window_equals_the_full_forward(layer_types):
+    """A prompt, a chunk prefilled at start > 0, then one token at a time, far past the window of 3:
+    each step's logits equal the full forward's at the same positions."""
+    model = _model(sliding_window=3, layer_types=layer_types)
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = model(ids)
+        model.set_kv_cache(2, 16)
+        steps = [model(ids[:, :5], input_pos=0), model(ids[:, 5:9], input_pos=5)]
+        steps += [model(ids[:, t : t + 1], input_pos=t) for t in range(9, 16)]
+        model.clear_kv_cache()
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_left_padded_cache_with_a_window_gives_each_row_what_it_gets_alone():
+    model = _model(sliding_window=3)
+    g = torch.Generator().manual_seed(6)
+    short, long = torch.randint(0, 97, (4,), generator=g), torch.randint(0, 97, (7,), generator=g)
+    batch = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), short]), long])
+    more = torch.randint(0, 97, (2, 5), generator=g)
+    with torch.no_grad():
+        model.set_kv_cache(2, 12, left_padding=torch.tensor([3, 0]))
+        steps = [model(batch, input_pos=0)[:, -1:]]
+        steps += [model(more[:, t : t + 1], input_pos=7 + t) for t in range(5)]
+        model.clear_kv_cache()
+        got = torch.cat(steps, dim=1)  # (2, 6, V): the prompt's last position and 5 decoded ones
+        for row, prompt in enumerate([short, long]):
+            alone = model(torch.cat([prompt, more[row]])[None])[0, -6:]
+            torch.testing.assert_close(got[row], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_mask_is_none_where_causal_attention_says_it_all():
+    assert attention_mask(5, 5, "cpu") == (None, True)
+    assert attention_mask(1, 9, "cpu") == (None, False)  # one new token sees every cached key
+    assert attention_mask(5, 5, "cpu", window=5) == (None, True)
+    mask, is_causal = attention_mask(2, 6, "cpu", window=3)
+    assert not is_causal
+    assert mask.tolist() == [[False, False, True, True, True, False], [False, False, False, True, True, True]]
+
+
+def test_layers_without_rope_ignore_positions():
+    """Every layer without RoPE: the rotary base cannot matter. With RoPE in one layer, it does."""
+    ids = torch.randint(0, 97, (1, 10), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        a = _model(no_rope_layers=[0, 1])(ids)
+        b = _model(no_rope_layers=[0, 1], rope_base=77.0)(ids)
+        c = _model(no_rope_layers=[0])(ids)
+        d = _model(no_rope_layers=[0], rope_base=77.0)(ids)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not torch.allclose(c, d, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------ config
+
+
+def test_layer_specs_follow_the_config():
+    config = Config(**TINY, sliding_window=8, layer_types=["local", "global"], no_rope_layers=[1])
+    assert config.layer(0) == (8, True) and config.layer(1) == (None, False)
+    assert [Config(**TINY, sliding_window=8).layer(i).window for i in range(2)] == [8, 8]  # None: every layer local
+    assert [Config(**TINY).layer(i) for i in range(2)] == [(None, True), (None, True)]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(sliding_window=0), "sliding_window must be a positive integer"),
+        (dict(sliding_window=True), "sliding_window must be"),
+        (dict(sliding_window=4, layer_types=["local"]), "layer_types has 1 entries for n_layer=2"),
+        (dict(sliding_window=4, layer_types=["local", "sliding"]), "layer_types entries must be one of"),
+        (dict(layer_types=["local", "global"]), "local layers but sliding_window is not set"),
+        (dict(layer_types="global"), "layer_types must be a list"),
+        (dict(no_rope_layers=[2]), r"no_rope_layers entries must be layer indices in \[0, 2\)"),
+        (dict(no_rope_layers=[1, 1]), "no_rope_layers lists a layer twice"),
+    ],
+)
+def test_per_layer_fields_are_checked_in_one_line(overrides, message):
+    with pytest.raises(UserError, match=message) as err:
+        Config(**TINY, **overrides)
+    assert "\n" not in str(err.value)
+
+
+def test_new_fields_round_trip_and_old_config_files_load(tmp_path):
+    config = Config(**TINY, sliding_window=8, layer_types=["local", "global"], no_rope_layers=[0],
+                    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_seq_len": 32})
+    config.save(tmp_path)
+    assert Config.from_file(tmp_path) == config
+    old = Config.from_name("llama-3.1-8b").to_dict()
+    for key in ("sliding_window", "layer_types", "no_rope_layers"):  # a file written before they existed
+        del old[key]
+    assert Config.from_dict(old) == Config.from_name("llama-3.1-8b")
+    assert Config.from_dict(old).rope_scaling_type == "llama3"
+
+
+# ------------------------------------------------------------------------------ RoPE scalings
+
+
+def test_every_rope_scaling_has_a_function_taking_exactly_its_keys():
+    assert set(ROPE_SCALINGS) == set(ROPE_SCALING_KEYS)
+    for kind, fn in ROPE_SCALINGS.items():
+        assert tuple(inspect.signature(fn).parameters)[1:] == ROPE_SCALING_KEYS[kind]
+
+
+def test_rope_scaling_without_a_type_is_llama3():
+    keys = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_seq_len": 32}
+    untyped = RotaryEmbedding(Config(**TINY, rope_scaling=keys)).inverse_frequencies("cpu")
+    typed = RotaryEmbedding(Config(**TINY, rope_scaling={"rope_type": "llama3", **keys})).inverse_frequencies("cpu")
+    plain = RotaryEmbedding(Config(**TINY)).inverse_frequencies("cpu")
+    torch.testing.assert_close(untyped, llama3_scale_frequencies(plain, **keys), rtol=0, atol=0)
+    torch.testing.assert_close(typed, untyped, rtol=0, atol=0)
+    assert not torch.equal(untyped, plain)
+
+
+@pytest.mark.parametrize(
+    "scaling, message",
+    [({"rope_type": "yarn", "factor": 4.0}, "rope_scaling's rope_type 'yarn' is not one of"),
+     ({"rope_type": "llama3", "factor": 4.0}, "rope_scaling lacks")],
+)
+def test_unknown_or_incomplete_rope_scalings_are_refused(scaling, message):
+    with pytest.raises(UserError, match=message) as err:
+        Config(**TINY, rope_scaling=scaling)
+    assert "\n" not in str(err.value)
+
+
+def test_export_refuses_per_layer_fields_it_cannot_express():
+    from toolkit.convert import config_to_hf
+
+    for overrides in (dict(sliding_window=4), dict(no_rope_layers=[0])):
+        with pytest.raises(UserError, match=next(iter(overrides))):
+            config_to_hf(Config.from_name("debug", **overrides))
+
+
+def test_a_window_shortens_the_attention_flops_only_below_the_sequence_length():
+    full = Config(**TINY).flops_per_token(64)
+    assert Config(**TINY, sliding_window=64).flops_per_token(64) == full
+    local = Config(**TINY, sliding_window=4).flops_per_token(64)
+    mixed = Config(**TINY, sliding_window=4, layer_types=["local", "global"]).flops_per_token(64)
+    assert local < mixed < full
+    # one query-key pair costs 3 (fwd + bwd) x 2 matmuls x 2 FLOPs x heads x head size
+    pair = 3 * 2 * 2 * TINY["n_head"] * (TINY["n_embd"] // TINY["n_head"])
+    assert full - mixed == pytest.approx(pair * (64 / 2 - (4 * 5 / 2 + 60 * 4) / 64))
