@@ -37,6 +37,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.memory import GiB, check_fits, estimate
 from toolkit.memory import estimator as est
+from toolkit.models import LOSS_CHUNK_BYTES
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT
 from toolkit.parallel.precision import PRECISIONS, apply_precision_policy, precision_dtypes
@@ -554,6 +555,26 @@ def test_activations_equal_what_autograd_saves(name, precision, lora, dropout):
     assert measured == _traced_bytes(config, precision, lora, 4, None, B=2, T=32, dropout=dropout)
 
 
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_activations_of_layers_of_different_kinds_equal_what_autograd_saves(precision):
+    """Layers that differ (a sliding window on some, no rotation on one): the estimate records one
+    block of each kind; every block's bytes must still add up to what autograd keeps."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    config = Config.from_name("debug", n_layer=5, sliding_window=16, no_rope_layers=[3],
+                              layer_types=["local", "global", "local", "global", "global"])  # fmt: skip
+    for lora, dropout in (((), 0.0), (("q_proj", "v_proj"), 0.05)):
+        torch.manual_seed(0)
+        model = GPT(config)
+        if lora:
+            model = inject_adapter_in_model(LoraConfig(r=4, target_modules=list(lora), lora_dropout=dropout), model)
+            for n, p in model.named_parameters():
+                p.requires_grad_("lora_" in n)
+        apply_precision_policy(model, precision)
+        measured = _saved_bytes(model, config, B=2, T=32, autocast=precision.endswith("mixed"))
+        assert measured == _traced_bytes(config, precision, lora, 4, None, B=2, T=32, dropout=dropout), lora
+
+
 def test_activations_scale_with_the_micro_batch():
     config = Config.from_name("tiny-llama-1.1b")
     opts = est.Options(config, "bf16-mixed", None, (), 8, None, 2048)
@@ -570,7 +591,7 @@ def test_activations_scale_with_the_micro_batch():
     for b, fig in ((1, one), (4, four)):
         tokens = b * 2048
         assert fig["logits_and_loss"] - grad_w >= 2 * tokens * E  # grad_h
-        assert fig["logits_and_loss"] < grad_w + 2 * tokens * E + 3 * gpt.LOSS_CHUNK_BYTES + 3 * grad_w
+        assert fig["logits_and_loss"] < grad_w + 2 * tokens * E + 3 * LOSS_CHUNK_BYTES + 3 * grad_w
     # Checkpointing keeps each block's input: (tokens x E) float32 under bf16-mixed, where the
     # embedding (a trainable float32 weight, gathered as it is stored) starts a float32 residual stream.
     assert one["activations_checkpointed"] < one["activations"] / 5

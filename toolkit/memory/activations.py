@@ -151,7 +151,7 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
 
     # A fresh model each time (the dtypes and the quantized stand-ins below change it), with the first
     # block and one block of each kind after it (`layer_slots`).
-    slots, chosen = layer_slots(opts.config)
+    _, chosen = layer_slots(opts.config)
     model = meta_model(opts.config, opts.lora_modules, opts.lora_r, opts.lora_dropout, layers=chosen)
     trainable, compute = precision_dtypes(opts.precision.replace("16-", "bf16-", 1) if opts.precision.startswith("16-")
                                           else opts.precision)  # same sizes: the CPU's autocast is bfloat16's  # fmt: skip
