@@ -26,8 +26,11 @@ def check_fits(
     `sharding`: the FSDP sharding, or "single" / "DDP". `finetune`: None (pretraining), "full", or
     "lora" with the adapters of `lora` (a `toolkit.models.lora.LoRAArgs`; default LoRAArgs()).
     Uses the estimate (`toolkit.memory.estimator.column_memory`; tests hold it to the simulation),
-    because a simulated 70B step takes most of a minute. Measured at Llama-3.1-70B on the 2-core
-    development machine: PREFLIGHT_TIME_NOTE. The refusal names the
+    because a simulated 70B step takes most of a minute. At Llama-3.1-70B on 8 GPUs it takes
+    0.6 s in a training process (the model built on meta, its blocks and loss recorded on fake
+    tensors), 0.2 s for each further set-up it tries; a process that has not yet imported
+    torch._dynamo (Lightning has, in training) pays 2-3 s more for that import, which fake tensors
+    need (benchmarks/preflight_time.py, 2 shared CPU cores at load 3.4). The refusal names the
     estimate and the nearest settings that fit: FULL_SHARD instead of HYBRID_SHARD, activation
     checkpointing, a smaller micro-batch (tried in that order, and combined), and last FSDP's CPU
     offload. `cpu_offload` is the run's (FSDP only: ignored on one device and with DDP, as training
