@@ -13,7 +13,7 @@ caching allocator's fragmentation come on top.
     python benchmarks/qlora_table.py                 # the markdown table of tutorials/finetune_lora.md
     python benchmarks/qlora_table.py --budget-gib 22 # bold: what fits below 22 GiB (the default)
 
-Arithmetic only: nothing is allocated, about a second.
+The model on the meta device and fake tensors only: nothing is allocated, a few seconds.
 """
 
 from __future__ import annotations
