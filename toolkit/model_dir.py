@@ -29,11 +29,9 @@ from toolkit.safetensors_io import (
     WEIGHTS_INDEX_FILENAME,
     SafetensorsShards,
     load_file,
+    open_checkpoint,
     raw_header,
     read_header,
-    read_headers,
-    read_rows,
-    read_rows_into,
     weight_files,
 )
 
@@ -146,7 +144,7 @@ def checkpoint_row_reader(checkpoint_dir: Path | str):
     part of the file. A tied output head reads the embedding.
     """
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
-    stored = read_headers(weight_files(checkpoint_dir))
+    stored = open_checkpoint(checkpoint_dir)
     tied = Config.from_file(checkpoint_dir).tie_embeddings
 
     def read(name: str, start: int = 0, stop: Optional[int] = None, out=None):
@@ -156,8 +154,8 @@ def checkpoint_row_reader(checkpoint_dir: Path | str):
         # Into `out` (a rank's shard) the rows are copied a few MiB at a time, each through a mapping
         # of its own, so that no more than that is mapped at once.
         if out is None:
-            return read_rows(stored[key], start, stop)
-        return read_rows_into(stored[key], start, out, READ_CHUNK_BYTES)
+            return stored.read_rows(key, start, stop)
+        return stored.read_rows_into(key, start, out, READ_CHUNK_BYTES)
 
     return read
 

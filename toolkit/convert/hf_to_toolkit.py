@@ -33,7 +33,6 @@ from toolkit.safetensors_io import (
     DTYPE_SIZES,
     SafetensorsShards,
     TensorInfo,
-    converted_rows,
     numel,
     read_header,
     read_index,
@@ -214,11 +213,7 @@ def write_weight_files(
             t = by_name[name]
             if t.source is not None and t.source.kind == "safetensors" and t.source.dtype == t.dtype:
                 files.copy(name, t.source)
-            elif t.source is not None and t.source.kind == "safetensors" and t.nbytes and t.shape:
-                for rows in converted_rows(t.source, specs[name][0], _CHUNK_BYTES):
-                    files.append(name, rows)
-                del rows  # a view of the reused buffer, which goes with it
-            elif t.source is not None and t.nbytes and t.shape:  # a .bin shard, mapped
+            elif t.source is not None and t.nbytes and t.shape:
                 rows = t.shape[0]
                 step = max(1, min(rows, _CHUNK_BYTES // max(1, t.source.nbytes // rows)))
                 for start in range(0, rows, step):
