@@ -19,7 +19,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 from toolkit.errors import UserError
 from toolkit.models.config import CONFIG_FILENAME, Config
@@ -34,6 +34,7 @@ from toolkit.safetensors_io import (
     read_header,
     weight_files,
 )
+
 
 def is_checkpoint_dir(path: Path | str) -> bool:
     path = Path(path)
