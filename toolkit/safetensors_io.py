@@ -36,9 +36,10 @@ from __future__ import annotations
 import json
 import os
 import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Mapping, Optional, Sequence
 
 from toolkit.errors import UserError
 
@@ -209,11 +210,21 @@ def read_headers(files: Sequence[Path]) -> dict[str, TensorInfo]:
     return found
 
 
+@contextmanager
+def _opened(info: TensorInfo) -> Iterator[Any]:
+    """`safe_open` on the file of `info`; a file changed or cut short since its header was read is a UserError."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(info.path), framework="pt") as handle:
+            yield handle
+    except (SafetensorError, OSError) as err:
+        raise UserError(f"{_damaged(info.path)}: {str(err).strip().splitlines()[0]}") from None
+
+
 def read_tensor(info: TensorInfo) -> "torch.Tensor":
     """The whole tensor, a fresh CPU tensor."""
-    from safetensors import safe_open
-
-    with safe_open(str(info.path), framework="pt") as handle:
+    with _opened(info) as handle:
         return handle.get_tensor(info.name)
 
 
@@ -223,11 +234,9 @@ def read_rows(info: TensorInfo, start: int = 0, stop: Optional[int] = None) -> "
     The file is mapped for this read only: the pages it touched leave the process's resident set
     with the mapping, instead of adding up to the size of the file over many reads.
     """
-    from safetensors import safe_open
-
     if not info.shape:
         return read_tensor(info)
-    with safe_open(str(info.path), framework="pt") as handle:
+    with _opened(info) as handle:
         return handle.get_slice(info.name)[start:stop]
 
 
