@@ -56,7 +56,8 @@ class LossAboveReference(Objective):
 
     def normaliser(self, batch: dict) -> torch.Tensor:
         # The sequences, counted in float: the loop's path for weighted units (all-reduced in float64).
-        return torch.tensor(float(batch["input_ids"].shape[0]), device=batch["input_ids"].device)
+        ids = batch["input_ids"]
+        return torch.full((), float(ids.shape[0]), device=ids.device)
 
     def loss(self, model, batch: dict):
         trained = sequence_losses(model, batch)

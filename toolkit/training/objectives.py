@@ -57,7 +57,10 @@ class Objective:
     reports_perplexity: ClassVar[bool] = False
 
     def normaliser(self, batch: dict[str, Any]) -> torch.Tensor:
-        """The units this micro-batch's loss is summed over (0-dim, on the batch's device)."""
+        """The units this micro-batch's loss is summed over (0-dim, on the batch's device).
+
+        A count known on the host is made with `torch.full` on the device, not `torch.tensor`
+        (a copy from host memory, which waits for the GPU's queued work)."""
         raise NotImplementedError
 
     def loss(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -68,7 +71,7 @@ class Objective:
         """Input tokens the step computes on, padding left out (0-dim long): throughput, tokens_seen
         and MFU count these. Here every token of `input_ids`; override for padded batches."""
         ids = batch["input_ids"]
-        return torch.tensor(ids.numel(), device=ids.device)
+        return torch.full((), ids.numel(), dtype=torch.long, device=ids.device)
 
     def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
         loss_sum, metrics = self.loss(model, batch)
