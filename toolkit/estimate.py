@@ -1269,7 +1269,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
 
     lora = None
     if opts.finetune == "lora":
-        from toolkit.models.lora import LoRAArgs
+        from toolkit.models.adapters import LoRAArgs
 
         lora = LoRAArgs(r=lora_r, alpha=2 * lora_r, dropout=lora_dropout, targets=tuple(lora_targets))
     result = simulate(

@@ -183,7 +183,7 @@ def _build(config, plan, finetune, lora, mesh):
     if finetune == "lora":
         from peft import get_peft_model
 
-        from toolkit.models.lora import LoRAArgs
+        from toolkit.models.adapters import LoRAArgs
 
         model = get_peft_model(model, (lora or LoRAArgs()).peft_config())  # as finetune_lora's `prepare`
     apply_precision_policy(model, plan.precision)
@@ -445,7 +445,7 @@ def preflight(
     lora_dropout = 0.0
     if finetune == "lora":
         if lora is None:
-            from toolkit.models.lora import LoRAArgs
+            from toolkit.models.adapters import LoRAArgs
 
             lora = LoRAArgs()
         lora_modules, lora_dropout = tuple(lora.module_names()), float(lora.dropout)

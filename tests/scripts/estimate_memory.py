@@ -50,13 +50,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from toolkit.finetune.lora import init_adapters  # noqa: E402
-from toolkit.models.lora import LoRAArgs  # noqa: E402
+from toolkit.models.adapters import LoRAArgs  # noqa: E402
 from toolkit.models import loss as fused_loss  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import Block  # noqa: E402
 from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
 from toolkit.training.session import Session  # noqa: E402
-from toolkit.parallel.plan import plan_strategy  # noqa: E402
+from toolkit.parallel.plan import plan_run  # noqa: E402
 from toolkit.training.fabric import build_fabric  # noqa: E402
 
 MARK = "measured step"
@@ -139,11 +139,13 @@ def add_lora(lora: LoRAArgs):
 def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int, lora_r: int, out_dir: Path) -> dict:
     precision, finetune, *rest = setup.split(":")
     dist = DistributedArgs(sharding="FULL_SHARD", activation_checkpointing=rest == ["checkpointing"])
-    fabric = build_fabric(plan_strategy(devices, 1, precision, dist, accelerator="cpu"), block_cls=Block)
-    fabric.launch()
     train = TrainArgs(micro_batch_size=micro_batch, global_batch_size=micro_batch * devices, max_seq_length=seq)
+    run_plan = plan_run(devices, 1, precision, dist, train, seq, accelerator="cpu")
+    fabric = build_fabric(run_plan.strategy, block_cls=Block)
+    fabric.launch()
     session = Session(kind=f"finetune_{finetune}", fabric=fabric, out_dir=out_dir, config=config, train=train,
-                      eval=EvalArgs(), log=LogArgs(), plan=None, seed=0, resume=False, precision=precision)  # fmt: skip
+                      eval=EvalArgs(), log=LogArgs(), plan=run_plan.batches, run_plan=run_plan, seed=0, resume=False,
+                      precision=precision)  # fmt: skip
     prepare = add_lora(LoRAArgs(r=lora_r)) if finetune == "lora" else None  # finetune_lora's defaults otherwise
     fused_loss._SCRATCH.clear()
     model = session.build_model("random", prepare)

@@ -38,7 +38,7 @@ from toolkit.optim import make_adamw  # noqa: E402
 def measure(setup: str, config: Config, world: int, micro_batch: int, seq: int, micro_batches: int, lora_r: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     precision, finetune, *rest = setup.split(":")
     dist_args = DistributedArgs(strategy="fsdp", sharding="FULL_SHARD", activation_checkpointing=rest == ["checkpointing"])

@@ -27,7 +27,7 @@ from typing import Optional, Union
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
-from toolkit.models.lora import LoRAArgs
+from toolkit.models.adapters import LoRAArgs
 from toolkit.models.param_names import unwrapped_name
 from toolkit.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
 
