@@ -17,7 +17,7 @@ cfg = Config.from_name("pythia-14m")
 m = GPT(cfg)
 if kind == "lora":
     from peft import get_peft_model
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
     m = get_peft_model(m, LoRAArgs().peft_config())
 if mode == "whole":
     m = torch.compile(m)

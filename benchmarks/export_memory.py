@@ -38,7 +38,7 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=None, help="write the figures here as JSON")
     parser.add_argument("--chunk_bytes", type=int, default=2**20, help="largest message of rows (EXPORT_CHUNK_BYTES)")
     parser.add_argument("--shard_bytes", type=int, default=None,
-                        help="largest weights file (default: model_dir.MAX_SHARD_BYTES, 5 GB: one file here)")
+                        help="largest weights file (default: safetensors_io.MAX_SHARD_BYTES, 5 GB: one file here)")
     args = parser.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -44,7 +44,7 @@ from toolkit.models.attention import segment_attention  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import GPT  # noqa: E402
 from toolkit.tokenizer import Tokenizer  # noqa: E402
-from toolkit.training.loop import _loss_sum, _real_tokens  # noqa: E402
+from toolkit.training.objectives import CausalLM, tokens_before_padding  # noqa: E402
 
 SHARED = Path("/work/shared/data")
 
@@ -76,12 +76,12 @@ def train_rate(loader, n_batches: int, block_size: int, seed: int = 0) -> tuple[
         batch = next(batches)
         if i == 1:
             start = time.perf_counter()
-        loss = _loss_sum(model, batch)
+        loss = CausalLM()(model, batch).loss_sum
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if i >= 1:
-            real += int(_real_tokens(batch["labels"]))
+            real += int(tokens_before_padding(batch["labels"]))
             positions += batch["input_ids"].numel()
     return real / (time.perf_counter() - start), real, positions
 

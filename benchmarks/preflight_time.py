@@ -35,7 +35,7 @@ if {lora}:
 from toolkit.errors import UserError
 from toolkit.memory import check_fits
 from toolkit.models.config import Config
-from toolkit.models.lora import LoRAArgs
+from toolkit.models.adapters import LoRAArgs
 
 config = Config.from_name("llama-3.1-70b")
 lora = LoRAArgs() if {lora} else None

@@ -231,7 +231,7 @@ def test_messages_and_sharegpt_files_give_the_same_batches_with_exact_labels(qwe
     modules = []
     for path in (messages, sharegpt):
         data = Chat(json_path=path, val_split_fraction=0.25)
-        data.setup(qwen, max_seq_length=512, model_name="qwen2.5-0.5b")
+        data.setup(qwen, max_seq_length=512, model="qwen2.5-0.5b")
         modules.append(data)
     a, b = (list(d.train_dataloader(micro_batch_size=2, seed=3)) for d in modules)
     assert len(a) == len(b) == 4
@@ -384,7 +384,7 @@ def test_template_choice_and_the_template_written_into_the_output(qwen, tmp_path
 
     path = _write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS["two turns"]}] * 2)
     data = Chat(json_path=path, val_split_fraction=0)
-    data.setup(tokenizer, max_seq_length=256, model_name="qwen2.5-0.5b")
+    data.setup(tokenizer, max_seq_length=256, model="qwen2.5-0.5b")
     out = data.output_tokenizer_dir(folder, tmp_path / "run")
     assert out == tmp_path / "run" / "tokenizer"
     assert checkpoint_template(out)[0] == CHAT_TEMPLATES["chatml"]
@@ -392,7 +392,7 @@ def test_template_choice_and_the_template_written_into_the_output(qwen, tmp_path
     assert (out / "tokenizer.json").read_bytes() == (folder / "tokenizer.json").read_bytes()
     # The written folder now carries the template: a run on it uses it as the checkpoint's own.
     again = Chat(json_path=path, val_split_fraction=0)
-    again.setup(Tokenizer(out), max_seq_length=256, model_name="pythia-160m")
+    again.setup(Tokenizer(out), max_seq_length=256, model="pythia-160m")
     assert again.template.from_checkpoint and again.output_tokenizer_dir(out, tmp_path / "run2") == out
     assert torch.equal(again._train.tokens, data._train.tokens)
 

@@ -129,7 +129,7 @@ def test_lora_blocks_stop_recompiling_once_batch_lengths_vary():
     from peft import get_peft_model
     from torch._dynamo.utils import counters
 
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, Block
     from toolkit.parallel.compile import compile_blocks

@@ -120,7 +120,8 @@ def test_a_sharded_toolkit_checkpoint_reads_as_its_single_file(tmp_path):
     """convert_from_hf beyond --max_shard_size writes Hugging Face's sharded layout; every reader of a
     toolkit checkpoint (weights, rows, fingerprint, export to Hugging Face) sees the same weights."""
     from toolkit.errors import UserError
-    from toolkit.model_dir import checkpoint_fingerprint, checkpoint_row_reader, weight_files
+    from toolkit.model_dir import checkpoint_fingerprint, checkpoint_row_reader
+    from toolkit.safetensors_io import weight_files
 
     model = hf_model("llama-tied")
     hf_dir, single, sharded = tmp_path / "hf", tmp_path / "single", tmp_path / "sharded"
@@ -176,7 +177,8 @@ def test_checkpoint_files_written_from_memory_take_the_same_layout(tmp_path):
     to `save_file`, or shards and an index beyond the shard size, read back as the same weights."""
     from safetensors.torch import save_file
 
-    from toolkit.model_dir import save_checkpoint_files, weight_files
+    from toolkit.model_dir import save_checkpoint_files
+    from toolkit.safetensors_io import weight_files
 
     model = hf_model("llama")
     model.save_pretrained(tmp_path / "hf")

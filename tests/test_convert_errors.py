@@ -274,3 +274,40 @@ def test_cli_prints_one_line_and_fails(hf_dir, tmp_path):
     assert out.returncode == 1
     assert out.stderr.strip().count("\n") == 0 and "No weights in" in out.stderr
     assert_nothing_written(tmp_path / "out")
+
+
+def _write_raw_safetensors(path: Path, header: dict, data: bytes) -> None:
+    import struct
+
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+@pytest.mark.parametrize("dtype, match", [("C64", "has dtype C64, which the toolkit does not support"),
+                                          ("X9", "damaged or incomplete.*a dtype safetensors does not know: `X9`")])
+def test_a_dtype_the_toolkit_cannot_read_is_named(hf_dir, tmp_path, dtype, match):
+    from safetensors.torch import load_file
+
+    bad = copy_of(hf_dir, tmp_path / "bad")
+    state = load_file(str(hf_dir / "model.safetensors"))
+    header, data, offset = {}, b"", 0
+    for name, tensor in state.items():
+        raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": "F32", "shape": list(tensor.shape), "data_offsets": [offset, offset + len(raw)]}
+        data, offset = data + raw, offset + len(raw)
+    header["model.norm.weight"]["dtype"] = dtype  # 32 float32 values read as 16 of 8 bytes: the same size
+    header["model.norm.weight"]["shape"] = [16]
+    _write_raw_safetensors(bad / "model.safetensors", header, data)
+    one_line_error(convert_from_hf, bad, tmp_path / "out", match=match)
+    assert_nothing_written(tmp_path / "out")
+
+
+def test_an_index_naming_a_file_outside_the_folder_is_refused(hf_dir, tmp_path):
+    bad = copy_of(hf_dir, tmp_path / "bad")
+    shutil.copyfile(bad / "model.safetensors", tmp_path / "elsewhere.safetensors")
+    (bad / "model.safetensors").unlink()
+    index = {"metadata": {}, "weight_map": {"model.norm.weight": "../elsewhere.safetensors"}}
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    one_line_error(convert_from_hf, bad, tmp_path / "out", match=r"names '\.\./elsewhere\.safetensors', which is not a safetensors file in")
+    assert_nothing_written(tmp_path / "out")

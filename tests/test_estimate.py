@@ -288,7 +288,7 @@ def test_qlora_model_bytes_match(kind):
     from peft import get_peft_model
 
     from toolkit.finetune.lora import quantize_linears
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     torch.manual_seed(0)
     config = Config.from_name("debug-phi")
@@ -382,7 +382,7 @@ def test_nf4_qlora_model_bytes_and_saved_tensors_match():
     bf16-mixed forward pass (LinearNF4 keeps only its weight) equal the estimate."""
     from peft import get_peft_model
 
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
     from toolkit.parallel.nf4 import is_nf4, nf4_storage_bytes, quantize_blocks_nf4
 
     torch.manual_seed(0)
@@ -454,7 +454,7 @@ def test_70b_qlora_on_two_24gb_gpus():
     """The goal of QLoRA with a sharded base: Llama-3.1-70B, sequence 2048, micro batch 1, on two
     24 GB GPUs, below 22 GiB per GPU, with the settings the tutorial gives (activation
     checkpointing, CPU offload); the recommendation and the start-up pre-flight agree."""
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     kwargs = dict(finetune="lora", quantize="nf4", devices=2, max_seq_length=2048, micro_batch_size=1)
     result = _quiet_estimate("llama-3.1-70b", activation_checkpointing=True, cpu_offload=True,

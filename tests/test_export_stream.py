@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import launch_env
-from toolkit.model_dir import SafetensorsShards, SafetensorsStream
+from toolkit.safetensors_io import SafetensorsShards, SafetensorsStream
 
 SCRIPT = Path(__file__).parent / "scripts" / "export_stream.py"
 

@@ -69,7 +69,7 @@ def _adapted_logits(base, lora_run, tokens):
     from peft import get_peft_model, set_peft_model_state_dict
 
     from toolkit.finetune.lora import ADAPTER_FILE, LORA_META
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     final = lora_run["out"] / "final"
     meta = json.loads((final / LORA_META).read_text())
@@ -207,7 +207,7 @@ def test_quantized_layers_keep_passing_gradients_after_an_evaluation_pass():
 
 def test_adapters_on_fused_projections_have_no_peft_copy_but_are_saved(tmp_path):
     from toolkit.finetune.lora import write_peft_adapter
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
     from toolkit.models.config import Config
 
     adapters = {"blocks.0.attn.q_proj.lora_A.weight": torch.zeros(4, 64), "blocks.0.attn.q_proj.lora_B.weight": torch.zeros(64, 4)}
@@ -225,7 +225,7 @@ def test_merging_a_head_adapter_into_tied_embeddings_leaves_the_embeddings_alone
     from safetensors.torch import save_file
 
     from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, merge_lora
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
     from toolkit.model_dir import save_checkpoint_files
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, init_weights

@@ -45,7 +45,7 @@ def neox() -> Tokenizer:
 @pytest.fixture(scope="module")
 def tiny(llama2) -> Alpaca:
     data = Alpaca(json_path=TINY, prompt_style="alpaca")
-    data.setup(llama2, max_seq_length=512, model_name="llama-2-7b")
+    data.setup(llama2, max_seq_length=512, model="llama-2-7b")
     return data
 
 

@@ -18,12 +18,12 @@ from toolkit.cli import run
 from toolkit.data.chat import Chat
 from toolkit.data.instruct import IGNORE_INDEX, Alpaca, PackedSamples, pack_lengths
 from toolkit.finetune.lora import init_adapters
-from toolkit.models.lora import LoRAArgs
+from toolkit.models.adapters import LoRAArgs
 from toolkit.models.attention import document_segments
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT
 from toolkit.tokenizer import Tokenizer
-from toolkit.training.loop import _loss_sum, _real_tokens
+from toolkit.training.objectives import CausalLM, tokens_before_padding
 
 LLAMA2 = ASSETS / "tokenizers" / "llama2"
 ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
@@ -39,7 +39,7 @@ def llama2() -> Tokenizer:
 @pytest.fixture(scope="module")
 def alpaca(llama2) -> Alpaca:
     data = Alpaca(json_path=ALPACA, prompt_style="alpaca", val_split_fraction=0, packing=True)
-    data.setup(llama2, max_seq_length=MAX_SEQ, model_name="llama-2-7b")
+    data.setup(llama2, max_seq_length=MAX_SEQ, model="llama-2-7b")
     return data
 
 
@@ -90,7 +90,7 @@ def test_a_packed_row_is_its_samples_unpacked_rows_one_after_another(alpaca):
             assert (batch["labels"][row, padding] == IGNORE_INDEX).all()
             assert int((~padding).sum()) == int(packed.lengths[pack])
         # The throughput count (real tokens: up to each row's last target) is the samples' length.
-        assert int(_real_tokens(batch["labels"])) == sum(int(packed.lengths[p]) for p in indices.tolist())
+        assert int(tokens_before_padding(batch["labels"])) == sum(int(packed.lengths[p]) for p in indices.tolist())
     assert len(seen) == len(set(seen)) > len(packed) // 2 * 2  # each sample once per epoch, several per row
     assert loader.padding_fraction(0) < 0.05
 
@@ -171,7 +171,7 @@ def test_packed_lora_first_step_equals_unpacked_loss_and_gradients(alpaca):
                     weight = module.lora_B["default"].weight
                     weight.copy_(torch.randn(weight.shape, generator=generator) * 0.02)
         targets = int((batch["labels"] != IGNORE_INDEX).sum())
-        loss = _loss_sum(model, batch) / targets
+        loss = CausalLM()(model, batch).loss_sum / targets
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
         results[name] = (loss.detach(), grads, targets)
@@ -201,7 +201,7 @@ def test_kv_cache_and_misshapen_document_ids_are_refused():
 
 def test_packed_conversations_keep_their_assistant_only_labels(llama2):
     data = Chat(json_path=FASTCHAT, chat_template="llama-2", val_split_fraction=0.1, packing=True)
-    data.setup(llama2, max_seq_length=512, model_name="llama-2-7b")
+    data.setup(llama2, max_seq_length=512, model="llama-2-7b")
     samples = data._train
     loader = data.train_dataloader(micro_batch_size=4, seed=0)
     indices, batch = loader.batch_indices(0)[0], next(iter(loader))

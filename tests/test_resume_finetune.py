@@ -109,7 +109,7 @@ def test_seventy_billion_lora_checkpoint_by_size_arithmetic():
     (above), and at most 1 KiB per stored tensor in one file (tests/test_qlora_distributed.py)."""
     from peft import get_peft_model
 
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT
 

@@ -141,7 +141,7 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
     The analytic total had been 9% low for 8B LoRA with checkpointing (6.04 vs 6.62 GiB) when
     the root unit held embedding, final norm and head: the moment of a unit gathered beside the
     previous unit's flat output was not modelled; `fsdp_moments` now has it for every unit."""
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     config = Config.from_name(name, n_layer=4)
     lora = LoRAArgs()
@@ -174,7 +174,7 @@ def test_estimate_is_within_3_percent_of_the_simulated_step(name, setting):
     tensors, the moments of `toolkit.memory.moments`) against the real step simulated on 8 fake
     ranks, FULL_SHARD, bf16-mixed, two micro-batches: pretraining, LoRA (finetune_lora's adapters),
     and pretraining with activation checkpointing. Measured: every one within 0.5%."""
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     config = Config.from_name(name, n_layer=4)
     lora = LoRAArgs() if setting == "lora" else None
@@ -192,7 +192,7 @@ def test_preflight_checks_lora_and_says_what_it_does_with_quantize():
     """LoRA runs with their adapters; a quantized base by the analytic figure, since fake tensors
     cannot run the 4-bit kernels (held to real bitsandbytes layers and torchao's NF4 in
     tests/test_estimate.py): replicated (bnb.*) or sharded by FSDP (nf4)."""
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     eighty, config, lora = 80 * 10**9, Config.from_name("llama-3.1-70b"), LoRAArgs()
     # 70B LoRA on one GPU: the bf16 base alone is 141 GB. Nothing fits; the way out is named.
@@ -319,7 +319,7 @@ def test_simulated_peak_matches_the_real_step(real_run, setup):
     """The simulation's rank 0 against the real rank 0, same model, set-up and step, tracked by the
     same FSDPMemTracker. Tolerance: 0.1% of the peak (measured: equal but for 4 KiB of 20-40 MiB
     in activations; every other category, and the bytes sent, equal to the byte)."""
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     precision, finetune, *rest = setup.split(":")
     sim = simulate(

@@ -21,7 +21,7 @@ def decay_names(model) -> set[str]:
 
 def make_adamw(model, decay: set[str], train: TrainArgs, foreach: Optional[bool] = None) -> torch.optim.AdamW:
     """The training AdamW over `model`'s trainable parameters; `decay`: names from `decay_names`
-    (taken before sharding). `foreach` None is torch's choice (on for CUDA tensors); the
+    (of the model before or after sharding: the same). `foreach` None is torch's choice (on for CUDA tensors); the
     simulation (`toolkit.memory.simulation`) passes True to count the GPU's step temporaries on the CPU."""
     named = [(unwrapped_name(n), p) for n, p in model.named_parameters() if p.requires_grad]
     groups = [

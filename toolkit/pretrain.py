@@ -67,6 +67,7 @@ def pretrain(
             under mixed precision).
     """
     from toolkit.parallel.plan import plan_run
+    from toolkit.training.objectives import CausalLM
     from toolkit.training.session import Session
     from toolkit.training.trackers import run_config
 
@@ -105,9 +106,9 @@ def pretrain(
                     f"The tokenizer has {tokenizer.vocab_size} tokens but {config.name} only {config.vocab_size}: "
                     f"pass --model_overrides '{{vocab_size: {tokenizer.vocab_size}}}' or a matching model."
                 )
-            run_on_rank_zero(fabric, lambda: data.prepare(tokenizer, block_size, session.work_dir))
+            run_on_rank_zero(fabric, lambda: data.prepare(tokenizer, block_size, session.out_dir))
             if fabric.global_rank != 0:
-                data.connect(tokenizer, block_size, session.work_dir)
+                data.connect(tokenizer, block_size, session.out_dir)
             rank, world_size = fabric.global_rank, fabric.world_size
             train_loader = data.train_dataloader(train.micro_batch_size, block_size, seed=seed, rank=rank, world_size=world_size)
             val_loader = data.val_dataloader(train.micro_batch_size, block_size, rank=rank, world_size=world_size)
@@ -121,5 +122,6 @@ def pretrain(
         total_steps = None
         if train.max_steps or train.max_tokens:
             total_steps = min(s for s in (train.max_steps, (train.max_tokens or 0) // tokens_per_step or None) if s)
-        session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=tokens_per_step)
+        session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=tokens_per_step,
+                    objective=CausalLM())
         session.export_final(model)

@@ -50,7 +50,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from toolkit.finetune.lora import init_adapters  # noqa: E402
-from toolkit.models.lora import LoRAArgs  # noqa: E402
+from toolkit.models.adapters import LoRAArgs  # noqa: E402
 from toolkit.models import loss as fused_loss  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import Block  # noqa: E402
@@ -145,7 +145,7 @@ def measure(devices: int, setup: str, config: Config, micro_batch: int, seq: int
     fabric.launch()
     session = Session(kind=f"finetune_{finetune}", fabric=fabric, out_dir=out_dir, config=config, train=train,
                       eval=EvalArgs(), log=LogArgs(), plan=run_plan.batches, run_plan=run_plan, seed=0, resume=False,
-                      precision=run_plan.strategy.precision)  # fmt: skip
+                      precision=precision)  # fmt: skip
     prepare = add_lora(LoRAArgs(r=lora_r)) if finetune == "lora" else None  # finetune_lora's defaults otherwise
     fused_loss._SCRATCH.clear()
     model = session.build_model("random", prepare)

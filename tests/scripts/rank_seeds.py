@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from toolkit.finetune.lora import init_adapters  # noqa: E402
-from toolkit.models.lora import LoRAArgs  # noqa: E402
+from toolkit.models.adapters import LoRAArgs  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.param_names import unwrapped_name  # noqa: E402
 from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402

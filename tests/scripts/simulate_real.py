@@ -37,7 +37,7 @@ from toolkit.parallel.plan import mesh_layout  # noqa: E402
 def measure(setup: str, config: Config, world: int, micro_batch: int, seq: int, micro_batches: int, lora_r: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
 
     precision, finetune, *rest = setup.split(":")
     plan = fsdp_plan(world, 1, precision, "FULL_SHARD", rest == ["checkpointing"])

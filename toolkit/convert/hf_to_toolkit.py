@@ -8,29 +8,38 @@ before a byte is written: every weight name must be known, every shape must matc
 nothing may be missing. The output is written into a temporary directory that is renamed into
 place at the end (`toolkit.model_dir.atomic_directory`).
 
-Memory: the output safetensors file is written by this module, header first and then one tensor
-after the other, so that nothing has to be held in memory at once. A tensor whose bytes are only
-renamed (the usual case) is copied from file to file by the kernel (`copy_file_range`) without
-passing through this process. A dtype conversion goes ~64 MiB of rows at a time; only GPT-NeoX's
-fused query/key/value matrix is materialised whole (one at a time). `.bin` shards are
-memory-mapped one at a time.
+Memory: the output is written header first and then one tensor after the other
+(`toolkit.safetensors_io.SafetensorsShards`), so that nothing has to be held in memory at once. A
+tensor whose bytes are only renamed (the usual case) is copied from file to file by the kernel
+(`copy_file_range`) without passing through this process. A dtype conversion goes ~64 MiB of rows
+at a time; only GPT-NeoX's fused query/key/value matrix is materialised whole (one at a time).
+`.bin` shards are memory-mapped one at a time.
 
-This module also holds the streaming safetensors reader/writer shared with `toolkit_to_hf`.
+The plan and writer here (`OutTensor`, `write_weight_files`) are shared with `toolkit_to_hf`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
-import struct
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union
 
 from toolkit.errors import UserError
+from toolkit.safetensors_io import (
+    DTYPE_SIZES,
+    SafetensorsShards,
+    TensorInfo,
+    numel,
+    read_header,
+    read_index,
+    read_rows,
+    st_dtype,
+    torch_dtype,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -42,97 +51,13 @@ SAFETENSORS_SINGLE = "model.safetensors"
 BIN_INDEX = "pytorch_model.bin.index.json"
 BIN_SINGLE = "pytorch_model.bin"
 
-# safetensors dtype names and their sizes in bytes; the torch dtypes are looked up lazily.
-_DTYPE_SIZES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "F8_E4M3": 1, "F8_E5M2": 1,
-}
-TORCH_DTYPE_NAMES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-    "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
 # --dtype choices
 DTYPES = {"float32": "F32", "float16": "F16", "bfloat16": "BF16"}
 
 
-def torch_dtype(st_dtype: str) -> "torch.dtype":
-    import torch
-
-    return getattr(torch, TORCH_DTYPE_NAMES[st_dtype])
-
-
-def st_dtype(dtype: "torch.dtype") -> str:
-    name = str(dtype).removeprefix("torch.")
-    for st, torch_name in TORCH_DTYPE_NAMES.items():
-        if torch_name == name:
-            return st
-    raise UserError(f"Tensors of dtype {name} cannot be stored in safetensors by the toolkit")
-
-
-def _numel(shape: Iterable[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 # ---------------------------------------------------------------------------- reading
-@dataclass
-class TensorInfo:
-    """Where one stored tensor is: a byte range of a safetensors file, or an entry of a .bin file."""
-
-    name: str
-    dtype: str  # safetensors name: "BF16", "F32", ...
-    shape: tuple[int, ...]
-    path: Path
-    offset: int = 0  # absolute position of the first byte in a safetensors file
-    nbytes: int = 0
-    kind: str = "safetensors"  # or "bin"
-
-
-def read_safetensors_header(path: Path) -> list[TensorInfo]:
-    """The tensors of a safetensors file, in file order, without reading their data.
-
-    A file that is damaged or shorter than its header promises is a UserError.
-    """
-    path = Path(path)
-    damaged = f"Cannot read {path}: the file is damaged or incomplete (re-download or re-create it)"
-    try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise UserError(f"{damaged}; it is only {size} bytes long")
-            (header_len,) = struct.unpack("<Q", head)
-            if header_len > size - 8 or header_len > 100_000_000:
-                raise UserError(f"{damaged}; its header is cut off")
-            header = json.loads(f.read(header_len))
-    except (OSError, ValueError) as err:  # ValueError: the header is not UTF-8 JSON
-        raise UserError(f"{damaged}: {err}") from None
-    if not isinstance(header, dict):
-        raise UserError(f"{damaged}; its header is not a JSON object")
-    data_start = 8 + header_len
-    infos = []
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
-        except (KeyError, TypeError, ValueError):
-            raise UserError(f"{damaged}; bad header entry for {name!r}") from None
-        if dtype not in _DTYPE_SIZES:
-            raise UserError(f"{path}: tensor {name!r} has dtype {dtype}, which the toolkit does not support")
-        nbytes = _numel(shape) * _DTYPE_SIZES[dtype]
-        if end - begin != nbytes or begin < 0:
-            raise UserError(f"{damaged}; tensor {name!r} has inconsistent offsets")
-        if data_start + end > size:
-            raise UserError(f"{damaged}; it ends before the data of tensor {name!r} (truncated file?)")
-        infos.append(TensorInfo(name, dtype, shape, path, data_start + begin, nbytes))
-    infos.sort(key=lambda info: info.offset)
-    return infos
-
-
 def _torch_load(path: Path) -> dict:
+    """The tensors of a PyTorch .bin file, memory-mapped (torch's weights-only loader: no code runs)."""
     import pickle
 
     import torch
@@ -165,32 +90,18 @@ def read_bin_header(path: Path) -> list[TensorInfo]:
     return infos
 
 
-def _shards_from_index(hf_dir: Path, index_name: str) -> list[Path]:
-    index_path = hf_dir / index_name
-    try:
-        weight_map = json.loads(index_path.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
-        raise UserError(f"Cannot read {index_path}: {err}") from None
-    shards = [hf_dir / name for name in files]
-    for shard in shards:
-        if not shard.is_file():
-            raise UserError(f"{index_path} lists {shard.name}, which is missing from {hf_dir}; download it")
-    return shards
-
-
 def find_hf_weights(hf_dir: Path) -> list[Path]:
     """The weight files of a Hugging Face model directory; safetensors preferred over .bin."""
     hf_dir = Path(hf_dir)
     if (hf_dir / SAFETENSORS_INDEX).is_file():
-        return _shards_from_index(hf_dir, SAFETENSORS_INDEX)
+        return read_index(hf_dir / SAFETENSORS_INDEX)
     if (hf_dir / SAFETENSORS_SINGLE).is_file():
         return [hf_dir / SAFETENSORS_SINGLE]
     shards = sorted(hf_dir.glob("model-*-of-*.safetensors"))
     if shards:
         return shards
     if (hf_dir / BIN_INDEX).is_file():
-        return _shards_from_index(hf_dir, BIN_INDEX)
+        return read_index(hf_dir / BIN_INDEX, suffix=".bin")
     if (hf_dir / BIN_SINGLE).is_file():
         return [hf_dir / BIN_SINGLE]
     raise UserError(
@@ -199,11 +110,11 @@ def find_hf_weights(hf_dir: Path) -> list[Path]:
 
 
 def read_headers(files: list[Path]) -> list[TensorInfo]:
+    """The tensors of safetensors or .bin files, in file order; a name in two files is a UserError."""
     infos: list[TensorInfo] = []
     seen: dict[str, Path] = {}
     for path in files:
-        reader = read_safetensors_header if path.name.endswith(".safetensors") else read_bin_header
-        for info in reader(path):
+        for info in read_header(path) if path.name.endswith(".safetensors") else read_bin_header(path):
             if info.name in seen:
                 raise UserError(f"Weight {info.name!r} appears twice: in {seen[info.name].name} and {path.name}")
             seen[info.name] = path
@@ -212,16 +123,10 @@ def read_headers(files: list[Path]) -> list[TensorInfo]:
 
 
 class TensorReader:
-    """Reads stored tensors; keeps source files open and at most one .bin shard mapped."""
+    """Reads source tensors: safetensors through `toolkit.safetensors_io`, .bin shards mapped one at a time."""
 
     def __init__(self) -> None:
-        self._fds: dict[Path, int] = {}
         self._bin: tuple[Optional[Path], dict] = (None, {})
-
-    def fd(self, path: Path) -> int:
-        if path not in self._fds:
-            self._fds[path] = os.open(path, os.O_RDONLY)
-        return self._fds[path]
 
     def load(self, info: TensorInfo) -> "torch.Tensor":
         """The tensor itself (a fresh CPU tensor, or a memory-mapped one for .bin)."""
@@ -229,46 +134,16 @@ class TensorReader:
 
     def load_rows(self, info: TensorInfo, start: int, stop: int) -> "torch.Tensor":
         """Rows start:stop of the tensor (along the first dimension); all of a 0-d tensor."""
-        import torch
-
-        if info.kind == "bin":
-            if self._bin[0] != info.path:
-                self._bin = (None, {})  # drop the previous shard before mapping the next
-                self._bin = (info.path, _torch_load(info.path))
-            tensor = self._bin[1][info.name]
-            return tensor[start:stop] if info.shape else tensor
-        if not info.shape:
-            start, stop, row_bytes, shape = 0, 1, info.nbytes, ()
-        else:
-            row_bytes = info.nbytes // info.shape[0] if info.shape[0] else 0
-            shape = (stop - start, *info.shape[1:])
-        buffer = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
-        _pread_into(self.fd(info.path), buffer.numpy(), info.offset + start * row_bytes, info.path)
-        return buffer.view(torch_dtype(info.dtype)).reshape(shape)
+        if info.kind == "safetensors":
+            return read_rows(info, start, stop)
+        if self._bin[0] != info.path:
+            self._bin = (None, {})  # drop the previous shard before mapping the next
+            self._bin = (info.path, _torch_load(info.path))
+        tensor = self._bin[1][info.name]
+        return tensor[start:stop] if info.shape else tensor
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
         self._bin = (None, {})
-
-
-def _preadv(fd: int, view: memoryview, offset: int) -> int:
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, [view], offset)
-    os.lseek(fd, offset, os.SEEK_SET)  # pragma: no cover - platforms without preadv
-    return os.readv(fd, [view])
-
-
-def _pread_into(fd: int, array, offset: int, path: Path) -> None:
-    """Fill `array` (any writable buffer) with the file's bytes from `offset`, without a copy."""
-    view = memoryview(array).cast("B")
-    done = 0
-    while done < len(view):
-        n = _preadv(fd, view[done:], offset + done)
-        if n <= 0:
-            raise UserError(f"Cannot read {path}: the file ended early (truncated?)")
-        done += n
 
 
 # ---------------------------------------------------------------------------- writing
@@ -289,95 +164,7 @@ class OutTensor:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * _DTYPE_SIZES[self.dtype]
-
-
-def _header(tensors: list[OutTensor], metadata: Optional[dict[str, str]]) -> bytes:
-    header: dict[str, Any] = {}
-    if metadata:
-        header["__metadata__"] = metadata
-    offset = 0
-    for t in tensors:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(len(raw) + 8) % 8)  # data starts 8-byte aligned, as safetensors itself writes
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _pwrite_all(fd: int, data, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
-
-
-_COPY_CHUNK = 1 << 30
-
-
-def _copy_range(src_fd: int, dst_fd: int, src_offset: int, dst_offset: int, count: int) -> None:
-    """Copy bytes between files in the kernel when it can (copy_file_range), else through a buffer."""
-    done = 0
-    if hasattr(os, "copy_file_range"):
-        try:
-            while done < count:
-                n = os.copy_file_range(
-                    src_fd, dst_fd, min(count - done, _COPY_CHUNK), src_offset + done, dst_offset + done
-                )
-                if n <= 0:
-                    break
-                done += n
-        except OSError:
-            pass  # other file system, unsupported by the kernel...: fall back below
-    buffer = bytearray(min(count - done, 64 << 20))
-    view = memoryview(buffer)
-    while done < count:
-        n = _preadv(src_fd, view[: min(len(buffer), count - done)], src_offset + done)
-        if n <= 0:
-            raise OSError("source file ended early")
-        _pwrite_all(dst_fd, view[:n], dst_offset + done)
-        done += n
-
-
-def tensor_bytes(tensor: "torch.Tensor"):
-    """A buffer over the tensor's bytes (no copy when it is already contiguous on the CPU)."""
-    import torch
-
-    tensor = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return tensor.view(torch.uint8).numpy() if tensor.numel() else b""
-
-
-def write_safetensors(
-    path: Path,
-    tensors: list[OutTensor],
-    reader: TensorReader,
-    progress: Optional["Progress"] = None,
-    metadata: Optional[dict[str, str]] = None,
-) -> None:
-    """Write a safetensors file, header first, then each tensor in turn (never all in memory)."""
-    header = _header(tensors, metadata)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _pwrite_all(fd, header, 0)
-        offset = len(header)
-        for t in tensors:
-            if t.source is not None and t.source.kind == "safetensors" and t.source.dtype == t.dtype:
-                _copy_range(reader.fd(t.source.path), fd, t.source.offset, offset, t.nbytes)
-            elif t.source is not None:
-                _write_converted(fd, offset, t, reader)
-            else:
-                assert t.make is not None
-                tensor = t.make()
-                if tuple(tensor.shape) != t.shape or st_dtype(tensor.dtype) != t.dtype:
-                    made = f"{tuple(tensor.shape)} {tensor.dtype}"
-                    raise AssertionError(f"{t.name}: made {made}, planned {t.shape} {t.dtype}")
-                _pwrite_all(fd, tensor_bytes(tensor), offset)
-                del tensor
-            offset += t.nbytes
-            if progress is not None:
-                progress.update(t.nbytes)
-    finally:
-        os.close(fd)
+        return numel(self.shape) * DTYPE_SIZES[self.dtype]
 
 
 _SIZE_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
@@ -399,6 +186,10 @@ def parse_size(size: Union[int, str]) -> int:
     return value
 
 
+# Source rows converted to another dtype per read (see `write_weight_files`).
+_CHUNK_BYTES = 64 << 20
+
+
 def write_weight_files(
     directory: Path,
     tensors: list[OutTensor],
@@ -408,54 +199,40 @@ def write_weight_files(
 ) -> None:
     """`directory/model.safetensors`, or, for tensors over `max_shard_bytes` in all, consecutive groups
     of at most that many bytes (a bigger tensor gets a file of its own) in
-    `model-0000K-of-0000N.safetensors` with Hugging Face's `model.safetensors.index.json`.
+    `model-0000K-of-0000N.safetensors` with Hugging Face's `model.safetensors.index.json`; the
+    tensors in the order of `tensors` (`toolkit.safetensors_io.SafetensorsShards`).
 
-    Both Hugging Face and the toolkit read this layout."""
-    from toolkit.model_dir import WEIGHTS_FILENAME, WEIGHTS_INDEX_FILENAME, shard_filename, shard_groups
-
-    groups = shard_groups(((t, t.nbytes) for t in tensors), max_shard_bytes)
-    if len(groups) == 1:
-        write_safetensors(directory / WEIGHTS_FILENAME, groups[0], reader, progress, {"format": "pt"})
-        return
-    weight_map = {}
-    for i, group in enumerate(groups, start=1):
-        name = shard_filename(i, len(groups))
-        write_safetensors(directory / name, group, reader, progress, {"format": "pt"})
-        weight_map.update({t.name: name for t in group})
-    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": dict(sorted(weight_map.items()))}
-    (directory / WEIGHTS_INDEX_FILENAME).write_text(json.dumps(index, indent=2) + "\n")
-
-
-_CHUNK_BYTES = 64 << 20
-
-
-def _write_converted(fd: int, offset: int, t: OutTensor, reader: TensorReader) -> None:
-    """Write `t.source` as `t.dtype`, ~64 MiB of source rows at a time, through two reused buffers."""
-    import torch
-
-    source = t.source
-    assert source is not None
-    rows = source.shape[0] if source.shape else 1
-    rest = tuple(source.shape[1:])
-    row_bytes_in = max(1, source.nbytes // max(rows, 1))
-    row_bytes_out = t.nbytes // max(rows, 1)
-    step = max(1, min(rows, _CHUNK_BYTES // row_bytes_in))
-    in_dtype, out_dtype = torch_dtype(source.dtype), torch_dtype(t.dtype)
-    # Reused buffers: fresh allocations of this size are page-faulted (and zeroed) on every use.
-    in_buffer = torch.empty(step * row_bytes_in, dtype=torch.uint8) if source.kind == "safetensors" else None
-    out_buffer = torch.empty(step * row_bytes_out, dtype=torch.uint8)
-    fd_in = reader.fd(source.path) if source.kind == "safetensors" else -1
-    for start in range(0, rows, step):
-        n = min(rows, start + step) - start
-        shape = (n, *rest) if source.shape else ()
-        if in_buffer is not None:
-            _pread_into(fd_in, in_buffer[: n * row_bytes_in].numpy(), source.offset + start * row_bytes_in, source.path)
-            chunk = in_buffer[: n * row_bytes_in].view(in_dtype).reshape(shape)
-        else:
-            chunk = reader.load_rows(source, start, start + n)
-        out = out_buffer[: n * row_bytes_out].view(out_dtype).reshape(shape)
-        out.copy_(chunk)
-        _pwrite_all(fd, out_buffer[: n * row_bytes_out].numpy(), offset + start * row_bytes_out)
+    Each tensor is written in turn, never all in memory: a stored tensor of the same dtype is
+    copied by the kernel, one of another dtype is converted `_CHUNK_BYTES` of source rows at a
+    time, a made one (fused) is built whole. Both Hugging Face and the toolkit read this layout."""
+    specs = {t.name: (torch_dtype(t.dtype), t.shape) for t in tensors}
+    files = SafetensorsShards(directory, specs, max_shard_bytes, metadata={"format": "pt"}, keep_order=True)
+    by_name = {t.name: t for t in tensors}
+    try:
+        for name in files.order:
+            t = by_name[name]
+            if t.source is not None and t.source.kind == "safetensors" and t.source.dtype == t.dtype:
+                files.copy(name, t.source)
+            elif t.source is not None and t.nbytes and t.shape:
+                rows = t.shape[0]
+                step = max(1, min(rows, _CHUNK_BYTES // max(1, t.source.nbytes // rows)))
+                for start in range(0, rows, step):
+                    chunk = reader.load_rows(t.source, start, min(rows, start + step))
+                    files.append(name, chunk.to(specs[name][0]))
+                    del chunk
+            else:
+                tensor = reader.load(t.source).to(specs[name][0]) if t.source is not None else t.make()  # type: ignore[misc]
+                if tuple(tensor.shape) != t.shape or st_dtype(tensor.dtype) != t.dtype:
+                    made = f"{tuple(tensor.shape)} {tensor.dtype}"
+                    raise AssertionError(f"{t.name}: made {made}, planned {t.shape} {t.dtype}")
+                files.write(name, tensor)
+                del tensor
+            if progress is not None:
+                progress.update(t.nbytes)
+    except BaseException:
+        files.discard()
+        raise
+    files.close()
 
 
 class Progress:

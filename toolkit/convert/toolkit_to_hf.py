@@ -28,10 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from toolkit.convert.hf_to_toolkit import (
-    TORCH_DTYPE_NAMES,
     OutTensor,
     Progress,
-    TensorInfo,
     TensorReader,
     check_dirs,
     expected_shapes,
@@ -42,6 +40,7 @@ from toolkit.convert.hf_to_toolkit import (
     write_weight_files,
 )
 from toolkit.errors import UserError
+from toolkit.safetensors_io import TORCH_DTYPE_NAMES, TensorInfo
 
 def plan_to_hf(infos: list[TensorInfo], config, reader: TensorReader) -> list[OutTensor]:
     """The Hugging Face tensors to write, in model order; any mismatch is a UserError naming the key."""
@@ -156,7 +155,8 @@ def convert_to_hf(
     Returns:
         out_dir.
     """
-    from toolkit.model_dir import atomic_directory, require_checkpoint_dir, weight_files
+    from toolkit.model_dir import atomic_directory, require_checkpoint_dir
+    from toolkit.safetensors_io import weight_files
     from toolkit.convert.hf_config import config_to_hf
     from toolkit.models.config import Config
 

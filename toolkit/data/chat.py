@@ -80,6 +80,7 @@ from toolkit.errors import UserError
 if TYPE_CHECKING:
     import torch
 
+    from toolkit.models.config import Config
     from toolkit.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -619,8 +620,11 @@ class Chat(InstructData, _InstructOptions):
         spec = self.record_format(name)
         return [parse_conversation(record, path, where, spec, self.system_prompt) for where, record in records]
 
-    def setup(self, tokenizer: "Tokenizer", max_seq_length: int, model_name: Any = "") -> None:
-        """Read, check, split, render and tokenize the conversations (every rank; no files written)."""
+    def setup(self, tokenizer: "Tokenizer", max_seq_length: int, model: "Config | str" = "") -> None:
+        """Read, check, split, render and tokenize the conversations (every rank; no files written).
+
+        `model`: the Config of the model being tuned, or a preset name; it picks the built-in chat
+        template when neither --data.chat_template nor the checkpoint names one."""
         self._check_options(max_seq_length)
         if self.prompt_style is not None:
             raise UserError(
@@ -628,7 +632,7 @@ class Chat(InstructData, _InstructOptions):
                 "choose one with --data.chat_template"
             )
         start = time.perf_counter()
-        template = resolve_chat_template(tokenizer, self.chat_template, model_name, self.template_variables)
+        template = resolve_chat_template(tokenizer, self.chat_template, model, self.template_variables)
         train = self.read_conversations(Path(self.json_path), "data file")
         if self.val_path is not None:
             val = self.read_conversations(Path(self.val_path), "validation file")

@@ -15,7 +15,7 @@ resumable at the exact next batch from `state_dict()` without replaying anything
 
 The trainer's order of calls, on every rank:
 
-    data.setup(tokenizer, max_seq_length, model_name)
+    data.setup(tokenizer, max_seq_length, config)   # config: the model's Config (picks the default prompt style)
     train_loader = data.train_dataloader(micro_batch_size, seed, rank, world_size)
     val_loader = data.val_dataloader(micro_batch_size, rank, world_size)   # None: no validation
     ... save/load train_loader.state_dict() with the checkpoint ...
@@ -38,6 +38,7 @@ from toolkit.models import IGNORE_INDEX
 if TYPE_CHECKING:
     import torch
 
+    from toolkit.models.config import Config
     from toolkit.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -611,13 +612,14 @@ class InstructData:
         if not 0.0 <= self.val_split_fraction < 1.0:
             raise UserError(f"val_split_fraction must be in [0, 1), got {self.val_split_fraction}")
 
-    def setup(self, tokenizer: "Tokenizer", max_seq_length: int, model_name: Any = "") -> None:
+    def setup(self, tokenizer: "Tokenizer", max_seq_length: int, model: "Config | str" = "") -> None:
         """Read, check, split and tokenize the data (every rank; no files written).
 
-        `model_name` (a preset name or a Config) picks the prompt style when prompt_style is None.
+        `model`: the Config of the model being tuned (the trainer passes it), or a preset name; its
+        name, else its family, picks the prompt style when prompt_style is None.
         """
         self._check_options(max_seq_length)
-        style = resolve_style(self.prompt_style, model_name)
+        style = resolve_style(self.prompt_style, model)
         if tokenizer.eos_id is None:
             raise UserError(
                 f"the tokenizer in {tokenizer.directory} has no EOS token; instruction tuning needs one "
@@ -634,7 +636,7 @@ class InstructData:
             len(train_examples),
             len(val_examples),
             style.name,
-            "" if self.prompt_style is not None else f" (default for {getattr(model_name, 'name', model_name)!r})",
+            "" if self.prompt_style is not None else f" (default for {getattr(model, 'name', model)!r})",
         )
         self.style = style
         self.max_seq_length = max_seq_length
@@ -696,7 +698,7 @@ class InstructData:
     # ------------------------------------------------------------------ loaders
     def _require_setup(self) -> TokenizedSamples:
         if self._train is None:
-            raise RuntimeError(f"call {type(self).__name__}.setup(tokenizer, max_seq_length, model_name) first")
+            raise RuntimeError(f"call {type(self).__name__}.setup(tokenizer, max_seq_length, model) first")
         return self._train
 
     def _batched(self, samples: TokenizedSamples) -> "TokenizedSamples | PackedSamples":

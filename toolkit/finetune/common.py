@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError
 from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs, check_seed
+
+if TYPE_CHECKING:
+    from toolkit.training.objectives import Objective
 
 # Defaults that suit fine-tuning rather than pretraining: one epoch, short warmup.
 FINETUNE_TRAIN = TrainArgs(
@@ -46,6 +49,7 @@ def run_finetune(
     hparams: Optional[dict] = None,
     lora: Optional[Any] = None,
     quantize: Optional[str] = None,
+    objective: Optional[Objective] = None,
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model).
     The run plan (`plan_run`: devices, precision, strategy, batches, the `quantize` scheme) is made
@@ -54,12 +58,14 @@ def run_finetune(
     `frozen_base`: the weights of `checkpoint_dir` stay frozen (LoRA): training checkpoints hold only
     what trains, and a resume is refused if `checkpoint_dir` is not the base they were trained on.
     `prepare_on_meta`: `prepare_model` works on the meta model (nf4 quantizes each weight as it is read).
+    `objective`: what the loop minimises (`toolkit.training.objectives`); None is `CausalLM()`.
     """
     from toolkit.model_dir import export_dtype as resolve_export_dtype
     from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
     from toolkit.parallel.plan import plan_run
     from toolkit.tokenizer import Tokenizer
+    from toolkit.training.objectives import CausalLM
     from toolkit.training.session import Session
     from toolkit.training.trackers import plain
 
@@ -109,7 +115,8 @@ def run_finetune(
         optimizer = session.build_optimizer(model)
         limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
         total_steps = min(limits) if limits else None
-        session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=None)
+        session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=None,
+                    objective=objective if objective is not None else CausalLM())
         if export is not None:
             export(session, model)
         else:

@@ -27,7 +27,7 @@ from typing import Optional, Union
 from toolkit.data.instruct import InstructData
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
-from toolkit.models.lora import LoRAArgs
+from toolkit.models.adapters import LoRAArgs
 from toolkit.models.param_names import unwrapped_name
 from toolkit.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
 
@@ -231,9 +231,8 @@ def report_nf4_bytes(fabric, model) -> list[int]:
 
 def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize: Optional[str]) -> Path:
     """Write the adapter in toolkit and peft formats to `<out_dir>/final` (collective call)."""
-    from safetensors.torch import save_file
-
     from toolkit.model_dir import atomic_directory, save_checkpoint_files
+    from toolkit.safetensors_io import save_file
     from toolkit.training.checkpoint_io import full_state_dict
     from toolkit.training.failures import run_on_rank_zero
 
@@ -245,7 +244,7 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
 
     def write() -> None:
         with atomic_directory(target, overwrite=True) as tmp:
-            save_file({k: v.contiguous() for k, v in adapters.items()}, str(tmp / ADAPTER_FILE))
+            save_file(adapters, tmp / ADAPTER_FILE)
             meta = {"base_checkpoint": str(Path(base_checkpoint).resolve()), "lora": asdict(lora), "quantize": quantize}
             (tmp / LORA_META).write_text(json.dumps(meta, indent=2) + "\n")
             save_checkpoint_files(tmp, {}, session.config, session.tokenizer_dir, weights=False)
@@ -263,9 +262,8 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
 
     Returns why it could not be written (an adapter on a projection that Hugging Face fuses), or None.
     """
-    from safetensors.torch import save_file
-
     from toolkit.convert.weight_maps import toolkit_to_hf_name
+    from toolkit.safetensors_io import save_file
 
     hf_weights, hf_modules = {}, set()
     for name, tensor in adapters.items():
@@ -279,7 +277,7 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
         hf_module = hf_name.removesuffix(".weight")
         hf_modules.add(hf_module.rsplit(".", 1)[-1])
         hf_weights[f"base_model.model.{hf_module}.lora_{lora_part}"] = tensor.contiguous()
-    save_file(hf_weights, str(directory / "adapter_model.safetensors"), metadata={"format": "pt"})
+    save_file(hf_weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
     peft_config = lora.peft_config(sorted(hf_modules)).to_dict()
     peft_config["base_model_name_or_path"] = config.hf_repo_id or None
     peft_config["task_type"] = "CAUSAL_LM"
@@ -308,10 +306,11 @@ def read_adapter_meta(adapter_dir: Path) -> tuple[Path, LoRAArgs]:
 def attach_adapter(model, adapter_dir: Path, lora: LoRAArgs):
     """`model` wrapped by peft with the saved adapter loaded into it, not merged."""
     from peft import get_peft_model, set_peft_model_state_dict
-    from safetensors.torch import load_file
+
+    from toolkit.safetensors_io import load_file
 
     peft_model = get_peft_model(model, lora.peft_config())
-    adapters = load_file(str(Path(adapter_dir) / ADAPTER_FILE))
+    adapters = load_file(Path(adapter_dir) / ADAPTER_FILE)
     result = set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
     if result.unexpected_keys:
         raise UserError(f"The adapter in {adapter_dir} does not fit its base model: {result.unexpected_keys[0]} has no place in it.")

@@ -51,8 +51,8 @@ from toolkit.memory.parameters import (
     quantized_names,
 )
 from toolkit.models.config import CONFIG_FILENAME, Config
-from toolkit.models.lora import TARGETS as LORA_TARGETS
-from toolkit.models.lora import LoRAArgs
+from toolkit.models.adapters import TARGETS as LORA_TARGETS
+from toolkit.models.adapters import LoRAArgs
 from toolkit.parallel.plan import QUANTIZED_BASE_NOT_SHARDED, effective_sharding
 from toolkit.parallel.precision import PRECISION_ALIASES, PRECISIONS
 

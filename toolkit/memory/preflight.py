@@ -11,7 +11,7 @@ from typing import Any, Optional
 from toolkit.errors import UserError
 from toolkit.memory.estimator import column_memory
 from toolkit.memory.options import GiB, Options, make_column
-from toolkit.models.lora import LoRAArgs
+from toolkit.models.adapters import LoRAArgs
 from toolkit.parallel.plan import effective_sharding
 
 
@@ -24,7 +24,7 @@ def check_fits(
     `device_bytes`; return the line saying it fits otherwise.
 
     `sharding`: the FSDP sharding, or "single" / "DDP". `finetune`: None (pretraining), "full", or
-    "lora" with the adapters of `lora` (a `toolkit.models.lora.LoRAArgs`; default LoRAArgs()).
+    "lora" with the adapters of `lora` (a `toolkit.models.adapters.LoRAArgs`; default LoRAArgs()).
     Uses the estimate (`toolkit.memory.estimator.column_memory`; tests hold it to the simulation),
     because a simulated 70B step takes most of a minute. At Llama-3.1-70B on 8 GPUs it takes
     0.6 s in a training process (the model built on meta, its blocks and loss recorded on fake

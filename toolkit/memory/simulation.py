@@ -118,7 +118,7 @@ def simulate(
     """One optimizer step of training `config` on devices x num_nodes fake ranks (rank 0's view).
 
     `finetune` None or "full" trains every weight; "lora" trains the adapters of `lora` (a
-    `toolkit.models.lora.LoRAArgs`, default LoRAArgs()). `micro_batches` is the gradient
+    `toolkit.models.adapters.LoRAArgs`, default LoRAArgs()). `micro_batches` is the gradient
     accumulation per step (2: gradients are alive through a forward pass, as whenever the global
     batch is larger than one micro-batch per rank). `forward=False` only shards the model and
     creates the optimizer state (seconds, for the persistent figures). `train` gives the
@@ -190,7 +190,7 @@ def build(config, plan, finetune, lora, mesh):
     if finetune == "lora":
         from peft import get_peft_model
 
-        from toolkit.models.lora import LoRAArgs
+        from toolkit.models.adapters import LoRAArgs
 
         model = get_peft_model(model, (lora or LoRAArgs()).peft_config())  # as finetune_lora's `prepare`
     apply_precision_policy(model, plan.precision)

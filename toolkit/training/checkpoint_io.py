@@ -104,9 +104,9 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
     """Write the model's complete weights into the folder `directory` (on rank 0), rows at a time.
 
     The weights go into `model.safetensors`, or, beyond `max_shard_bytes` (default
-    `toolkit.model_dir.MAX_SHARD_BYTES`), into Hugging Face's sharded layout
+    `toolkit.safetensors_io.MAX_SHARD_BYTES`), into Hugging Face's sharded layout
     (`model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`; see
-    `toolkit.model_dir.SafetensorsShards`). A collective call. For each weight, in the order of the
+    `toolkit.safetensors_io.SafetensorsShards`). A collective call. For each weight, in the order of the
     files: under FSDP every rank holding a
     shard of it in rank 0's shard group (FSDP2 shards dim 0 in `torch.chunk` order) converts its
     rows to `dtype` (floating-point weights; None keeps their dtype) a message at a time and sends
@@ -124,7 +124,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
     import torch
     from torch.distributed.tensor import DTensor
 
-    from toolkit.model_dir import MAX_SHARD_BYTES, SafetensorsShards
+    from toolkit.safetensors_io import MAX_SHARD_BYTES, SafetensorsShards
 
     root = _user_module(model)
     # Under FSDP the state dict holds each rank's shards (DTensors), with the full shapes.

@@ -3,22 +3,24 @@
 Entry points differ only in how they build the model, which parameters train and what they save;
 they pass those differences in. The loop knows nothing about FSDP: Fabric hides it.
 
-One optimizer step = `plan.gradient_accumulation_iters` micro-batches per rank. The loss of a step
-is the sum of token losses over every micro-batch of every rank, divided by the number of target
-tokens over all of them, so padding and prompt masking never change how samples are weighted.
+One optimizer step = `plan.gradient_accumulation_iters` micro-batches per rank. What is minimised
+comes from an objective (`toolkit.training.objectives`; causal language modelling by default): the
+loss of a step is the sum of its losses over every micro-batch of every rank, divided by its units
+(target tokens for causal LM) over all of them, so padding and prompt masking never change how
+samples are weighted. The loop never calls the model or reads a batch's keys except through it.
 """
 
 from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.models import IGNORE_INDEX
+from toolkit.training.objectives import CausalLM, Objective, ObjectiveOutput
 
 
 @dataclass
@@ -51,7 +53,6 @@ class LoopHooks:
     # within a logged window is left out of its step time and throughput and logged as
     # train/compile_seconds; the first compilation is also printed.
     compile_seconds: Optional[Callable[[], float]] = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def lr_at(step: int, args: TrainArgs, total_steps: Optional[int]) -> float:
@@ -81,13 +82,16 @@ def fit(
     hooks: LoopHooks,
     total_steps: Optional[int],
     tokens_per_step: Optional[int] = None,
+    objective: Optional[Objective] = None,
 ) -> TrainState:
     """Train until max_steps, max_tokens, max_time or the data (epochs) runs out; returns the final state.
 
     `total_steps` is the step count the schedule decays over (None if only a time limit is known).
     `tokens_per_step` is the input tokens per optimizer step over all ranks when every batch has
-    the same shape (pretraining); None makes the loop count the batches' real (non-padding) tokens.
+    the same shape (pretraining); None makes the loop count the batches' real (non-padding) tokens
+    (`objective.real_tokens`). `objective`: what is minimised and logged; None is `CausalLM()`.
     """
+    objective = objective if objective is not None else CausalLM()
     accumulation = plan.gradient_accumulation_iters
     world_size = fabric.world_size
     max_seconds = train.max_seconds
@@ -95,10 +99,9 @@ def fit(
     batches = _micro_batches(train_loader, state, train.epochs)
 
     if eval.initial_validation and val_loader is not None and state.step == 0:
-        _run_validation(fabric, model, val_loader, eval, state)
+        _run_validation(fabric, model, val_loader, eval, state, objective)
 
-    running_loss = torch.zeros((), device=fabric.device)  # sum of token losses since the last log
-    running_targets = torch.zeros((), device=fabric.device, dtype=torch.long)
+    running = _Sums(fabric.device)  # the objective's sums since the last log
     window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
     compiled_before = hooks.compile_seconds() if hooks.compile_seconds else 0.0
     compile_reported = False
@@ -118,27 +121,31 @@ def fit(
             stop_reason = f"end of data after {state.epoch} epoch(s)"
             break
         group = [fabric.to_device(b) for b in group or []]
-        # Target tokens of this optimizer step over every micro-batch and rank: the loss divisor.
+        # The objective's units (target tokens) of this optimizer step over every micro-batch and
+        # rank: the loss divisor, known before any backward pass.
         zero = torch.zeros((), dtype=torch.long, device=fabric.device)
-        targets = sum(((b["labels"] != IGNORE_INDEX).sum() for b in group), zero)
+        units = sum((objective.normaliser(b) for b in group), zero)
         # Input tokens without padding (throughput, tokens_seen), unless every batch has the same shape.
-        real_tokens = sum((_real_tokens(b["labels"]) for b in group), zero) if tokens_per_step is None else zero
-        global_targets, global_real_tokens = targets, None
+        real_tokens = sum((objective.real_tokens(b) for b in group), zero) if tokens_per_step is None else zero
+        global_units, global_real_tokens = units, None
         if world_size > 1:
             # The step's one all-reduce and its one host sync, before the step's work is queued. Ranks
             # read their own data and may run out at different steps (a weighted StreamMix, sharded
             # per rank, can end one step earlier on one rank), so it carries, summed over ranks:
             # the loss divisor, the real tokens, the ranks with no whole step left, rank 0's time flag.
-            counts = torch.stack([targets, real_tokens, zero + int(group == []), zero + int(out_of_time)])
+            # Counts are integers; a float normaliser (weights) makes them all float64, exact to 2**53.
+            dtype = torch.float64 if units.is_floating_point() else torch.long
+            flags = [real_tokens, zero + int(group == []), zero + int(out_of_time)]
+            counts = torch.stack([units.to(dtype)] + [f.to(dtype) for f in flags])
             torch.distributed.all_reduce(counts)  # not fabric.all_reduce: it adds a barrier
-            global_targets = counts[0]
-            _, global_real_tokens, ranks_out_of_data, ranks_out_of_time = counts.tolist()
+            global_units = counts[0]
+            _, global_real_tokens, ranks_out_of_data, ranks_out_of_time = (int(c) for c in counts.tolist())
             out_of_time = ranks_out_of_time > 0
             if ranks_out_of_data:
                 stop_reason = f"end of data after {state.epoch} epoch(s) on {ranks_out_of_data} of {world_size} ranks"
                 break
         # Ranks' gradients are averaged by the strategy (divided by world_size): undo that here.
-        scale = world_size / global_targets.clamp(min=1)
+        scale = (world_size / _divisor(global_units)).float()
 
         lr = lr_at(state.step, train, total_steps)
         for group_ in optimizer.param_groups:
@@ -146,11 +153,10 @@ def fit(
         for i, batch in enumerate(group):
             accumulating = i < accumulation - 1
             with fabric.no_backward_sync(model, enabled=accumulating):
-                loss_sum = _loss_sum(model, batch)
-                fabric.backward(loss_sum * scale)
-            running_loss += loss_sum.detach().float()
+                output = objective(model, batch)
+                fabric.backward(output.loss_sum * scale)
+            running.add(output)
             state.micro_step += 1
-        running_targets += targets
         optimizer_step(fabric, model, optimizer, train.max_norm)
         state.step += 1
         if tokens_per_step is not None:
@@ -171,14 +177,13 @@ def fit(
                 if compiling > 0 and not compile_reported:  # later ones (validation's graph): in the metrics only
                     fabric.print(f"torch.compile: {compiling:.1f} s compiling up to step {state.step}, left out of the step times")
                     compile_reported = True
-            _log_step(fabric, state, lr, running_loss, running_targets, max(elapsed - compiling, 1e-3), window_steps,
+            _log_step(fabric, state, lr, running, max(elapsed - compiling, 1e-3), window_steps,
                       window_tokens, hooks, step_limit or total_steps, max_seconds, compiling)
-            running_loss.zero_()
-            running_targets.zero_()
+            running = _Sums(fabric.device)
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
 
         if val_loader is not None and eval.interval and state.step % eval.interval == 0:
-            _run_validation(fabric, model, val_loader, eval, state)
+            _run_validation(fabric, model, val_loader, eval, state, objective)
         if hooks.save_checkpoint is not None and train.save_interval and state.step % train.save_interval == 0:
             hooks.save_checkpoint(state)
         if out_of_time:
@@ -188,7 +193,7 @@ def fit(
     state.train_seconds = time.perf_counter() - run_start
     fabric.print(f"Stopped: {stop_reason}. {state.step} optimizer steps, {state.tokens_seen:,} tokens, {state.train_seconds:.1f} s.")
     if eval.final_validation and val_loader is not None and state.step > 0 and not (eval.interval and state.step % eval.interval == 0):
-        _run_validation(fabric, model, val_loader, eval, state)
+        _run_validation(fabric, model, val_loader, eval, state, objective)
     return state
 
 
@@ -271,34 +276,49 @@ def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
     return None  # not enough data left for a whole optimizer step
 
 
-def _loss_sum(model, batch: dict) -> torch.Tensor:
-    """The batch's summed loss; packed batches (`--data.packing`) carry the document id of each token."""
-    if "document_ids" in batch:
-        return model(batch["input_ids"], labels=batch["labels"], document_ids=batch["document_ids"])
-    return model(batch["input_ids"], labels=batch["labels"])
+def _divisor(count: torch.Tensor) -> torch.Tensor:
+    """`count`, or 1 where it is 0: a step or window without units has a loss sum of 0 too."""
+    return count.clamp(min=1) if not count.is_floating_point() else torch.where(count > 0, count, torch.ones_like(count))
 
 
-def _real_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """(B, T) labels -> tokens before the padding, summed over the rows (a 0-dim long tensor).
+class _Sums:
+    """An objective's loss, normaliser and metric sums over micro-batches, kept on the device (no
+    host sync) until `means`, which adds them up over ranks and divides by the normaliser."""
 
-    Throughput and MFU count real work. A sample's last label is a target (its EOS, or the last
-    response token when cut), and padding only follows it: a row's real tokens end at its last
-    label that is not IGNORE_INDEX (in a packed row, its last sample's).
-    """
-    counted = labels != IGNORE_INDEX
-    length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)  # 1 + index of the last counted label
-    return torch.where(counted.any(dim=1), length, 0).sum()
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), device=device)
+        self.normaliser = torch.zeros((), dtype=torch.long, device=device)
+        self.metrics: dict[str, torch.Tensor] = {}
+
+    def add(self, output: ObjectiveOutput) -> None:
+        self.loss += output.loss_sum.detach().float()
+        self.normaliser = self.normaliser + output.normaliser.detach()  # a float normaliser makes it float
+        for name, value in output.metrics.items():
+            value = value.detach().float()
+            self.metrics[name] = self.metrics[name] + value if name in self.metrics else value.clone()
+
+    def means(self, fabric) -> dict[str, float]:
+        """{"loss": ..., **metrics}, each summed over the ranks and divided by the summed normaliser."""
+        loss, normaliser = self.loss.clone(), self.normaliser.clone()
+        names = sorted(self.metrics)  # every rank adds the same names: the objective returns them always
+        metrics = torch.stack([self.metrics[n] for n in names]) if names else None
+        if fabric.world_size > 1:
+            loss = fabric.all_reduce(loss, reduce_op="sum")
+            normaliser = fabric.all_reduce(normaliser, reduce_op="sum")
+            if metrics is not None:
+                metrics = fabric.all_reduce(metrics, reduce_op="sum")
+        divisor = _divisor(normaliser)
+        values = torch.cat([(loss / divisor).reshape(1)] + ([metrics / divisor] if metrics is not None else []))
+        return dict(zip(["loss", *names], values.tolist()))  # the one host-device sync
 
 
-def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_steps, window_tokens, hooks, step_limit,
+def _log_step(fabric, state, lr, running: _Sums, elapsed, window_steps, window_tokens, hooks, step_limit,
               max_seconds=None, compile_seconds=0.0):
-    """Log the window of steps since the last log. `window_tokens`: real (non-padding) input tokens of
-    its steps over all ranks; `elapsed`: its wall time, compilation left out."""
-    loss_sum, targets = running_loss.clone(), running_targets.clone()
-    if fabric.world_size > 1:
-        loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")
-        targets = fabric.all_reduce(targets, reduce_op="sum")
-    loss = (loss_sum / targets.clamp(min=1)).item()  # the one host-device sync, at log steps only
+    """Log the window of steps since the last log. `running`: the objective's sums over its
+    micro-batches; `window_tokens`: real (non-padding) input tokens of its steps over all ranks;
+    `elapsed`: its wall time, compilation left out."""
+    means = running.means(fabric)  # at log steps only
+    loss = means.pop("loss")
     tokens_per_sec = window_tokens / max(elapsed, 1e-9)
     metrics = {
         "train/loss": loss,
@@ -308,11 +328,13 @@ def _log_step(fabric, state, lr, running_loss, running_targets, elapsed, window_
         "train/tokens_per_step": window_tokens / max(window_steps, 1),  # the same, per optimizer step
         "train/step_seconds": elapsed / max(window_steps, 1),
         "train/epoch": state.epoch,
+        **{f"train/{name}": value for name, value in means.items()},
     }
     if compile_seconds:
         metrics["train/compile_seconds"] = compile_seconds
     line = f"step {state.step}" + (f"/{step_limit}" if step_limit else "")
-    line += f" | loss {loss:.4f} | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s | {elapsed / max(window_steps, 1):.2f} s/step"
+    line += f" | loss {loss:.4f}" + "".join(f" | {name} {value:.4f}" for name, value in means.items())
+    line += f" | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s | {elapsed / max(window_steps, 1):.2f} s/step"
     if hooks.flops_per_token and hooks.device_peak_flops:
         mfu = hooks.flops_per_token * tokens_per_sec / (hooks.device_peak_flops * fabric.world_size)
         metrics["train/mfu"] = mfu
@@ -341,17 +363,18 @@ def _duration(seconds: float) -> str:
 
 
 @torch.no_grad()
-def validate(fabric, model, loader: Iterable[dict], max_iters: int) -> tuple[float, float]:
-    """Mean loss per target token and perplexity over at most `max_iters` micro-batches in all.
+def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: Optional[Objective] = None) -> dict[str, float]:
+    """The objective's mean loss and metrics over at most `max_iters` micro-batches in all:
+    {"loss": ..., "ppl": ... (objectives whose loss is a token cross-entropy), **metrics}.
 
     Each rank runs ceil(max_iters / world_size) of them: the validation samples, and so the loss,
     are those of one process running `max_iters` (the loaders' global order does not depend on the
-    number of processes), not `max_iters` per rank.
+    number of processes), not `max_iters` per rank. `objective` None is `CausalLM()`.
     """
+    objective = objective if objective is not None else CausalLM()
     was_training = model.training
     model.eval()
-    loss_sum = torch.zeros((), device=fabric.device)
-    targets = torch.zeros((), device=fabric.device, dtype=torch.long)
+    sums = _Sums(fabric.device)
     # Under FSDP every rank must run the same number of forward passes: agree on the shortest.
     length = _length(loader)
     per_rank = -(-max_iters // fabric.world_size)
@@ -364,20 +387,19 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int) -> tuple[flo
     for i, batch in enumerate(loader):
         if i >= n_batches:
             break
-        batch = fabric.to_device(batch)
-        loss_sum += _loss_sum(model, batch).float()
-        targets += (batch["labels"] != IGNORE_INDEX).sum()
-    if fabric.world_size > 1:
-        loss_sum = fabric.all_reduce(loss_sum, reduce_op="sum")
-        targets = fabric.all_reduce(targets, reduce_op="sum")
+        sums.add(objective(model, fabric.to_device(batch)))
     model.train(was_training)
-    loss = (loss_sum / targets.clamp(min=1)).item()
-    return loss, math.exp(min(loss, 50.0))
+    means = sums.means(fabric)
+    if objective.reports_perplexity:
+        loss = means.pop("loss")
+        means = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), **means}
+    return means
 
 
-def _run_validation(fabric, model, loader, eval: EvalArgs, state: TrainState) -> None:
+def _run_validation(fabric, model, loader, eval: EvalArgs, state: TrainState, objective: Objective) -> None:
     start = time.perf_counter()
-    loss, ppl = validate(fabric, model, loader, eval.max_iters)
-    state.best_val_loss = min(state.best_val_loss, loss)
-    fabric.log_dict({"val/loss": loss, "val/ppl": ppl}, step=state.step)
-    fabric.print(f"validation at step {state.step}: loss {loss:.4f} | ppl {ppl:.2f} | {time.perf_counter() - start:.1f} s")
+    means = validate(fabric, model, loader, eval.max_iters, objective)
+    state.best_val_loss = min(state.best_val_loss, means["loss"])
+    fabric.log_dict({f"val/{name}": value for name, value in means.items()}, step=state.step)
+    described = " | ".join(f"{name} {value:.{2 if name == 'ppl' else 4}f}" for name, value in means.items())
+    fabric.print(f"validation at step {state.step}: {described} | {time.perf_counter() - start:.1f} s")

@@ -32,6 +32,7 @@ from toolkit.training.fabric import build_fabric
 
 if TYPE_CHECKING:
     from toolkit.tokenizer import Tokenizer
+    from toolkit.training.objectives import Objective
 
 RUN_MARKERS = ("final", "checkpoints", "logs", "run_args.json")
 
@@ -80,10 +81,6 @@ class Session:
     # dtype of the exported model's floating-point weights; None keeps the trained dtype.
     export_dtype: Optional[torch.dtype] = None
     trackers_finished: bool = False  # the tracker runs have been ended (finish_trackers)
-
-    @property
-    def work_dir(self) -> Path:
-        return self.out_dir
 
     @classmethod
     def start(
@@ -190,7 +187,7 @@ class Session:
 
         def train_tokenizer() -> None:
             if not (target / "tokenizer.json").is_file():
-                files = data.corpus_files(self.work_dir)
+                files = data.corpus_files(self.out_dir)
                 self.fabric.print(f"Training a {train_vocab}-token BPE tokenizer on {len(files)} file(s) ...")
                 train_bpe_tokenizer(files, train_vocab, target)
 
@@ -200,7 +197,7 @@ class Session:
 
     # ------------------------------------------------------------------ model and optimizer
     def build_model(self, weights: Union[str, Path] = "random", prepare: Optional[Callable] = None,
-                    prepare_on_meta: bool = False):
+                    prepare_on_meta: bool = False, frozen: bool = False):
         """The model set up by Fabric (sharded when distributed).
 
         `weights` is "random" (pretraining) or a toolkit checkpoint directory. The model is built
@@ -212,11 +209,18 @@ class Session:
         weight (memory-mapped from the checkpoint, or drawn from per-parameter generators, which
         give the same model whatever the world size). The precision policy (`precision_dtypes`) is
         applied before anything is allocated.
+
+        `frozen`: no parameter trains and the model is left in eval mode, e.g. the reference model
+        of a preference objective, built and sharded like the trained one beside it (each unit
+        freed after its forward pass: it has no backward pass). Building a second model changes
+        nothing of the first.
         """
         from toolkit.models.gpt import GPT
-        from toolkit.training.model_setup import host_memory_growth, materialize, setup_model, start_host_memory_window
         from toolkit.parallel.precision import apply_precision_policy
         from toolkit.training.fabric import is_fsdp
+        from toolkit.training.model_setup import (
+            host_memory_growth, materialize, reshard_after_every_forward, setup_model, start_host_memory_window,
+        )
 
         memory_start = start_host_memory_window()
         with torch.device("meta"):
@@ -226,13 +230,16 @@ class Session:
             materialize(model, read_rows)  # bitsandbytes quantization (QLoRA) needs real weights before `prepare`
         if prepare is not None:
             model = prepare(model) or model
+        if frozen:
+            model.requires_grad_(False)
         policy = apply_precision_policy(model, self.precision)
         total = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self.fabric.print(f"Model {self.config.name}: {total:,} parameters, {trainable:,} trainable; {policy}")
-        # Weight decay is decided by the parameters' shapes (matrices decay, vectors do not).
-        self._decay_names = decay_names(model)
         model = setup_model(self.fabric, model, read_rows)
+        if frozen:
+            reshard_after_every_forward(model)
+            model.eval()
         self._report_setup_memory(host_memory_growth(memory_start))
         return model
 
@@ -261,8 +268,10 @@ class Session:
         self.fabric.print(f"Model set-up took {gib} GiB of host memory per rank (peak RSS growth)")
 
     def build_optimizer(self, model):
-        """AdamW; weight decay on matrices only (not on norms, biases or other vectors)."""
-        return self.fabric.setup_optimizers(make_adamw(model, self._decay_names, self.train))
+        """AdamW over `model`'s trainable parameters; weight decay on matrices only (not on norms,
+        biases or other vectors). Sharding keeps each parameter's global shape (FSDP2's DTensors),
+        so the set-up model's shapes decide as the unsharded model's would."""
+        return self.fabric.setup_optimizers(make_adamw(model, decay_names(model), self.train))
 
     # ------------------------------------------------------------------ training
     def run_shape(self) -> dict:
@@ -273,8 +282,11 @@ class Session:
             "world_size": self.fabric.world_size,
         }
 
-    def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int]) -> TrainState:
-        """Resume if asked, run the loop, save a training checkpoint at every interval and at the end."""
+    def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int],
+            objective: Optional[Objective] = None) -> TrainState:
+        """Resume if asked, run the loop, save a training checkpoint at every interval and at the end.
+
+        `objective`: what the loop minimises and logs (`toolkit.training.objectives`); None is `CausalLM()`."""
         from toolkit.training import checkpoint
         from toolkit.parallel.compile import compile_blocks, compile_seconds, should_compile
         from toolkit.training.throughput import device_peak_flops
@@ -333,6 +345,7 @@ class Session:
         self.state = fit(
             self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
             self.train, self.eval, self.log, hooks, total_steps=total_steps, tokens_per_step=tokens_per_step,
+            objective=objective,
         )
         if self.state.step not in saved_steps and self.state.step > 0:
             save(self.state)

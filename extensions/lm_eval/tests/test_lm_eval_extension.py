@@ -294,7 +294,7 @@ def _write_adapter(models, out: Path) -> Path:
     from safetensors.torch import save_file
 
     from toolkit.finetune.lora import ADAPTER_FILE, LORA_META, adapter_key, is_adapter_weight, write_peft_adapter
-    from toolkit.models.lora import LoRAArgs
+    from toolkit.models.adapters import LoRAArgs
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT
 

@@ -1,0 +1,112 @@
+"""Objectives: what the one training loop minimises, given the model and a batch.
+
+An objective turns (model, batch) into a loss summed over its *units* (target tokens for causal
+language modelling; pairs for a preference loss), the number of those units, and metrics summed
+over the same units. The loop (`toolkit.training.loop`) never calls the model nor reads a batch's
+keys itself; it only adds up what the objective returns:
+
+- Gradients. Before a step's backward passes the loop asks `normaliser(batch)` of every
+  micro-batch of the step, adds them up over micro-batches and ranks (the step's one all-reduce)
+  and backpropagates `loss_sum * world_size / total` for each micro-batch (the strategy averages
+  gradients over ranks; the factor world_size undoes that). The step's gradient is then that of
+  (the loss summed over every unit of the step) / (its units), whatever the split into
+  micro-batches and ranks: N processes give what one process gives at the same global batch, and
+  a resumed run what an uninterrupted one gives.
+- Logs. `train/loss` is the sum of `loss_sum` over the micro-batches and ranks since the last log
+  divided by the sum of their normalisers; each metric `m` is logged as `train/m` the same way
+  (its sums over micro-batches and ranks, divided by the summed normaliser). Validation logs
+  `val/loss` and `val/m` over its batches alike, and `val/ppl` = exp(val/loss) for objectives whose
+  loss is a mean token cross-entropy (`reports_perplexity`).
+
+Adding an objective: subclass `Objective`, implement `normaliser` and `loss` (and `real_tokens`
+if batches are padded or hold no `input_ids`), and pass an instance to `Session.fit`
+(or `fit`). See tutorials/objectives.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+
+from toolkit.models import IGNORE_INDEX
+
+
+@dataclass
+class ObjectiveOutput:
+    """What an objective gives for one micro-batch; every tensor is 0-dim."""
+
+    loss_sum: torch.Tensor  # the loss summed over this micro-batch's units (carries the graph)
+    normaliser: torch.Tensor  # how many units: an integer count (or a float total weight)
+    # name -> a sum over the same units, detached or not; logged as train/<name> and val/<name>
+    # divided by the summed normaliser. "loss" and "ppl" are taken.
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class Objective:
+    """Base class of the objectives the loop trains and validates with.
+
+    Subclasses implement `normaliser(batch)`, computed from the batch alone (the loop needs the
+    whole step's count before any backward pass), and `loss(model, batch)`. Calling the objective
+    returns both in one `ObjectiveOutput`, so the count the loss is divided by is always the one
+    it was summed over.
+    """
+
+    # The loss is a mean token cross-entropy: validation also reports exp(loss) as val/ppl.
+    reports_perplexity: ClassVar[bool] = False
+
+    def normaliser(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The units this micro-batch's loss is summed over (0-dim, on the batch's device).
+
+        A count known on the host is made with `torch.full` on the device, not `torch.tensor`
+        (a copy from host memory, which waits for the GPU's queued work)."""
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(loss summed over the units, metrics summed over them) for one micro-batch."""
+        raise NotImplementedError
+
+    def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        """Input tokens the step computes on, padding left out (0-dim long): throughput, tokens_seen
+        and MFU count these. Here every token of `input_ids`; override for padded batches."""
+        ids = batch["input_ids"]
+        return torch.full((), ids.numel(), dtype=torch.long, device=ids.device)
+
+    def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
+        loss_sum, metrics = self.loss(model, batch)
+        return ObjectiveOutput(loss_sum=loss_sum, normaliser=self.normaliser(batch), metrics=metrics)
+
+
+class CausalLM(Objective):
+    """Next-token cross-entropy, normalised by target tokens (labels that are not IGNORE_INDEX).
+
+    Batches: {"input_ids": (B, T), "labels": (B, T)} and, for packed rows (`--data.packing`),
+    "document_ids" (B, T). Padding and masked prompts carry IGNORE_INDEX labels, so they weigh
+    nothing. The model's fused head returns the summed loss without materialising the logits.
+    """
+
+    reports_perplexity = True
+
+    def normaliser(self, batch: dict[str, Any]) -> torch.Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
+    def loss(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if "document_ids" in batch:
+            return model(batch["input_ids"], labels=batch["labels"], document_ids=batch["document_ids"]), {}
+        return model(batch["input_ids"], labels=batch["labels"]), {}
+
+    def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        return tokens_before_padding(batch["labels"])
+
+
+def tokens_before_padding(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) labels -> tokens before the padding, summed over the rows (a 0-dim long tensor).
+
+    A sample's last label is a target (its EOS, or the last response token when cut), and padding
+    only follows it: a row's real tokens end at its last label that is not IGNORE_INDEX (in a
+    packed row, its last sample's).
+    """
+    counted = labels != IGNORE_INDEX
+    length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)  # 1 + index of the last counted label
+    return torch.where(counted.any(dim=1), length, 0).sum()
