@@ -334,7 +334,8 @@ class _Recorder:
         self.logits_bytes = 0
         self.logits_grad = False
         self.watching = False
-        self.events: list[tuple[int, int]] = []  # (bytes, key) in the watched backward pass: + made, - freed
+        self.events: list[tuple[int, int]] = []  # (number, bytes) in the watched backward pass: + made, - freed
+        self.alive: dict[int, int] = {}  # number -> storage key of what was made there and is still alive
         self.handles: list = []
         self._mode = _dispatch_mode_class()(self)
         self.watched = len(blocks) - 1
@@ -417,35 +418,46 @@ class _Recorder:
     # -------------------------------------------------------------- the watched block's backward pass
     def _watch_start(self, grad):
         self.watching = True
-        self._finalize(grad, -1)
-        self.events.append((grad.untyped_storage().nbytes(), self.key(grad)))
+        self.allocated(grad)  # the gradient arriving: alive until the block's backward pass consumes it
         for t in self.keep:  # what the block saved: freed as its backward pass goes
             if self.key(t) in self.saved_by[self.watched]:
-                self._finalize(t, -1)
+                self._on_free(t)
         self.keep = [t for t in self.keep if self.key(t) not in self.saved_by[self.watched]]
 
     def _watch_end(self, grad):
         self.watching = False
 
     def allocated(self, t) -> None:
-        self.events.append((t.untyped_storage().nbytes(), self.key(t)))
-        self._finalize(t, -1)
+        """A storage made in the watched backward pass: + its bytes now, - when it is freed."""
+        number = len(self.events)
+        self.events.append((number, t.untyped_storage().nbytes()))
+        self.alive[number] = self.key(t)
+        self._on_free(t, number)
 
-    def _finalize(self, t, sign: int) -> None:
-        """On `t`'s storage being freed while the block's backward pass runs: `sign` x its bytes."""
-        nbytes, key, events = t.untyped_storage().nbytes(), self.key(t), self.events
-        weakref.finalize(t.untyped_storage(), lambda: events.append((sign * nbytes, key)) if self.watching else None)
+    def _on_free(self, t, number: Optional[int] = None) -> None:
+        """When `t`'s storage is freed during the watched backward pass: - its bytes. Events are
+        numbered, not keyed by storage: a freed storage's key may come back for another one."""
+        nbytes, events, alive = t.untyped_storage().nbytes(), self.events, self.alive
+        number = len(events) + 10**9 if number is None else number  # a saved tensor: only its free counts
+
+        def freed() -> None:
+            alive.pop(number, None)
+            if self.watching:
+                events.append((number, -nbytes))
+
+        weakref.finalize(t.untyped_storage(), freed)
 
     def in_flight(self) -> int:
         """The most that was alive beyond the block's saved tensors in its backward pass: what it
-        made (its weights' gradients aside, which FSDP takes) less what of its saved it freed."""
+        made (its weights' gradients aside, which FSDP takes: the storages still alive as .grad)
+        less what of its saved it freed."""
         grads = {self.key(p.grad) for p in self.model.parameters() if p.grad is not None}
+        kept_as_grads = {number for number, key in self.alive.items() if key in grads}
         live = peak = 0
-        for nbytes, key in self.events:
-            if key in grads:
-                continue
-            live += nbytes
-            peak = max(peak, live)
+        for number, nbytes in self.events:
+            if number not in kept_as_grads:
+                live += nbytes
+                peak = max(peak, live)
         return peak
 
 
