@@ -117,7 +117,6 @@ def peak_moment(opts: Options, column: Column, micro_batch_size: int, checkpoint
     return max(moments.items(), key=lambda item: sum(item[1].values()))
 
 
-
 def micro_batch_activations(opts: Options, column: Column, micro_batch_size: int, specs: list[ParamSpec],
                             quantized: set[str]) -> Activations:  # fmt: skip
     """What a micro-batch's forward pass leaves for the backward pass on one device
