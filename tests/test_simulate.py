@@ -163,7 +163,7 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
 
 
 # The smallest preset of every family, with 4 blocks (every block is alike: 4 give the first, a
-# middle and the last block their own moments of the step) and 128 tokens: seconds each.
+# middle and the last block their own moments of the step) and 512 tokens: seconds each.
 FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m"]
 
 
@@ -173,15 +173,17 @@ def test_estimate_is_within_3_percent_of_the_simulated_step(name, setting):
     """The estimate (parameters from the meta model, activations recorded from the model on fake
     tensors, the moments of `toolkit.memory.moments`) against the real step simulated on 8 fake
     ranks, FULL_SHARD, bf16-mixed, two micro-batches: pretraining, LoRA (finetune_lora's adapters),
-    and pretraining with activation checkpointing. Measured: every one within 0.5%."""
+    and pretraining with activation checkpointing. Measured: within 0.1% but Mistral-7B's (+1.9%
+    pretraining, -0.6% checkpointed: its blocks are large beside 512 tokens, and the moment a
+    block's backward pass ends is an upper bound of what FSDP holds then)."""
     from toolkit.models.adapters import LoRAArgs
 
     config = Config.from_name(name, n_layer=4)
     lora = LoRAArgs() if setting == "lora" else None
     checkpointing = setting == "checkpointing"
-    sim = simulate(config, 8, 1, 1, 128, "bf16-mixed", "FULL_SHARD", "lora" if lora else None, lora, checkpointing, 2)
+    sim = simulate(config, 8, 1, 1, 512, "bf16-mixed", "FULL_SHARD", "lora" if lora else None, lora, checkpointing, 2)
     opts = Options(config, "bf16-mixed", "lora" if lora else None, tuple(lora.module_names()) if lora else (), 8, None,
-                   128, device="fake", lora_dropout=lora.dropout if lora else 0.0)  # fmt: skip
+                   512, device="fake", lora_dropout=lora.dropout if lora else 0.0)  # fmt: skip
     figures = column_memory(opts, make_column("FULL_SHARD", 8, 1), 1)
     estimated = figures["total_checkpointed" if checkpointing else "total"]
     assert sim.peak_total > figures["parameters"] + figures["optimizer_state"]  # the step ran
