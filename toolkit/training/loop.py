@@ -381,9 +381,11 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
     """The objective's mean loss and metrics over at most `max_iters` micro-batches in all:
     {"loss": ..., "ppl": ... (objectives whose loss is a token cross-entropy), **metrics}.
 
-    Each rank runs ceil(max_iters / world_size) of them: the validation samples, and so the loss,
-    are those of one process running `max_iters` (the loaders' global order does not depend on the
-    number of processes), not `max_iters` per rank. `objective` None is `CausalLM()`.
+    The validation samples, and so the loss, are those of one process running `max_iters`: a
+    loader's global order does not depend on the number of processes, and rank r's i-th batch is
+    batch i * world_size + r of that order. Each rank runs ceil(max_iters / world_size) forward
+    passes (under FSDP every rank must run as many), and a rank's last one is left out of the sums
+    when it lies beyond `max_iters`. `objective` None is `CausalLM()`.
     """
     objective = objective if objective is not None else CausalLM()
     was_training = model.training
@@ -401,7 +403,9 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
     for i, batch in enumerate(loader):
         if i >= n_batches:
             break
-        sums.add(objective(model, fabric.to_device(batch)))
+        output = objective(model, fabric.to_device(batch))
+        if i * fabric.world_size + fabric.global_rank < max_iters:
+            sums.add(output)
     model.train(was_training)
     means = sums.means(fabric)
     if objective.reports_perplexity:
