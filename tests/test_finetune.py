@@ -175,6 +175,10 @@ def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tm
     assert single.keys() == sharded.keys() and any("lora_B" in k for k in single)
     for name in single:
         torch.testing.assert_close(sharded[name], single[name], atol=1e-5, rtol=0, msg=name)
+    # Validation reads the samples one process reads: --eval.max_iters 3 over 2 ranks is 3 batches
+    # (not 2 per rank), so the logged validation losses agree.
+    one, two = logged_val_losses(tmp_path / "one"), logged_val_losses(tmp_path / "two")
+    assert len(one) == len(two) >= 1 and one == pytest.approx(two, rel=1e-5), (one, two)
 
 
 def test_quantized_layers_keep_passing_gradients_after_an_evaluation_pass():

@@ -132,6 +132,11 @@ def test_bad_input_gets_one_clear_line(tmp_path, capfd):
         _toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(text), "--train.max_seq_length", "4096", *base),
         "max_seq_length", "512",
     )
+    _assert_one_line_error(
+        _toolkit("pretrain", "debug-neox", "--data", "TextFiles", "--data.train_path", str(text), "--train.max_tokens", "1000",
+                 "--train.global_batch_size", "4", "--train.micro_batch_size", "2", "--train.max_seq_length", "512", *base),
+        "max_tokens 1,000 is less than one optimizer step (2,048 tokens",
+    )
     _assert_one_line_error(_toolkit("pretrain", "debug-neox", "--train.micro_batch_sise", "2", *base), "micro_batch_size")
     _assert_one_line_error(_toolkit("pretrian"), "pretrain")
     _assert_one_line_error(_toolkit("pretrain", "debug-neox", *base), "--data")

@@ -207,3 +207,24 @@ def test_wandb_writes_under_wandb_dir_when_it_is_set(tmp_path, monkeypatch):
     monkeypatch.delenv("WANDB_DIR")
     (logger,) = make_loggers(tmp_path / "run", LogArgs(loggers=("wandb",), offline=True), continue_runs=False)
     assert logger.save_dir == str(tmp_path / "run" / "logs")
+
+
+def test_a_run_whose_final_export_fails_is_not_marked_successful(run):
+    """Success is declared when the session ends, after `final/` is written: a final export that
+    cannot be written (a file stands where the folder goes) leaves the MLflow run FAILED."""
+    from mlflow.tracking import MlflowClient
+
+    from toolkit.cli import run as toolkit
+
+    out, db = run["out"].parent / "export_fails", run["db"]
+    out.mkdir()
+    (out / "final").write_text("a file, not a folder\n")
+    code = toolkit([
+        *tiny_pretrain_args(out, 2), "--log.loggers", "[mlflow]", "--log.project", "export-fails",
+        "--log.tracking_uri", f"sqlite:///{db}", "--resume", "auto",  # (a fresh run refuses a folder holding "final")
+    ])
+    assert code == 1
+    client = MlflowClient(tracking_uri=f"sqlite:///{db}")
+    (mlrun,) = client.search_runs([client.get_experiment_by_name("export-fails").experiment_id])
+    assert mlrun.info.status == "FAILED"
+    assert (out / "checkpoints" / "step-00000002").is_dir()  # the training itself finished and saved

@@ -13,7 +13,7 @@ import re
 import sys
 from typing import Callable, Optional
 
-from toolkit.errors import UserError, closest, did_you_mean
+from toolkit.errors import Preempted, UserError, closest, did_you_mean
 
 # subcommand -> (module:function, one-line summary)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -235,6 +235,10 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
     except KeyboardInterrupt:
         _say(f"{prog}: interrupted")
         return 130
+    except Preempted as stopped:  # SIGTERM / SIGUSR1: the run saved what it could (toolkit.training.preemption)
+        _say(f"{prog}: {stopped}")
+        _release_process_group()
+        return stopped.exit_code
     except Exception as error:
         failure = _peer_failure_line(error)
         if failure is None:

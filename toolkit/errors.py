@@ -44,3 +44,16 @@ class PeerFailure(Exception):
     what happened, and a non-zero exit code, instead of a traceback from every rank or a hang.
     See `toolkit.training.failures.run_on_rank_zero` and `explain_peer_failure`.
     """
+
+
+class Preempted(Exception):
+    """The run stopped on a preemption signal (SIGTERM, SIGUSR1), after saving a checkpoint when a
+    step was under way (`toolkit.training.preemption`). Reported in one line; the exit code is
+    128 + the signal's number, as a shell reports a process that signal ended."""
+
+    def __init__(self, signal_name: str, what: str) -> None:
+        super().__init__(f"stopped by {signal_name}: {what}")
+        self.signal_name = signal_name
+        import signal
+
+        self.exit_code = 128 + int(getattr(signal, signal_name))

@@ -68,6 +68,8 @@ def atomic_directory(out_dir: Path | str, overwrite: bool = False) -> Iterator[P
     On failure the temporary directory is removed and `out_dir` is left as it was.
     """
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():  # never replaced, even with overwrite: it is not a checkpoint
+        raise UserError(f"{out_dir} is a file, not a folder; move it away or choose another directory.")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir} already exists and is not empty; choose another directory or pass --overwrite true.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

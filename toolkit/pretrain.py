@@ -93,6 +93,13 @@ def pretrain(
         Tokenizer(tokenizer_dir)  # an unreadable tokenizer fails here, before anything is written
 
     run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length)
+    tokens_per_step = run_plan.batches.tokens_per_step
+    if train.max_tokens and train.max_tokens < tokens_per_step:
+        # Not one whole step fits: the run would train nothing and export its initialisation.
+        raise UserError(
+            f"--train.max_tokens {train.max_tokens:,} is less than one optimizer step ({tokens_per_step:,} tokens = "
+            f"global batch {train.global_batch_size} x {max_seq_length}); raise it, or lower --train.global_batch_size."
+        )
     with Session.start(
         kind="pretrain", out_dir=out_dir, config=config, train=train, eval=eval, log=log, run_plan=run_plan,
         seed=seed, resume=resume, hparams=hparams,
@@ -118,7 +125,6 @@ def pretrain(
         session.export_dtype = resolve_export_dtype(export_dtype, initial_checkpoint_dir)
         model = session.build_model(weights=initial_checkpoint_dir if initial_checkpoint_dir is not None else "random")
         optimizer = session.build_optimizer(model)
-        tokens_per_step = session.plan.tokens_per_step
         total_steps = None
         if train.max_steps or train.max_tokens:
             total_steps = min(s for s in (train.max_steps, (train.max_tokens or 0) // tokens_per_step or None) if s)

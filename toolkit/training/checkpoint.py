@@ -83,6 +83,13 @@ def _sequence(checkpoint: Path) -> int:
     return value if isinstance(value, int) else -1
 
 
+def saved_seconds(checkpoint: Path) -> Optional[float]:
+    """How long writing `checkpoint` took (meta.json's `save_seconds`), or None when it does not say."""
+    meta = _read_meta(Path(checkpoint))
+    value = meta.get("save_seconds") if isinstance(meta, dict) else None
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def _parent_name(parent: Optional[Path], final: Path) -> Optional[str]:
     """The name meta.json records for `parent`: only a checkpoint in the same folder (a run resumed
     from another run's checkpoint starts a history of its own)."""
@@ -292,6 +299,7 @@ def save(
         meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
                 "world_size_independent": _world_size_independent(loader), "sequence": sequence,
                 "parent": _parent_name(parent, final),
+                "save_seconds": round(time.perf_counter() - start, 3),  # all of the save but this file's rename
                 "files": dict(sorted(files.items()))}
         if frozen_base is not None:
             meta["frozen_base"] = frozen_base

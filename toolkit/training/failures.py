@@ -127,6 +127,11 @@ def prepare_failure_handling(plan: StrategyPlan, fabric: Fabric) -> None:
         threading.Thread(target=_watch_launcher, args=(int(launched_by),), daemon=True, name="toolkit-launcher-watch").start()
 
 
+# Exit codes of a rank that stopped on a preemption signal after the ranks agreed and saved
+# (`toolkit.training.preemption.Preempted`: 128 + SIGTERM, 128 + SIGUSR1): not a failure.
+_PREEMPTED_CODES = (143, 138)
+
+
 def _watch_local_ranks(children: list) -> None:
     """Replaces Lightning's observer of the ranks this process started (see `prepare_failure_handling`)."""
     threading.Thread(target=_watch_children, args=(children,), daemon=True, name="toolkit-rank-watch").start()
@@ -145,9 +150,10 @@ def _watch_children(children: list) -> None:
     while True:
         time.sleep(_WATCH_SECONDS)
         codes = [child.poll() for child in children]
-        if all(code == 0 for code in codes):
-            return  # every rank finished cleanly
-        failed = [(i, child, code) for i, (child, code) in enumerate(zip(children, codes)) if code not in (None, 0)]
+        if all(code == 0 or code in _PREEMPTED_CODES for code in codes):
+            return  # every rank finished cleanly, or stopped with the others on a preemption signal
+        failed = [(i, child, code) for i, (child, code) in enumerate(zip(children, codes))
+                  if code not in (None, 0, *_PREEMPTED_CODES)]
         if failed:
             break
     for i, child, code in failed:
@@ -184,12 +190,30 @@ def _describe_launcher_gone(pid: int) -> str:
     return f"rank {node_rank * _FAILURE_CONTEXT.devices} (process {pid}, which started this node's other ranks) is gone: killed, or out of memory"
 
 
+_EXIT_ACTIONS: list[Callable[[], None]] = []
+
+
+def add_exit_action(action: Callable[[], None]) -> None:
+    """Run `action` (e.g. end the tracker runs as failed) before the watchdog ends this process with
+    os._exit, which skips every `finally` and context manager of the main thread."""
+    _EXIT_ACTIONS.append(action)
+
+
+def clear_exit_actions() -> None:
+    _EXIT_ACTIONS.clear()
+
+
 def _stop_now(message: str, children: list) -> None:
     """Print `message` as this process's one line, stop `children` and exit at once (from any thread)."""
     import signal
 
     sys.stderr.write(f"toolkit: error: {message}\n")
     sys.stderr.flush()
+    for action in list(_EXIT_ACTIONS):
+        try:
+            action()
+        except Exception as error:  # a tracker that cannot be reached must not keep a stuck process alive
+            log.warning("Could not finish before stopping: %s", str(error).splitlines()[0] if str(error) else error)
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGKILL)  # SIGTERM does not end a process stuck in a collective

@@ -53,6 +53,9 @@ class LoopHooks:
     # within a logged window is left out of its step time and throughput and logged as
     # train/compile_seconds; the first compilation is also printed.
     compile_seconds: Optional[Callable[[], float]] = None
+    # The preemption signals this process received (`toolkit.training.preemption.StopSignals`): the
+    # ranks agree in each step's all-reduce and stop after that step; the loop sets `stop.agreed`.
+    stop: Optional[Any] = None
 
 
 def lr_at(step: int, args: TrainArgs, total_steps: Optional[int]) -> float:
@@ -116,6 +119,8 @@ def fit(
         # Rank 0's clock decides for every rank. It is read as the step starts and travels in the
         # step's all-reduce: past max_time, this step (whose data is already taken) is the last.
         out_of_time = max_seconds is not None and fabric.global_rank == 0 and time.perf_counter() - run_start >= max_seconds
+        # A preemption signal (SIGTERM, SIGUSR1) received so far: it travels the same way.
+        signalled = hooks.stop.received if hooks.stop is not None else None
         group = _take(batches, accumulation)
         if group is None and world_size == 1:
             stop_reason = f"end of data after {state.epoch} epoch(s)"
@@ -135,12 +140,14 @@ def fit(
             # the loss divisor, the real tokens, the ranks with no whole step left, rank 0's time flag.
             # Counts are integers; a float normaliser (weights) makes them all float64, exact to 2**53.
             dtype = torch.float64 if units.is_floating_point() else torch.long
-            flags = [real_tokens, zero + int(group == []), zero + int(out_of_time)]
+            flags = [real_tokens, zero + int(group == []), zero + int(out_of_time),
+                     zero + int(signalled == "SIGTERM"), zero + int(signalled == "SIGUSR1")]
             counts = torch.stack([units.to(dtype)] + [f.to(dtype) for f in flags])
             torch.distributed.all_reduce(counts)  # not fabric.all_reduce: it adds a barrier
             global_units = counts[0]
-            _, global_real_tokens, ranks_out_of_data, ranks_out_of_time = (int(c) for c in counts.tolist())
+            _, global_real_tokens, ranks_out_of_data, ranks_out_of_time, terms, usr1s = (int(c) for c in counts.tolist())
             out_of_time = ranks_out_of_time > 0
+            signalled = "SIGTERM" if terms else "SIGUSR1" if usr1s else None
             if ranks_out_of_data:
                 stop_reason = f"end of data after {state.epoch} epoch(s) on {ranks_out_of_data} of {world_size} ranks"
                 break
@@ -186,6 +193,13 @@ def fit(
             _run_validation(fabric, model, val_loader, eval, state, objective)
         if hooks.save_checkpoint is not None and train.save_interval and state.step % train.save_interval == 0:
             hooks.save_checkpoint(state)
+        if world_size == 1 and hooks.stop is not None:
+            signalled = hooks.stop.received  # one process needs no agreement: this step is the last
+        if signalled is not None and hooks.stop is not None:
+            hooks.stop.received = hooks.stop.received or signalled  # a rank that was not signalled itself
+            hooks.stop.agreed = True
+            stop_reason = f"{signalled} received: stopping to save"
+            break
         if out_of_time:
             stop_reason = f"reached max_time={train.max_time}"
             break
@@ -367,9 +381,11 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
     """The objective's mean loss and metrics over at most `max_iters` micro-batches in all:
     {"loss": ..., "ppl": ... (objectives whose loss is a token cross-entropy), **metrics}.
 
-    Each rank runs ceil(max_iters / world_size) of them: the validation samples, and so the loss,
-    are those of one process running `max_iters` (the loaders' global order does not depend on the
-    number of processes), not `max_iters` per rank. `objective` None is `CausalLM()`.
+    The validation samples, and so the loss, are those of one process running `max_iters`: a
+    loader's global order does not depend on the number of processes, and rank r's i-th batch is
+    batch i * world_size + r of that order. Each rank runs ceil(max_iters / world_size) forward
+    passes (under FSDP every rank must run as many), and a rank's last one is left out of the sums
+    when it lies beyond `max_iters`. `objective` None is `CausalLM()`.
     """
     objective = objective if objective is not None else CausalLM()
     was_training = model.training
@@ -387,7 +403,9 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
     for i, batch in enumerate(loader):
         if i >= n_batches:
             break
-        sums.add(objective(model, fabric.to_device(batch)))
+        output = objective(model, fabric.to_device(batch))
+        if i * fabric.world_size + fabric.global_rank < max_iters:
+            sums.add(output)
     model.train(was_training)
     means = sums.means(fabric)
     if objective.reports_perplexity:

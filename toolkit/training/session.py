@@ -19,15 +19,16 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
-from toolkit.errors import UserError
+from toolkit.errors import Preempted, UserError
 from toolkit.models.config import Config
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.parallel.plan import RunPlan
-from toolkit.training.failures import run_on_rank_zero
+from toolkit.training.failures import add_exit_action, clear_exit_actions, run_on_rank_zero
 from toolkit.training.host_memory import return_large_frees_to_the_system
 from toolkit.optim import decay_names, make_adamw
 from toolkit.training.loop import LoopHooks, TrainState, fit
-from toolkit.training.trackers import finish_tracker_runs, make_loggers, plain, start_tracker_runs
+from toolkit.training.preemption import StopSignals
+from toolkit.training.trackers import finish_tracker_runs, make_loggers, plain, start_tracker_runs, tracker_kind
 from toolkit.training.fabric import build_fabric
 
 if TYPE_CHECKING:
@@ -81,6 +82,8 @@ class Session:
     # dtype of the exported model's floating-point weights; None keeps the trained dtype.
     export_dtype: Optional[torch.dtype] = None
     trackers_finished: bool = False  # the tracker runs have been ended (finish_trackers)
+    # SIGTERM / SIGUSR1 handling while the run lives (`toolkit.training.preemption`); None: not installed.
+    stop_signals: Optional[StopSignals] = None
 
     @classmethod
     def start(
@@ -131,16 +134,30 @@ class Session:
         all_hparams = {"command": kind, **(hparams or {}), "model_config": config.to_dict(), "batch_plan": plain(plan)}
         start_tracker_runs(fabric, out_dir, all_hparams, continue_runs)
         fabric.seed_everything(rank_seed(seed, fabric.global_rank))
-        return cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
-                   plan=plan, run_plan=run_plan, seed=seed, resume=resume, created_out_dir=created_out_dir,
-                   precision=strategy.precision, frozen_base=base_record, resume_from=resume_from)
+        session = cls(kind=kind, fabric=fabric, out_dir=out_dir, config=config, train=train, eval=eval, log=log,
+                      plan=plan, run_plan=run_plan, seed=seed, resume=resume, created_out_dir=created_out_dir,
+                      precision=strategy.precision, frozen_base=base_record, resume_from=resume_from)
+        # From here every way out ends the tracker runs: an error or a signal through __exit__, the
+        # failure watchdog (which ends a stuck process with os._exit) through this action.
+        session.stop_signals = StopSignals().install()
+        add_exit_action(lambda: session.finish_trackers("failed"))
+        return session
 
     def __enter__(self) -> "Session":
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
-        if error is not None:
-            self.finish_trackers_after(error)
+        """A start that ends without an error ends its tracker runs as successful: only now, after
+        the entry point wrote what it exports (`final/`), not when the loop ends."""
+        try:
+            if error is None:
+                self.finish_trackers("success")
+            else:
+                self.finish_trackers_after(error)
+        finally:
+            if self.stop_signals is not None:
+                self.stop_signals.restore()
+            clear_exit_actions()
         return False  # the error goes on, as it was
 
     def finish_trackers(self, status: str) -> None:
@@ -153,7 +170,7 @@ class Session:
     def finish_trackers_after(self, error: BaseException) -> None:
         """End the tracker runs of a start that `error` stops: killed for Ctrl-C, else failed. A
         tracker that cannot be reached is logged and left; `error` stays the one that is reported."""
-        status = "killed" if isinstance(error, KeyboardInterrupt) else "failed"
+        status = "killed" if isinstance(error, (KeyboardInterrupt, Preempted)) else "failed"
         try:
             self.finish_trackers(status)
         except Exception as failure:
@@ -341,15 +358,32 @@ class Session:
             flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),
             device_peak_flops=peak,
             compile_seconds=compile_seconds if compiled else None,
+            stop=self.stop_signals,
         )
-        self.state = fit(
-            self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
-            self.train, self.eval, self.log, hooks, total_steps=total_steps, tokens_per_step=tokens_per_step,
-            objective=objective,
-        )
-        if self.state.step not in saved_steps and self.state.step > 0:
-            save(self.state)
-        self.finish_trackers("success")  # flushes buffered metrics to disk
+        stop = self.stop_signals
+        if stop is not None:
+            self.fabric.print(_preemption_line(resume_from))
+            stop.deferring = True  # in the loop a signal only raises the flag the ranks agree on
+        try:
+            self.state = fit(
+                self.fabric, model, optimizer, train_loader, val_loader, self.plan, state,
+                self.train, self.eval, self.log, hooks, total_steps=total_steps, tokens_per_step=tokens_per_step,
+                objective=objective,
+            )
+            if self.state.step not in saved_steps and self.state.step > 0:
+                save(self.state)
+        finally:
+            if stop is not None:
+                stop.deferring = False
+        for log in self.fabric.loggers:  # metrics on disk now; the tracker runs end with the session
+            if tracker_kind(log) is None:
+                log.save()
+        if stop is not None and stop.agreed:
+            # Every rank has saved; rank 0 ends the tracker runs before any process exits.
+            self.finish_trackers("killed")
+            self.fabric.barrier()
+            raise Preempted(stop.received or "SIGTERM", f"checkpoint {history['last']} written after optimizer step "
+                            f"{self.state.step}; continue with --resume auto")
         if self.fabric.global_rank == 0:
             (self.out_dir / "summary.json").write_text(json.dumps(self.state.to_dict(), indent=2) + "\n")
         return self.state
@@ -408,6 +442,16 @@ def _frozen_base_record(fabric, frozen_base: Path, resume_from: Optional[Path]) 
 
     check_on_every_rank(fabric, check)
     return record
+
+
+def _preemption_line(resume_from: Optional[Path]) -> str:
+    """What a preemption signal does, and the grace time it needs as far as it is known yet."""
+    line = ("SIGTERM or SIGUSR1 stops this run after the current optimizer step (on several processes at most "
+            "the next), with a checkpoint; allow two steps and one save of grace")
+    from toolkit.training.checkpoint import saved_seconds
+
+    seconds = saved_seconds(resume_from) if resume_from is not None else None
+    return line + (f" (the last save took {seconds:.1f} s)." if seconds is not None else ".")
 
 
 def rank_seed(seed: int, rank: int) -> int:
