@@ -203,7 +203,8 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
 
     Activations: in the forward pass a checkpointed block keeps only its input; in the backward
     pass it is recomputed (its activations and weight copies made again, temporaries then) beside
-    the widest gradients in flight. The loss's saved gradients go with its backward pass, the last
+    the most its backward pass holds beyond what it saved (`Activations.backward_in_flight`,
+    recorded). The loss's saved gradients go with its backward pass, the last
     block's activations (or input) with its own. The strategy's part is `strategy_moments`. A
     quantized base's dequantized weight (`Activations.dequant_scratch`) exists while a block
     computes: in its forward pass (counted at its gathering) and its backward pass.
