@@ -140,3 +140,17 @@ def test_environment_defaults_fill_in_and_keep_what_the_user_set():
     chosen = {"LRU_CACHE_CAPACITY": "1024"}
     set_environment_defaults(chosen)
     assert chosen["LRU_CACHE_CAPACITY"] == "1024" and chosen["TOKENIZERS_PARALLELISM"] == "false"
+
+
+def test_importing_peft_through_the_cli_prints_no_import_noise():
+    """peft imports torchao and bitsandbytes when they are installed; their import-time warnings
+    (kernels for other hardware, an optional package, pytree notices) are not printed by a LoRA run."""
+    import subprocess
+    import sys
+
+    code = ("from toolkit.cli import _show_toolkit_logs; _show_toolkit_logs(); import peft, sys; "
+            "assert 'torchao' in sys.modules and 'bitsandbytes' in sys.modules")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for noise in ("Failed to load", "is an Enum subclass"):
+        assert noise not in result.stderr, result.stderr[-2000:]
