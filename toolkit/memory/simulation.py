@@ -35,7 +35,7 @@ run while another process group exists, and destroys it before returning.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -219,29 +219,13 @@ def _run(model, decay, plan, train, micro_batch_size, max_seq_length, micro_batc
         return tracked_step(model, optimizer, plan, train, x, x.clone(), micro_batches, forward)
 
 
-@contextmanager
-def _deferred_all_reduce(model, deferred: bool):
-    """The loop's `no_backward_sync` under the training strategy: every micro-batch's gradients are
-    reduce-scattered into the shards, and only HYBRID_SHARD's (and NO_SHARD's) all-reduce across
-    replicas waits for the last micro-batch (FSDP2's `set_requires_all_reduce`; turning gradient
-    sync off altogether would keep unsharded gradients, which training does not)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
-    for unit in units:
-        unit.set_requires_all_reduce(not deferred, recurse=False)
-    try:
-        yield
-    finally:
-        for unit in units:
-            unit.set_requires_all_reduce(True, recurse=False)
-
-
 def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: int, forward: bool = True):
     """One untracked step, then one optimizer step under the memory tracker (on fake tensors in
     `simulate`; on real ones in tests/scripts/simulate_real.py, which proves the simulation).
     Returns (peak by category, persistent by category, collectives, bytes sent, attempts)."""
     import torch
+
+    from toolkit.parallel.fsdp import cross_replica_reduce_deferred
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
     # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
@@ -274,7 +258,7 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
         with tracker:
             for i in range(micro_batches):
                 tracker.reset_mod_stats()  # per-module stats only; the peak is kept
-                with _deferred_all_reduce(model, i < micro_batches - 1):
+                with cross_replica_reduce_deferred(model, i < micro_batches - 1):
                     with autocast:
                         loss = model(x, labels=y)
                     (loss * 0.5).backward()  # the loop scales by world_size / target tokens

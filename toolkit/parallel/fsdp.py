@@ -8,8 +8,9 @@ the memory simulation (`toolkit.memory`) calls `shard_model` directly on a fake 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterator
 
 from toolkit.parallel.precision import precision_dtypes
 
@@ -189,3 +190,21 @@ def block_units(module: nn.Module, block_cls: type[nn.Module]) -> list[nn.Module
     units += [m for m in module.modules() if isinstance(m, block_cls) and id(m) not in wrapped]
     return units
 
+
+@contextmanager
+def cross_replica_reduce_deferred(module: nn.Module, deferred: bool) -> Iterator[None]:
+    """Gradient accumulation under the sharded strategy: every micro-batch's gradients are
+    reduce-scattered into the shards, and only the all-reduce across replicas (HYBRID_SHARD,
+    NO_SHARD) waits for the last micro-batch. FSDP2's own way, turning gradient sync off, keeps a
+    whole unsharded gradient per rank until then. Training (`toolkit.training.fabric`'s
+    `no_backward_sync`) and the memory simulation both accumulate through this."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in module.modules() if isinstance(m, FSDPModule)]
+    for unit in units:
+        unit.set_requires_all_reduce(not deferred, recurse=False)
+    try:
+        yield
+    finally:
+        for unit in units:
+            unit.set_requires_all_reduce(True, recurse=False)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from toolkit.parallel.fsdp import checkpoint_blocks, shard_model
+from toolkit.parallel.fsdp import checkpoint_blocks, cross_replica_reduce_deferred, shard_model
 from toolkit.parallel.plan import StrategyPlan
 from toolkit.training.checkpoint_io import direct_checkpoint_io
 from toolkit.training.failures import check_launcher, prepare_failure_handling
@@ -133,8 +133,6 @@ def sharded_strategy_class() -> type:
 
 
 def _build_sharded_strategy_class() -> type:
-    from contextlib import contextmanager
-
     from lightning.fabric.strategies.parallel import ParallelStrategy
     from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
@@ -198,20 +196,7 @@ def _build_sharded_strategy_class() -> type:
 
     class _DeferCrossReplicaReduce(_BackwardSyncControl):
         def no_backward_sync(self, module: nn.Module, enabled: bool):
-            return _requires_all_reduce(module, not enabled)
-
-    @contextmanager
-    def _requires_all_reduce(module: nn.Module, required: bool):
-        from torch.distributed.fsdp import FSDPModule
-
-        units = [m for m in module.modules() if isinstance(m, FSDPModule)]
-        for unit in units:
-            unit.set_requires_all_reduce(required, recurse=False)
-        try:
-            yield
-        finally:
-            for unit in units:
-                unit.set_requires_all_reduce(True, recurse=False)
+            return cross_replica_reduce_deferred(module, deferred=enabled)
 
     return ShardedStrategy
 
