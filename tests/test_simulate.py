@@ -245,6 +245,34 @@ def test_preflight_names_full_shard_when_hybrid_does_not_fit():
         check_fits(80 * 10**9, config, 8, 4, 1, 2048, "bf16-mixed", "HYBRID_SHARD", True, finetune="full")
 
 
+def test_the_run_plan_preflight_is_the_preflight_of_its_settings():
+    """Training hands the pre-flight its run plan (`check_run_fits`): the same verdict as the
+    settings it holds, HYBRID_SHARD over nodes included, and the QLoRA scheme's quantized base."""
+    from toolkit.args import DistributedArgs, TrainArgs
+    from toolkit.memory import check_run_fits
+    from toolkit.parallel.plan import plan_run
+
+    config = Config.from_name("llama-3.1-70b")
+    train = TrainArgs(micro_batch_size=1, global_batch_size=32)
+    plan = plan_run(8, 4, "bf16-mixed", DistributedArgs(activation_checkpointing=True), train, 2048, accelerator="cuda")
+    with pytest.raises(UserError, match="--distributed.sharding FULL_SHARD"):
+        check_run_fits(80 * 10**9, config, plan, finetune="full")
+
+    def verdict(check, *args, **kwargs) -> str:
+        try:
+            return check(*args, **kwargs)
+        except UserError as refusal:
+            return str(refusal)
+
+    for checkpointing in (False, True):
+        lora_plan = plan_run(2, 1, "bf16-mixed", DistributedArgs(activation_checkpointing=checkpointing),
+                             TrainArgs(micro_batch_size=1, global_batch_size=2), 2048, quantize="nf4", accelerator="cuda")
+        line = verdict(check_run_fits, 24 * 10**9, config, lora_plan, finetune="lora")
+        assert line == verdict(check_fits, 24 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", checkpointing,
+                               finetune="lora", quantize="nf4")
+        assert "memory pre-flight: about" in line
+
+
 def test_simulate_leaves_no_process_group_behind():
     import torch.distributed as dist
 

@@ -1,7 +1,8 @@
 """Memory of a training step, per device: estimated, simulated, and checked before training starts.
 
-    check_fits(...)     the start-up pre-flight training calls (`toolkit.memory.preflight`): refuses,
-                        in one line, a set-up whose step will not fit, and names one that does
+    check_run_fits(...) the start-up pre-flight training calls with its run plan
+                        (`toolkit.memory.preflight`): refuses, in one line, a set-up whose step
+                        will not fit, and names one that does (`check_fits`, the same by settings)
     estimate(...)       `toolkit estimate`: the memory per device of each strategy, and what fits
                         a budget (`toolkit.memory.estimator`)
     simulate(...)       the real training step on fake tensors and fake ranks, tracked by torch's
@@ -15,7 +16,7 @@ step at which it can peak. Nothing here imports the training code or the entry p
 
 from toolkit.memory.estimator import estimate
 from toolkit.memory.options import GiB
-from toolkit.memory.preflight import check_fits
+from toolkit.memory.preflight import check_fits, check_run_fits
 from toolkit.memory.simulation import Simulation, simulate
 
-__all__ = ["GiB", "Simulation", "check_fits", "estimate", "simulate"]
+__all__ = ["GiB", "Simulation", "check_fits", "check_run_fits", "estimate", "simulate"]

@@ -99,3 +99,16 @@ def check_fits(
         advice = ("no sharding, checkpointing, micro-batch or CPU offload setting fits: use more devices"
                   + (f" or {instead}" if instead else "") + " (see `toolkit estimate`)")
     raise UserError(f"{line}: does not fit. {advice}; or skip this check with --distributed.preflight false.")
+
+
+def check_run_fits(device_bytes: int, config: Any, run_plan: Any, finetune: Optional[str] = None, lora: Any = None) -> str:
+    """`check_fits` for a run's plan (`toolkit.parallel.plan.RunPlan`): the one call training makes.
+    The plan says the devices, precision, strategy and sharding, checkpointing, CPU offload, batch
+    and the quantized base; `finetune` and `lora` say what trains."""
+    strategy, batches = run_plan.strategy, run_plan.batches
+    sharding = strategy.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
+    return check_fits(
+        device_bytes, config, strategy.devices, strategy.num_nodes, batches.micro_batch_size, batches.max_seq_length,
+        strategy.precision, sharding, strategy.activation_checkpointing, finetune=finetune, lora=lora,
+        quantize=run_plan.quantize, cpu_offload=strategy.cpu_offload,
+    )

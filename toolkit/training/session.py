@@ -470,16 +470,10 @@ def check_fits_device(kind: str, config: Config, run_plan: RunPlan, lora: Any = 
     everything else (sharding, checkpointing, CPU offload, the quantized base)."""
     if kind not in ("pretrain", "finetune_full", "finetune_lora"):
         return
-    from toolkit.memory import check_fits
+    from toolkit.memory import check_run_fits
 
-    strategy, batches = run_plan.strategy, run_plan.batches
-    sharding = strategy.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
-    line = check_fits(
-        torch.cuda.get_device_properties(0).total_memory, config, strategy.devices, strategy.num_nodes,
-        batches.micro_batch_size, batches.max_seq_length, strategy.precision, sharding, strategy.activation_checkpointing,
-        finetune={"pretrain": None, "finetune_lora": "lora"}.get(kind, "full"), lora=lora, quantize=run_plan.quantize,
-        cpu_offload=strategy.cpu_offload,
-    )
+    finetune = {"pretrain": None, "finetune_lora": "lora"}.get(kind, "full")
+    line = check_run_fits(torch.cuda.get_device_properties(0).total_memory, config, run_plan, finetune, lora)
     # Before launch every process of the run gets here (Fabric re-runs the command per local rank,
     # torchrun starts them all): the line that it fits is printed by the first one only.
     if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
