@@ -70,3 +70,17 @@ def test_without_a_gpu_the_real_run_stops_in_one_line(tmp_path):
     if report["machine"].get("cuda_available"):
         pytest.skip("a GPU is visible: the real run is the GPU session's")
     assert result.returncode == 2 and report["error"] == "no CUDA device"
+
+
+def test_a_check_out_of_time_is_recorded_and_the_next_still_runs(tmp_path):
+    """Each check's process is killed at its limit (1 s: not even torch is imported by then); the JSON
+    says so for each, and the run exits 1."""
+    out = tmp_path / "gpu_check.json"
+    result = subprocess.run([sys.executable, str(SCRIPT), "--dry", "--only", "fused_loss,nccl_paths", "--limit", "1",
+                             "--out", str(out), "--work_dir", str(tmp_path / "work")],
+                            capture_output=True, text=True, env=launch_env(), cwd=REPO, timeout=300)
+    checks = json.loads(out.read_text())["checks"]
+    assert result.returncode == 1
+    assert list(checks) == ["fused_loss", "nccl_paths"]
+    for entry in checks.values():
+        assert entry["status"] == "timeout" and entry["limit_seconds"] == 1.0 and entry["seconds"] < 30, entry
