@@ -521,6 +521,7 @@ def memory(ctx: Context) -> dict:
             "simulated_peak_gib": round(sim.peak_total / GiB, 3), "real_peak_gib": round(real["peak_bytes"] / GiB, 3),
             "real_over_simulated": round(real["peak_bytes"] / sim.peak_total, 4) if sim.peak_total else None,
             "real_reserved_peak_bytes": real.get("reserved_peak_bytes"), "real_source": real["source"],
+            "real_allocated_before_bytes": real.get("allocated_before_bytes"),  # should be 0
             "simulated_at_peak_gib": {k: round(v / GiB, 3) for k, v in sim.peak.items()},
             "simulation_seconds": round(sim_seconds, 1),
         }
@@ -548,6 +549,12 @@ def _real_step_peak(device: str, config, finetune: Optional[str], checkpointing:
 
     plan = plan_strategy(2, 1, "bf16-mixed", DistributedArgs(strategy="fsdp", sharding="FULL_SHARD",
                                                              activation_checkpointing=checkpointing), accelerator=device)
+    import gc
+
+    gc.collect()  # nothing of the previous set-up may count in this one's peak
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        left_over = torch.cuda.memory_allocated()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         shape, names = mesh_layout(plan.sharding, 1, 2)
@@ -589,7 +596,7 @@ def _real_step_peak(device: str, config, finetune: Optional[str], checkpointing:
             step(1)  # AdamW's state and FSDP's gathered storages exist before the measured step
             with PeakMemory(device, absolute=True) as peak:
                 step(2)
-        return peak.figures
+        return {**peak.figures, "allocated_before_bytes": left_over} if device == "cuda" else peak.figures
     finally:
         dist.destroy_process_group()
 
