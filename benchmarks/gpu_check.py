@@ -355,16 +355,23 @@ def cpu_offload_nf4(ctx: Context) -> dict:
                      offloaded. FSDP's gathers and reduce-scatters are emulated (`_copy_peer_comms`):
                      the other rank is taken to hold the same shard, so every buffer of a 2-GPU rank
                      is really allocated and the values stay finite; no NCCL or gloo runs here
+    nf4_one_rank     the NF4 base on the one-process group: whether it runs, or its error
     """
     figures = {"one_rank_group": _offload_run(ctx, nf4=False)}
-    figures["nf4_two_ranks"] = _offload_run(ctx, nf4=True)
-    bad = [name for name, run in figures.items() if not (run["finite"] and run["offloaded"])]
+    figures["nf4_two_ranks"] = _offload_run(ctx, nf4=True, fake_peer=True)
+    # The limitation itself, recorded (not a failure of the check): a torch that fixes it shows here.
+    try:
+        figures["nf4_one_rank"] = {"runs": True, **_offload_run(ctx, nf4=True)}
+    except Exception as error:
+        figures["nf4_one_rank"] = {"runs": False, "error": f"{type(error).__name__}: {error}".splitlines()[0]}
+    bad = [name for name in ("one_rank_group", "nf4_two_ranks")
+           if not (figures[name]["finite"] and figures[name]["offloaded"])]
     if bad or not figures["nf4_two_ranks"]["nf4_weights"]:
         raise CheckFailed(f"not offloaded, no NF4 weight, or a loss that is not finite: {bad}", figures)
     return figures
 
 
-def _offload_run(ctx: Context, nf4: bool) -> dict:
+def _offload_run(ctx: Context, nf4: bool, fake_peer: bool = False) -> dict:
     import torch
 
     from toolkit.args import TrainArgs
@@ -379,13 +386,13 @@ def _offload_run(ctx: Context, nf4: bool) -> dict:
     from toolkit.training.model_setup import setup_model
     from toolkit.training.nf4 import check_nf4_shardable, is_nf4, quantize_blocks_nf4
 
-    from peft import get_peft_model
-
     from dataclasses import replace
+
+    from peft import get_peft_model
 
     plan = _fsdp_world1_plan(ctx.device, "bf16-mixed", cpu_offload=True)
     saved_env = dict(os.environ)
-    if nf4:
+    if fake_peer:
         # Rank 0 of 2 on a fake group: Lightning joins a process group that exists and, with
         # LOCAL_RANK set, starts no second process. Two nodes of one device each, so that Fabric
         # asks for one GPU only; the mesh is the same (FULL_SHARD over the 2 ranks).
@@ -406,7 +413,7 @@ def _offload_run(ctx: Context, nf4: bool) -> dict:
         with torch.device("meta"):
             model = GPT(config)
         if nf4:
-            check_nf4_shardable(model, 2)
+            check_nf4_shardable(model, plan.world_size)
         read_rows = _random_reader(model, config)  # by the plain model's names, as Session reads them
         if nf4:
             quantize_blocks_nf4(model, precision_dtypes(plan.precision)[1], fabric.device)
@@ -415,7 +422,7 @@ def _offload_run(ctx: Context, nf4: bool) -> dict:
         apply_precision_policy(model, plan.precision)
         with PeakMemory(ctx.device) as setup_peak:
             model = setup_model(fabric, model, read_rows)
-        if nf4:
+        if fake_peer:
             _copy_peer_comms(model)
         optimizer = fabric.setup_optimizers(make_adamw(model, decay_names(model), TrainArgs(learning_rate=1e-3)))
         x, y = _fixed_batch(config, batch, seq, fabric.device)
@@ -433,7 +440,7 @@ def _offload_run(ctx: Context, nf4: bool) -> dict:
                        for group in unit._get_fsdp_state()._fsdp_param_groups for p in group.fsdp_params]
         local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
         return {
-            "backend": plan.process_group_backend if not nf4 else "fake (emulated peer)",
+            "backend": "fake (emulated peer)" if fake_peer else plan.process_group_backend,
             "world_size": fabric.world_size, "model": f"{config.name} with {config.n_layer} layers",
             "batch": batch, "seq": seq, "steps": steps, "losses": [round(v, 4) for v in losses],
             "finite": all(v == v and abs(v) != float("inf") for v in losses),
