@@ -669,7 +669,8 @@ def child(argv: list[str]) -> None:
         result.update(status="failed", figures=failure.figures, error=str(failure))
     except BaseException as error:  # recorded; the parent goes on with the next check
         traceback.print_exc()
-        result.update(status="failed", error=f"{type(error).__name__}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}")
+        first_line = (str(error).strip().splitlines() or [""])[0]
+        result.update(status="failed", error=f"{type(error).__name__}: {first_line}")
     print(RESULT_TAG + json.dumps(result, default=str), flush=True)
 
 
