@@ -10,7 +10,7 @@ from toolkit.models.config import Config
 # the data modules that write it and the model that skips it share one value.
 IGNORE_INDEX = -100
 # The fused loss (toolkit.models.loss) computes this many bytes of float32 logits at a time (at
-# least one row). Here, free of torch, so that the memory estimate (toolkit.estimate) reads it too.
+# least one row). Here, free of torch, so that the memory estimate (toolkit.memory) reads it too.
 LOSS_CHUNK_BYTES = 128 * 2**20
 
 __all__ = ["Config", "IGNORE_INDEX", "LOSS_CHUNK_BYTES"]

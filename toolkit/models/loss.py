@@ -5,7 +5,7 @@ hidden states and the head's weight), which computes the (rows, V) logits a chun
 time and never holds the (B * T, V) float32 logits. Labels equal to IGNORE_INDEX count for nothing.
 
 How the fused functions run on the host is set from outside the model (`loss_settings`): the memory
-simulation (`toolkit.simulate`) runs them on fake tensors, which have no values to find ignored rows
+simulation (`toolkit.memory.simulation`) runs them on fake tensors, which have no values to find ignored rows
 by and must not be kept in scratch buffers.
 """
 
