@@ -645,6 +645,17 @@ def test_the_run_plan_picks_the_strategy_a_quantized_base_allows(quantize, devic
     assert ("QLoRA scheme" in lines) == (quantize is not None) and "Batch plan" in lines
 
 
+def test_an_nf4_base_is_not_planned_on_no_shard():
+    from toolkit.args import TrainArgs
+    from toolkit.parallel.plan import plan_run
+
+    train = TrainArgs(global_batch_size=4, micro_batch_size=1)
+    with pytest.raises(UserError, match="NO_SHARD shards nothing"):
+        plan_run(2, 1, "32-true", DistributedArgs(sharding="NO_SHARD"), train, 64, quantize="nf4", accelerator="cpu")
+    assert plan_run(1, 1, "32-true", DistributedArgs(sharding="NO_SHARD"), train, 64, quantize="nf4",
+                    accelerator="cpu").quantized.scheme == "single"
+
+
 def test_the_run_plan_refuses_a_batch_that_does_not_split():
     from toolkit.args import TrainArgs
     from toolkit.parallel.plan import plan_run

@@ -292,6 +292,11 @@ def _quantized_scheme(world: int, dist: DistributedArgs, quantize: str) -> Quant
         if dist.strategy == "ddp":
             raise UserError("--quantize nf4 shards the base with FSDP: drop --distributed.strategy ddp "
                             "(or use --quantize bnb.nf4, which replicates it).")
+        if dist.sharding == "NO_SHARD":
+            # Each shard group is one process: torch 2.13's FSDP2 skips the all-gather of a group of one,
+            # which torchao's NF4 tensor cannot follow ("not enough values to unpack").
+            raise UserError("--quantize nf4 shards the base with FSDP, and --distributed.sharding NO_SHARD shards "
+                            "nothing: use FULL_SHARD or HYBRID_SHARD (or --quantize bnb.nf4, which replicates the base).")
         # Checkpoints hold only what trains (`checkpoint_io.save_trainable`): no NF4 weight is in them,
         # so either --distributed.state_dict_type works and reshards.
         return QuantizedBasePlan("sharded", replace(dist, strategy="fsdp"),
