@@ -718,7 +718,7 @@ def test_recommendation_prefers_no_checkpointing_then_checkpointing():
         (dict(devices=2, strategy="ddp", sharding="FULL_SHARD"), "sharding applies to FSDP"),
         (dict(quantize="bnb.nf4"), "use it with finetune lora"),
         (dict(finetune="lora", quantize="bnb.nf8"), "Unknown quantize 'bnb.nf8'.*Did you mean: bnb.nf4"),
-        (dict(finetune="lora", devices=2, quantize="bnb.nf4", strategy="fsdp"), "cannot be combined with FSDP sharding"),
+        (dict(finetune="lora", devices=2, quantize="bnb.nf4", strategy="fsdp"), "fsdp cannot shard a --quantize bnb.nf4 base"),
         (dict(finetune="lora", devices=2, quantize="bnb.int8", sharding="FULL_SHARD"), "cannot be combined with FSDP"),
         (dict(finetune="lora", quantize="bnb.nf4", lora_targets=("query", "head")), "head cannot be combined"),
         (dict(finetune="lora", lora_dropout=1.0), "lora_dropout must be in"),

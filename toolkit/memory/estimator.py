@@ -36,7 +36,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
-from toolkit.args import QUANTIZE_CHOICES, QuantizeName, ShardingName, StrategyName
+from toolkit.args import QUANTIZE_CHOICES, DistributedArgs, QuantizeName, ShardingName, StrategyName
 from toolkit.errors import UserError, check_choice
 from toolkit.memory.activations import Activations, activations
 from toolkit.memory.moments import Moment, step_moments, strategy_moments
@@ -53,7 +53,7 @@ from toolkit.memory.parameters import (
 from toolkit.models.config import CONFIG_FILENAME, Config
 from toolkit.models.adapters import TARGETS as LORA_TARGETS
 from toolkit.models.adapters import LoRAArgs
-from toolkit.parallel.plan import QUANTIZED_BASE_NOT_SHARDED, effective_sharding
+from toolkit.parallel.plan import QUANTIZED_BASE_NOT_SHARDED, effective_sharding, plan_quantized_base
 from toolkit.parallel.precision import PRECISION_ALIASES, PRECISIONS
 
 
@@ -323,15 +323,16 @@ def _resolve(
         if strategy != "auto" or sharding is not None:
             notes.append("One device in total: a single device is used whatever the strategy.")
     else:
+        if quantize is not None:
+            # The scheme training plans for this base (`plan_quantized_base`): nf4 sharded by FSDP2,
+            # bitsandbytes replicated with DDP; what it refuses is refused here with its words.
+            plan_quantized_base(devices, num_nodes, DistributedArgs(strategy=strategy, sharding=sharding or "HYBRID_SHARD"),
+                                quantize, accelerator="cpu")
         if quantize == "nf4":
-            # finetune_lora shards torchao's NF4 base with FSDP2 (`plan_quantized_base`), never DDP.
-            if strategy == "ddp":
-                raise UserError("quantize nf4 shards the base with FSDP: leave strategy out (or use quantize "
-                                "bnb.nf4, which DDP replicates).")
             notes.append(f"QLoRA nf4 on {world} devices runs as finetune_lora runs it: FSDP2 shards the NF4 base "
                          "like every frozen weight, so its bytes per device fall as 1/N.")
         if quantize is not None and quantize != "nf4":
-            if strategy == "fsdp" or sharding is not None:
+            if sharding is not None:  # a sharding column was asked for a base that is never sharded
                 raise UserError(
                     f"quantize cannot be combined with FSDP sharding: {QUANTIZED_BASE_NOT_SHARDED}. Leave strategy "
                     "and sharding out: finetune_lora then replicates the quantized base and synchronises the adapters."
