@@ -53,7 +53,9 @@ def run_finetune(
 ):
     """Fine-tune the model in `checkpoint_dir` on instruction data; returns (session, model).
     The run plan (`plan_run`: devices, precision, strategy, batches, the `quantize` scheme) is made
-    here, once; `check_args(config, run_plan)` and `prepare_model(model, run_plan)` read it.
+    here, once; `check_args(config, run_plan, meta_model)` and `prepare_model(model, run_plan)` read
+    it. The model is built on the meta device once, here: check_args reads its shapes, the session
+    fills it.
     `lora`: LoRA's adapters, for the memory pre-flight.
     `frozen_base`: the weights of `checkpoint_dir` stay frozen (LoRA): training checkpoints hold only
     what trains, and a resume is refused if `checkpoint_dir` is not the base they were trained on.
@@ -76,8 +78,14 @@ def run_finetune(
     tokenizer = Tokenizer(checkpoint_dir)
     max_seq_length = train.sequence_length(config)
     run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length, quantize)
+    import torch
+
+    from toolkit.models.gpt import GPT
+
+    with torch.device("meta"):  # no memory: what check_args reads shapes from, and what build_model fills
+        meta_model = GPT(config)
     if check_args is not None:
-        check_args(config, run_plan)
+        check_args(config, run_plan, meta_model)
     # Read and tokenize the data before any process starts or anything is written: bad records fail here.
     data.setup(tokenizer, max_seq_length, config)
     if not (train.max_steps or train.max_tokens or train.max_time or train.epochs):
@@ -111,7 +119,8 @@ def run_finetune(
             f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
         )
         prepare = None if prepare_model is None else (lambda model: prepare_model(model, run_plan))
-        model = session.build_model(weights=checkpoint_dir, prepare=prepare, prepare_on_meta=prepare_on_meta)
+        model = session.build_model(weights=checkpoint_dir, prepare=prepare, prepare_on_meta=prepare_on_meta,
+                                    meta_model=meta_model)
         optimizer = session.build_optimizer(model)
         limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
         total_steps = min(limits) if limits else None

@@ -164,17 +164,13 @@ def finetune_lora(
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise UserError(f"Unknown --quantize {quantize!r}.{did_you_mean(quantize, QUANTIZE_CHOICES)}")
 
-    def check_args(config, run_plan) -> None:
+    def check_args(config, run_plan, meta_model) -> None:
         if quantize is not None and "head" in lora.targets:
             raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
         if quantize == "nf4" and run_plan.shard_size > 1:
-            import torch
-
-            from toolkit.models.gpt import GPT
             from toolkit.parallel.nf4 import check_nf4_shardable
 
-            with torch.device("meta"):  # shapes only, before any process is launched
-                check_nf4_shardable(GPT(config), run_plan.shard_size)
+            check_nf4_shardable(meta_model, run_plan.shard_size)  # shapes only, before any process is launched
 
     def prepare(model, run_plan):
         from peft import get_peft_model

@@ -214,7 +214,7 @@ class Session:
 
     # ------------------------------------------------------------------ model and optimizer
     def build_model(self, weights: Union[str, Path] = "random", prepare: Optional[Callable] = None,
-                    prepare_on_meta: bool = False, frozen: bool = False):
+                    prepare_on_meta: bool = False, frozen: bool = False, meta_model: Optional[Any] = None):
         """The model set up by Fabric (sharded when distributed).
 
         `weights` is "random" (pretraining) or a toolkit checkpoint directory. The model is built
@@ -231,6 +231,9 @@ class Session:
         of a preference objective, built and sharded like the trained one beside it (each unit
         freed after its forward pass: it has no backward pass). Building a second model changes
         nothing of the first.
+
+        `meta_model`: the model already built on the meta device for this config (an entry point
+        that checked its shapes before launch), used instead of building it again.
         """
         from toolkit.models.gpt import GPT
         from toolkit.parallel.precision import apply_precision_policy
@@ -240,8 +243,10 @@ class Session:
         )
 
         memory_start = start_host_memory_window()
-        with torch.device("meta"):
-            model = GPT(self.config)
+        model = meta_model
+        if model is None:
+            with torch.device("meta"):
+                model = GPT(self.config)
         read_rows = self._weight_reader(model, weights)
         if not is_fsdp(self.fabric) and not prepare_on_meta:
             materialize(model, read_rows)  # bitsandbytes quantization (QLoRA) needs real weights before `prepare`
