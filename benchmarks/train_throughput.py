@@ -552,7 +552,7 @@ def synthetic_worker(argv: list[str]) -> None:
     import torch
 
     from toolkit.models.config import Config
-    from toolkit.models.gpt import GPT, Block, init_weights
+    from toolkit.models.gpt import GPT, Block, flops_per_token, init_weights
     from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
     from toolkit.parallel.batches import plan_batches
     from toolkit.training.loop import LoopHooks, TrainState, fit
@@ -593,7 +593,7 @@ def synthetic_worker(argv: list[str]) -> None:
     train = TrainArgs(micro_batch_size=a.micro_batch, global_batch_size=a.global_batch, max_seq_length=a.seq,
                       max_steps=a.steps, warmup_steps=2, save_interval=None)
     peak = device_peak_flops(fabric.device, fabric._precision, a.peak_flops)
-    hooks = LoopHooks(flops_per_token=config.flops_per_token(a.seq), device_peak_flops=peak)
+    hooks = LoopHooks(flops_per_token=flops_per_token(config, a.seq), device_peak_flops=peak)
     if fabric.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     fit(fabric, model, optimizer, Tokens(), None, plan, TrainState(), train, EvalArgs(final_validation=False),
@@ -601,7 +601,7 @@ def synthetic_worker(argv: list[str]) -> None:
     info = {
         "device_name": torch.cuda.get_device_name(fabric.device) if fabric.device.type == "cuda" else platform.processor() or "cpu",
         "parameters": sum(p.numel() for p in model.parameters()),
-        "flops_per_token": config.flops_per_token(a.seq), "device_peak_flops": peak,
+        "flops_per_token": flops_per_token(config, a.seq), "device_peak_flops": peak,
         "torch": torch.__version__,
     }
     if fabric.device.type == "cuda":

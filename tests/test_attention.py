@@ -15,7 +15,7 @@ import torch
 from toolkit.errors import UserError
 from toolkit.models.attention import CausalSelfAttention, attention_mask, document_segments
 from toolkit.models.config import ROPE_SCALING_KEYS, Config
-from toolkit.models.gpt import GPT, init_weights
+from toolkit.models.gpt import GPT, flops_per_token, init_weights
 from toolkit.models.rope import ROPE_SCALINGS, RotaryEmbedding, apply_rope, llama3_scale_frequencies
 
 TINY = dict(vocab_size=97, block_size=64, n_layer=2, n_embd=32, n_head=4, n_query_groups=2, intermediate_size=48)
@@ -235,10 +235,10 @@ def test_export_refuses_per_layer_fields_it_cannot_express():
 
 
 def test_a_window_shortens_the_attention_flops_only_below_the_sequence_length():
-    full = Config(**TINY).flops_per_token(64)
-    assert Config(**TINY, sliding_window=64).flops_per_token(64) == full
-    local = Config(**TINY, sliding_window=4).flops_per_token(64)
-    mixed = Config(**TINY, sliding_window=4, layer_types=["local", "global"]).flops_per_token(64)
+    full = flops_per_token(Config(**TINY), 64)
+    assert flops_per_token(Config(**TINY, sliding_window=64), 64) == full
+    local = flops_per_token(Config(**TINY, sliding_window=4), 64)
+    mixed = flops_per_token(Config(**TINY, sliding_window=4, layer_types=["local", "global"]), 64)
     assert local < mixed < full
     # one query-key pair costs 3 (fwd + bwd) x 2 matmuls x 2 FLOPs x heads x head size
     pair = 3 * 2 * 2 * TINY["n_head"] * (TINY["n_embd"] // TINY["n_head"])

@@ -205,6 +205,32 @@ class Block(nn.Module):
         return x + self.mlp(self.norm_2(x))
 
 
+def count_parameters(config: Config) -> int:
+    """Parameters of `GPT(config)`, counted on the model built on the meta device (no memory; a
+    70B model in well under a second), a tied head once."""
+    with torch.device("meta"):
+        model = GPT(config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def flops_per_token(config: Config, seq_len: int, trainable_fraction: float = 1.0) -> float:
+    """Training FLOPs per token: 6 per weight of a matrix product (forward 2, backward 4) plus the
+    attention scores. With frozen weights (LoRA) the backward pass skips their gradients, so each
+    costs 4 instead of 6. The weights are the model's own (`count_parameters`)."""
+    # Every weight takes part in a matrix product except the embedding table (a lookup); a tied
+    # head is the same tensor as the table and is a product, so it counts once either way.
+    weights = count_parameters(config) - (0 if config.tie_embeddings else config.vocab_size * config.n_embd)
+    dense = (4 + 2 * trainable_fraction) * weights
+    # QK^T and attention x V: 2 products of (keys x head size) per head and query, where a query sees
+    # T / 2 keys on average (causal), or fewer within a sliding window w < T; x3 for forward + backward
+    keys = 0.0
+    for i in range(config.n_layer):
+        w = config.layer(i).window
+        keys += seq_len / 2 if w is None or w >= seq_len else (w * (w + 1) / 2 + (seq_len - w) * w) / seq_len
+    attention = 3 * 2 * 2 * config.n_head * config.head_size * keys
+    return dense + attention
+
+
 def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())

@@ -45,7 +45,7 @@ class LoopHooks:
 
     # Called with the state at every save point; writes a resumable training checkpoint.
     save_checkpoint: Optional[Callable[[TrainState], None]] = None
-    # FLOPs per trained token for MFU (see Config.flops_per_token).
+    # FLOPs per trained token for MFU (see toolkit.models.gpt.flops_per_token).
     flops_per_token: Optional[float] = None
     # Peak FLOP/s of one device, for MFU; None means MFU is not reported.
     device_peak_flops: Optional[float] = None

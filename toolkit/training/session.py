@@ -309,6 +309,7 @@ class Session:
         """Resume if asked, run the loop, save a training checkpoint at every interval and at the end.
 
         `objective`: what the loop minimises and logs (`toolkit.training.objectives`); None is `CausalLM()`."""
+        from toolkit.models.gpt import flops_per_token
         from toolkit.training import checkpoint
         from toolkit.parallel.compile import compile_blocks, compile_seconds, should_compile
         from toolkit.training.throughput import device_peak_flops
@@ -360,7 +361,7 @@ class Session:
             self.fabric.print(f"torch.compile: off ({why}); --train.compile true forces it")
         hooks = LoopHooks(
             save_checkpoint=save,
-            flops_per_token=self.config.flops_per_token(self.plan.max_seq_length, _trainable_fraction(model)),
+            flops_per_token=flops_per_token(self.config, self.plan.max_seq_length, _trainable_fraction(model)),
             device_peak_flops=peak,
             compile_seconds=compile_seconds if compiled else None,
             stop=self.stop_signals,
