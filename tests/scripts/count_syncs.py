@@ -71,6 +71,9 @@ def main() -> None:
     calls = dict(CALLS)
     print(json.dumps({"rank": fabric.global_rank, "steps": state.step, "tokens_seen": state.tokens_seen,
                       "expected_tokens": expected_tokens, "calls": calls}), flush=True)
+    # Rank 0 (which started rank 1) waits until rank 1 has printed too: on a loaded machine rank 1
+    # could still be on its way to its print when rank 0's exit ends the run.
+    dist.barrier()
 
 
 if __name__ == "__main__":
