@@ -274,28 +274,12 @@ def test_loss_memory_is_bounded_by_its_chunks():
     its chunk buffers and a piece of the weight's gradient, not a 16-bit copy of the whole (V, E)
     product (1 GB). Backward: it creates the two gradients it returns (the weight's in bf16, the
     hidden's in float32) and nothing else: no float32 (V, E) product beside the kept one (2 GB)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     n, hidden, vocab = 2048, 4096, 128256
-    with FakeTensorMode(), loss_settings(reuse_scratch=False, skip_ignored=False):
-        h = torch.empty(n, hidden, requires_grad=True)
-        w = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
-        labels = torch.zeros(n, dtype=torch.long)
-        forward = MemTracker()
-        forward.track_external(h, w, labels)
-        with forward, torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = linear_cross_entropy_sum(h, w, None, labels)
-        backward = MemTracker()
-        backward.track_external(h, w, labels, loss, *loss.grad_fn.saved_tensors)
-        with backward:
-            loss.backward()
-    ((_, fwd),) = forward.get_tracker_snapshot("peak").items()
-    ((_, bwd),) = backward.get_tracker_snapshot("peak").items()
+    fwd, bwd = _fake_peaks(linear_cross_entropy_sum, n, hidden, vocab, lambda loss: loss.grad_fn.saved_tensors)
     kept = n * hidden * 2 + vocab * hidden * 4  # grad_h (bf16) and grad_w (float32)
-    transient = {str(k): v for k, v in fwd.items()}["_MemRefType.ACT"] - kept
+    transient = fwd["_MemRefType.ACT"] - kept
     assert 0 < transient < vocab * hidden * 2 // 2  # about a third of it: 330 MiB of 1002
-    assert {str(k): v for k, v in bwd.items()}["_MemRefType.TEMP"] == n * hidden * 4 + vocab * hidden * 2
+    assert bwd["_MemRefType.TEMP"] == n * hidden * 4 + vocab * hidden * 2
 
 
 def test_float32_gradients_are_scaled_in_place():
@@ -428,11 +412,22 @@ def test_label_log_probs_never_hold_the_whole_float32_logits():
     memory tracker: the forward pass holds its chunk buffers (a fifth of the (N, V) float32 logits,
     1002 MiB), the backward pass the weight's float32 gradient, its bf16 copy and the hidden's
     gradients beside the same chunk buffers: never a (N, V) float32 matrix."""
+    n, hidden, vocab = 2048, 4096, 128256
+    logits_bytes = n * vocab * 4
+    fwd, bwd = _fake_peaks(linear_label_log_probs, n, hidden, vocab,
+                           lambda out: out.grad_fn.next_functions[0][0].saved_tensors)
+    assert 0 < fwd["_MemRefType.ACT"] < logits_bytes // 3
+    gradients = vocab * hidden * (4 + 2) + n * hidden * (4 + 2)  # float32 and bf16 weight; bf16 and float32 hidden
+    assert gradients < bwd["_MemRefType.TEMP"] < gradients + logits_bytes // 3
+
+
+def _fake_peaks(loss_fn, n: int, hidden: int, vocab: int, saved) -> tuple[dict, dict]:
+    """Peak memory by kind (MemTracker's snapshot) of `loss_fn(h, w, None, labels)` under bf16
+    autocast on fake tensors (h (n, hidden) float32, w (vocab, hidden) bf16), forward and backward
+    apart; `saved(out)`: what the forward pass kept, which the backward tracker counts as existing."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    n, hidden, vocab = 2048, 4096, 128256
-    logits_bytes = n * vocab * 4
     with FakeTensorMode(), loss_settings(reuse_scratch=False, skip_ignored=False):
         h = torch.empty(n, hidden, requires_grad=True)
         w = torch.empty(vocab, hidden, dtype=torch.bfloat16, requires_grad=True)
@@ -440,13 +435,11 @@ def test_label_log_probs_never_hold_the_whole_float32_logits():
         forward = MemTracker()
         forward.track_external(h, w, labels)
         with forward, torch.autocast("cpu", dtype=torch.bfloat16):
-            log_probs = linear_label_log_probs(h, w, None, labels)
+            out = loss_fn(h, w, None, labels)
         backward = MemTracker()
-        backward.track_external(h, w, labels, log_probs, *log_probs.grad_fn.next_functions[0][0].saved_tensors)
+        backward.track_external(h, w, labels, out, *saved(out))
         with backward:
-            log_probs.sum().backward()
+            (out if out.dim() == 0 else out.sum()).backward()
     ((_, fwd),) = forward.get_tracker_snapshot("peak").items()
     ((_, bwd),) = backward.get_tracker_snapshot("peak").items()
-    assert 0 < {str(k): v for k, v in fwd.items()}["_MemRefType.ACT"] < logits_bytes // 3
-    gradients = vocab * hidden * (4 + 2) + n * hidden * (4 + 2)  # float32 and bf16 weight; bf16 and float32 hidden
-    assert gradients < {str(k): v for k, v in bwd.items()}["_MemRefType.TEMP"] < gradients + logits_bytes // 3
+    return {str(k): v for k, v in fwd.items()}, {str(k): v for k, v in bwd.items()}

@@ -292,8 +292,8 @@ def _dispatch_mode_class():
             elif name == "bernoulli_":
                 r.noise[r.key(args[0])] = args[0]
             if r.watching:
-                inputs = {r.key(t) for t in _flat_tensors(list(args) + list((kwargs or {}).values()))}
-                for t in _flat_tensors(out):
+                inputs = {r.key(t) for t in flat_tensors(list(args) + list((kwargs or {}).values()))}
+                for t in flat_tensors(out):
                     if r.key(t) not in inputs:  # a new storage (not an in-place op's, not a view's)
                         r.allocated(t)
             return out
@@ -301,13 +301,14 @@ def _dispatch_mode_class():
     return _Watch
 
 
-def _flat_tensors(x) -> list:
+def flat_tensors(x) -> list:
+    """The tensors in `x`: a tensor, or lists and tuples of them, nested (an op's arguments or outputs)."""
     import torch
 
     if isinstance(x, torch.Tensor):
         return [x]
     if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _flat_tensors(item)]
+        return [t for item in x for t in flat_tensors(item)]
     return []
 
 

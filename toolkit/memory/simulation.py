@@ -389,20 +389,12 @@ def _tracker_class():
     return _Tracker
 
 
-def _tensors(x) -> list:
-    import torch
-
-    if isinstance(x, torch.Tensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for item in x for t in _tensors(item)]
-    return []
-
-
 def _collective_size(name: str, args) -> tuple[Optional[int], float]:
     """(bytes of the full tensor, fraction of it one rank sends) of a c10d op, or (None, 0)."""
     import torch
     import torch.distributed as dist
+
+    from toolkit.memory.activations import flat_tensors
 
     n = 1
     for a in args:
@@ -410,7 +402,7 @@ def _collective_size(name: str, args) -> tuple[Optional[int], float]:
             n = dist.ProcessGroup.unbox(a).size()
     if n <= 1:
         return None, 0.0
-    first = _tensors(args[0])
+    first = flat_tensors(args[0])
     nbytes = sum(t.numel() * t.element_size() for t in first)
     if name.startswith("allgather"):  # args[0]: the gathered output
         return nbytes, (n - 1) / n
