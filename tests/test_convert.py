@@ -292,21 +292,6 @@ def test_weight_maps_invert_exactly():
                 assert toolkit_to_hf_name(family, name) == (hf_name, index, len(parts))
 
 
-def test_expected_shapes_match_the_model():
-    """The converters validate against shapes computed from the config; they must be the model's."""
-    from toolkit.convert.hf_to_toolkit import expected_shapes
-    from toolkit.models.gpt import GPT
-
-    for preset in PRESETS:
-        config = Config.from_name(preset["name"])
-        with torch.device("meta"):
-            model = GPT(config)
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        if config.tie_embeddings:
-            shapes.pop("lm_head.weight")
-        assert list(expected_shapes(config).items()) == list(shapes.items()), preset["name"]
-
-
 def test_every_preset_survives_config_round_trip():
     for preset in PRESETS:
         config = Config.from_name(preset["name"])
@@ -401,7 +386,11 @@ _CHILD = textwrap.dedent(
     import torch, safetensors, tokenizers  # noqa: F401  (imported before the baseline)
     from toolkit.convert import hf_to_toolkit, toolkit_to_hf  # noqa: F401
     from toolkit.models import gpt  # noqa: F401
+    from toolkit.models.config import Config
     from toolkit.convert import convert_from_hf, convert_to_hf
+    # the modules a model on the meta device loads (torch._dynamo...), loaded before the baseline:
+    # what is measured is the tensors' memory, not one-time imports
+    hf_to_toolkit.expected_shapes(Config(n_layer=1, n_embd=8, n_head=1, vocab_size=8))
 
     def status(key):
         for line in open("/proc/self/status"):

@@ -239,3 +239,76 @@ def test_checkpoint_rows_read_into_a_shard_equal_the_stored_rows(tmp_path, monke
             assert read_rows(name, start, stop, out=shard) is shard
             assert torch.equal(shard, tensor[start:stop].float()), (name, start, stop)
         assert torch.equal(read_rows(name, 0, None), tensor)
+
+
+def _rms(x, weight, eps, unit_offset=False):
+    scale = (1.0 + weight) if unit_offset else weight
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
+
+
+@pytest.mark.parametrize("qk_norm", ["head", "projection"])
+def test_qk_norm_normalises_queries_and_keys_before_the_rotation(qk_norm):
+    """Per head (Qwen3, Gemma 3: weights of D) or over the whole projection (OLMo 2: H * D, G * D)."""
+    from toolkit.models.attention import CausalSelfAttention
+    from toolkit.models.rope import RotaryEmbedding, apply_rope
+
+    config = Config(n_layer=1, n_embd=32, n_head=4, n_query_groups=2, vocab_size=50, block_size=16, qk_norm=qk_norm,
+                    norm_eps=1e-6)
+    torch.manual_seed(0)
+    attn = CausalSelfAttention(config, 0)
+    for norm in (attn.q_norm, attn.k_norm):
+        torch.nn.init.normal_(norm.weight, 1.0, 0.3)
+    assert attn.q_norm.weight.shape == ((8,) if qk_norm == "head" else (32,))
+    assert attn.k_norm.weight.shape == ((8,) if qk_norm == "head" else (16,))
+    x = torch.randn(2, 7, 32)
+    cos, sin = RotaryEmbedding(config)(0, 7, x.device)
+
+    def heads(t, n):
+        return t.view(2, 7, n, 8)
+
+    q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+    if qk_norm == "head":
+        q, k = _rms(heads(q, 4), attn.q_norm.weight, 1e-6), _rms(heads(k, 2), attn.k_norm.weight, 1e-6)
+    else:
+        q, k = heads(_rms(q, attn.q_norm.weight, 1e-6), 4), heads(_rms(k, attn.k_norm.weight, 1e-6), 2)
+    q, k = (apply_rope(t.transpose(1, 2), cos, sin, 8) for t in (q, k))
+    v = heads(v, 2).transpose(1, 2)
+    k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    expected = attn.o_proj(y.transpose(1, 2).reshape(2, 7, 32))
+    torch.testing.assert_close(attn(x, cos, sin, None), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("position", ["post", "sandwich"])
+def test_post_and_sandwich_norms_wrap_attention_and_mlp(position):
+    from toolkit.models.gpt import Block
+    from toolkit.models.rope import RotaryEmbedding
+
+    config = Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, block_size=16, norm_position=position,
+                    norm_unit_offset=position == "sandwich")
+    torch.manual_seed(0)
+    block = Block(config, 0)
+    norms = ["post_attn_norm", "post_mlp_norm"] + (["norm_1", "norm_2"] if position == "sandwich" else [])
+    assert sorted(n for n, m in block.named_children() if m is not None and "norm" in n) == sorted(norms)
+    for name in norms:
+        torch.nn.init.normal_(getattr(block, name).weight, 0.5, 0.3)
+    x = torch.randn(2, 5, 16)
+    cos, sin = RotaryEmbedding(config)(0, 5, x.device)
+
+    def norm(name, t):
+        return _rms(t, getattr(block, name).weight, config.norm_eps, unit_offset=config.norm_unit_offset)
+
+    h = norm("norm_1", x) if position == "sandwich" else x
+    x1 = x + norm("post_attn_norm", block.attn(h, cos, sin, None))
+    h = norm("norm_2", x1) if position == "sandwich" else x1
+    expected = x1 + norm("post_mlp_norm", block.mlp(h))
+    torch.testing.assert_close(block(x, cos, sin, None), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_new_layer_fields_are_checked():
+    with pytest.raises(UserError, match="parallel_residual needs norm_position"):
+        Config(parallel_residual=True, norm_position="post")
+    with pytest.raises(UserError, match="qk_norm needs norm 'rmsnorm'"):
+        Config(norm="layernorm", qk_norm="head")
+    with pytest.raises(UserError, match="qk_norm must be one of"):
+        Config(qk_norm="all")

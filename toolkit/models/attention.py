@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from toolkit.models.config import Config
 from toolkit.models.kv_cache import KVCache
+from toolkit.models.norms import make_norm
 from toolkit.models.rope import apply_rope
 
 
@@ -73,6 +74,12 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(E, G * D, bias=config.attn_qkv_bias)
         self.o_proj = nn.Linear(H * D, E, bias=config.bias)
         self.n_head, self.n_kv, self.head_size = H, G, D
+        # QK norm: over each head's D values, or over the whole projection (H * D queries, G * D keys)
+        self.qk_norm_per_head = config.qk_norm == "head"
+        self.q_norm = self.k_norm = None
+        if config.qk_norm is not None:
+            self.q_norm = make_norm(config, D if self.qk_norm_per_head else H * D)
+            self.k_norm = make_norm(config, D if self.qk_norm_per_head else G * D)
         layer = config.layer(layer_index)
         self.window = layer.window
         self.rope_n_elem = config.rope_n_elem if layer.rope else 0
@@ -84,8 +91,14 @@ class CausalSelfAttention(nn.Module):
     ) -> torch.Tensor:
         """`segments`: per row, the lengths of its packed samples (summing to T); each attends only to itself."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_size).transpose(1, 2)  # (B, H, T, D)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_size).transpose(1, 2)  # (B, G, T, D)
+        q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H * D), (B, T, G * D)
+        if self.q_norm is not None and not self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(B, T, self.n_head, self.head_size)  # (B, T, H, D)
+        k = k.view(B, T, self.n_kv, self.head_size)  # (B, T, G, D)
+        if self.q_norm is not None and self.qk_norm_per_head:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, D), (B, G, T, D)
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_size).transpose(1, 2)  # (B, G, T, D)
         if self.rope_n_elem:
             q = apply_rope(q, cos, sin, self.rope_n_elem)

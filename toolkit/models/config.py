@@ -75,6 +75,16 @@ class Config:
     tie_embeddings: bool = False  # the output head reuses the embedding matrix
     # Multiply token embeddings by sqrt(n_embd) (Gemma).
     scale_embeddings: bool = False
+    # Where each block normalises around its attention and its MLP:
+    #   "pre"       x = x + attn(norm_1(x))                     (Llama and most others)
+    #   "post"      x = x + post_attn_norm(attn(x))             (OLMo 2)
+    #   "sandwich"  x = x + post_attn_norm(attn(norm_1(x)))     (Gemma 2 and 3)
+    # and the same around the MLP with norm_2 and post_mlp_norm.
+    norm_position: Literal["pre", "post", "sandwich"] = "pre"
+    # RMSNorm of queries and keys before the rotary embedding: "head" normalises each head's D
+    # values (Qwen3, Gemma 3: weights of size D), "projection" the whole H * D (or G * D) projection
+    # (OLMo 2). Same eps and unit offset as the other norms.
+    qk_norm: Optional[Literal["head", "projection"]] = None
 
     # --- rotary position embedding
     rotary_percentage: float = 1.0  # fraction of each head's dimensions that rotate (0.25 for Pythia)
@@ -135,6 +145,10 @@ class Config:
             )
         if self.shared_attention_norm and not self.parallel_residual:
             raise UserError(f"Invalid model config {self.name!r}: shared_attention_norm needs parallel_residual")
+        if self.parallel_residual and self.norm_position != "pre":
+            raise UserError(f"Invalid model config {self.name!r}: parallel_residual needs norm_position 'pre'")
+        if self.qk_norm is not None and self.norm != "rmsnorm":
+            raise UserError(f"Invalid model config {self.name!r}: qk_norm needs norm 'rmsnorm'")
         if self.rope_scaling is not None:
             kind = self.rope_scaling_type
             if not isinstance(kind, str) or kind not in ROPE_SCALING_KEYS:

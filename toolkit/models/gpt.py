@@ -175,10 +175,12 @@ class OutputHead(nn.Linear):
 
 
 class Block(nn.Module):
-    """One transformer layer. Sequential residual (Llama):
+    """One transformer layer. Sequential residual, norms before each part (Llama):
 
         x = x + attn(norm_1(x));  x = x + mlp(norm_2(x))
 
+    With `norm_position` "post" the parts read x itself and their outputs are normalised
+    (post_attn_norm, post_mlp_norm: OLMo 2); "sandwich" normalises both before and after (Gemma 2/3).
     Parallel residual (GPT-NeoX; Phi-2 with one shared norm):
 
         x = x + attn(norm_1(x)) + mlp(norm_2(x))
@@ -186,23 +188,32 @@ class Block(nn.Module):
 
     def __init__(self, config: Config, layer_index: int) -> None:
         super().__init__()
-        self.norm_1 = make_norm(config)
+        pre = config.norm_position in ("pre", "sandwich")
+        post = config.norm_position in ("post", "sandwich")
+        self.norm_1 = make_norm(config) if pre else None
         self.attn = CausalSelfAttention(config, layer_index)
-        self.norm_2 = None if config.shared_attention_norm else make_norm(config)
+        self.post_attn_norm = make_norm(config) if post else None
+        self.norm_2 = make_norm(config) if pre and not config.shared_attention_norm else None
         self.mlp = make_mlp(config)
+        self.post_mlp_norm = make_norm(config) if post else None
         self.parallel_residual = config.parallel_residual
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int],
         segments: Optional[list[list[int]]] = None,
     ) -> torch.Tensor:
-        h = self.norm_1(x)
+        h = x if self.norm_1 is None else self.norm_1(x)
         attn_out = self.attn(h, cos, sin, input_pos, segments)
-        if self.parallel_residual:
+        if self.post_attn_norm is not None:
+            attn_out = self.post_attn_norm(attn_out)
+        if self.parallel_residual:  # norm_position "pre" (Config checks)
             mlp_in = h if self.norm_2 is None else self.norm_2(x)
             return x + attn_out + self.mlp(mlp_in)
         x = x + attn_out
-        return x + self.mlp(self.norm_2(x))
+        mlp_out = self.mlp(x if self.norm_2 is None else self.norm_2(x))
+        if self.post_mlp_norm is not None:
+            mlp_out = self.post_mlp_norm(mlp_out)
+        return x + mlp_out
 
 
 def count_parameters(config: Config) -> int:

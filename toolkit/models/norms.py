@@ -44,7 +44,9 @@ class LayerNorm(nn.LayerNorm):
         return F.layer_norm(x.float(), self.normalized_shape, weight, bias, self.eps).to(x.dtype)
 
 
-def make_norm(config: Config) -> nn.Module:
+def make_norm(config: Config, size: int | None = None) -> nn.Module:
+    """The config's norm over `size` features (default: the residual stream's n_embd)."""
+    size = config.n_embd if size is None else size
     if config.norm == "layernorm":
-        return LayerNorm(config.n_embd, eps=config.norm_eps)
-    return RMSNorm(config.n_embd, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
+        return LayerNorm(size, eps=config.norm_eps)
+    return RMSNorm(size, eps=config.norm_eps, unit_offset=config.norm_unit_offset)
