@@ -67,13 +67,13 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional
 
 from toolkit.data.chat_template import (
     REASONING_KEYS, ChatTemplate, TemplateRenderError, resolve_chat_template, write_tokenizer_files,
 )
 from toolkit.data.instruct import (
-    IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, pad_id_for, sample_stats,
+    IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, common_prefix, pad_id_for, sample_stats,
 )
 from toolkit.errors import UserError
 
@@ -181,12 +181,12 @@ def detect_format(record: Any, path: Path, where: str) -> str:
 
 def parse_conversation(
     record: Any, path: Path, where: str, spec: RecordFormat, system_prompt: Optional[str] = None,
-    final_role: str = "assistant",
+    final_role: Optional[str] = "assistant",
 ) -> Conversation:
     """Check one record and turn it into a Conversation; any problem is one UserError line.
 
     `final_role`: the role the last message must have (training data ends with the assistant turn
-    the model learns; a prompt for `generate` ends with the user message to answer).
+    the model learns; a prompt for `generate` ends with the user message to answer); None: any.
     """
 
     def bad(problem: str) -> UserError:
@@ -244,7 +244,7 @@ def parse_conversation(
                 raise bad(f"message {index} ({role}): {key!r} is a JSON {_json_type(message[key])}, expected a string")
         extra = {k: v for k, v in message.items() if k not in (spec.role_key, spec.content_key)}
         messages.append({"role": role, "content": content, **extra})  # rendered as `template_messages` says
-    if messages[-1]["role"] != final_role:
+    if final_role is not None and messages[-1]["role"] != final_role:
         why = "the turn the model learns to write" if final_role == "assistant" else "the message to answer"
         raise bad(f"the last message's role is {messages[-1]['role']!r}; a conversation must end with {final_role!r} ({why})")
     if system_prompt and messages[0]["role"] != "system":
@@ -298,14 +298,6 @@ class ChatSamples(TokenizedSamples):
             input_ids[row, :n] = seq[:-1]
             labels[row, :n] = torch.where(self.trained_of(i)[1:], seq[1:], IGNORE_INDEX)
         return {"input_ids": input_ids, "labels": labels}
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
 
 
 @dataclass
@@ -389,8 +381,8 @@ def spans_from_encodings(
     starts, openers = [], []
     for k in range(len(assistants)):
         prompt, history = encodings[1 + 2 * k], encodings[2 + 2 * k]
-        starts.append(_common_prefix(prompt, full))
-        header = prompt[_common_prefix(prompt, history):] if history is not None else []
+        starts.append(common_prefix(prompt, full))
+        header = prompt[common_prefix(prompt, history):] if history is not None else []
         openers.append({t for t in header if t in special_ids})
     spans: list[tuple[int, int]] = []
     closed_flags = []
@@ -477,6 +469,45 @@ def spans_from_encodings(
     return full, spans
 
 
+def encode_conversations(
+    conversations: list[Conversation], tokenizer: "Tokenizer", template: ChatTemplate, path: Path | str = "",
+    train_reasoning: bool = True, stats: Optional[SpanStats] = None, what: str = "",
+) -> Iterator[tuple[Conversation, list[int], list[tuple[int, int]]]]:
+    """(conversation, ids of its whole rendering, trained span of each assistant message) per conversation,
+    in order; rendered and tokenized in batches (`assistant_spans` does one at a time)."""
+    special_ids = tokenizer.special_ids
+    stats = stats if stats is not None else SpanStats()
+    chunks = range(0, len(conversations), _CHUNK)
+    for start in chunks:
+        part = conversations[start : start + _CHUNK]
+        texts = [conversation_texts(c, template, path) for c in part]
+        fulls = tokenizer.encode_batch_offsets([group[0] for group in texts])
+        rest = iter(tokenizer.encode_batch([t for group in texts for t in group[1:] if t is not None], bos=False))
+        for conversation, group, full_encoding in zip(part, texts, fulls):
+            encodings = [full_encoding] + [next(rest) if t is not None else None for t in group[1:]]
+            full, spans = spans_from_encodings(conversation, group, encodings, special_ids, path, train_reasoning, stats)
+            yield conversation, full, spans
+        if len(chunks) > 1:
+            log.info("tokenized %s conversations: %d/%d", what, min(start + _CHUNK, len(conversations)), len(conversations))
+
+
+def report_span_stats(stats: SpanStats, template: ChatTemplate, what: str) -> None:
+    """Log what locating the assistant turns found that the user should know (`SpanStats`)."""
+    if stats.reasoning_not_rendered:
+        log.info(
+            "%d assistant messages of the %s data carry reasoning that the chat template does not render (it keeps "
+            "reasoning only in the latest turns): that reasoning is not trained",
+            stats.reasoning_not_rendered, what,
+        )
+    if stats.unclosed_turns:
+        log.warning(
+            "%d assistant turns of the %s data end with no special token in this chat template (%s): the whole "
+            "turn is trained, and nothing teaches the model where to stop; prefer a template that closes turns "
+            "with an end-of-turn or EOS token",
+            stats.unclosed_turns, what, template.origin,
+        )
+
+
 def tokenize_conversations(
     conversations: list[Conversation],
     tokenizer: "Tokenizer",
@@ -489,60 +520,37 @@ def tokenize_conversations(
 ) -> tuple[ChatSamples, dict[str, int]]:
     """Render, tokenize and mask every conversation; cut long ones at turn boundaries (module docstring)."""
     limit = max_seq_length + 1
-    special_ids = tokenizer.special_ids
     sequences: list[list[int]] = []
     trained: list[list[bool]] = []
     stats = {"dropped": 0, "truncated": 0, "unclosed_turns": 0, "reasoning_not_rendered": 0}
     span_stats = SpanStats()
     first_dropped = ""
-    chunks = range(0, len(conversations), _CHUNK)
-    for start in chunks:
-        part = conversations[start : start + _CHUNK]
-        texts = [conversation_texts(c, template, path) for c in part]
-        fulls = tokenizer.encode_batch_offsets([group[0] for group in texts])
-        rest = iter(tokenizer.encode_batch([t for group in texts for t in group[1:] if t is not None], bos=False))
-        for conversation, group, full_encoding in zip(part, texts, fulls):
-            encodings = [full_encoding] + [next(rest) if t is not None else None for t in group[1:]]
-            full, spans = spans_from_encodings(conversation, group, encodings, special_ids, path, train_reasoning,
-                                               span_stats)
-            kept = [span for span in spans if span[1] <= limit]  # spans grow: a prefix of the turns
-            end = kept[-1][1] if kept else 0
-            flags = [False] * end
-            if mask_prompt:
-                for a, b in kept:
-                    flags[a:b] = [True] * (b - a)
-            else:
-                flags[1:] = [True] * (end - 1)
-            if not any(flags):
-                stats["dropped"] += 1
-                first_dropped = first_dropped or conversation.where
-                continue
-            if len(kept) < len(spans):
-                stats["truncated"] += 1
-            sequences.append(full[:end])
-            trained.append(flags)
-        if len(chunks) > 1:
-            log.info("tokenized %s conversations: %d/%d", what, min(start + _CHUNK, len(conversations)), len(conversations))
+    for conversation, full, spans in encode_conversations(conversations, tokenizer, template, path, train_reasoning,
+                                                          span_stats, what):
+        kept = [span for span in spans if span[1] <= limit]  # spans grow: a prefix of the turns
+        end = kept[-1][1] if kept else 0
+        flags = [False] * end
+        if mask_prompt:
+            for a, b in kept:
+                flags[a:b] = [True] * (b - a)
+        else:
+            flags[1:] = [True] * (end - 1)
+        if not any(flags):
+            stats["dropped"] += 1
+            first_dropped = first_dropped or conversation.where
+            continue
+        if len(kept) < len(spans):
+            stats["truncated"] += 1
+        sequences.append(full[:end])
+        trained.append(flags)
     stats["unclosed_turns"] = span_stats.unclosed_turns
     stats["reasoning_not_rendered"] = span_stats.reasoning_not_rendered
-    if stats["reasoning_not_rendered"]:
-        log.info(
-            "%d assistant messages of the %s data carry reasoning that the chat template does not render (it keeps "
-            "reasoning only in the latest turns): that reasoning is not trained",
-            stats["reasoning_not_rendered"], what,
-        )
+    report_span_stats(span_stats, template, what)
     if stats["dropped"]:
         log.warning(
             "dropped %d of %d %s conversations (the first: %s): their first assistant turn does not end within "
             "max_seq_length=%d tokens",
             stats["dropped"], len(conversations), what, first_dropped or "?", max_seq_length,
-        )
-    if stats["unclosed_turns"]:
-        log.warning(
-            "%d assistant turns of the %s data end with no special token in this chat template (%s): the whole "
-            "turn is trained, and nothing teaches the model where to stop; prefer a template that closes turns "
-            "with an end-of-turn or EOS token",
-            stats["unclosed_turns"], what, template.origin,
         )
     return ChatSamples(sequences, trained), stats
 
@@ -686,6 +694,7 @@ __all__ = [
     "Conversation",
     "FORMATS",
     "assistant_spans",
+    "encode_conversations",
     "parse_conversation",
     "tokenize_conversations",
 ]

@@ -2,6 +2,7 @@
 
     --data HFInstruct   instruction records, laid out by a prompt style (like `Alpaca`/`JSON`)
     --data HFChat       conversations, laid out by the chat template (like `Chat`)
+    --data HFPreference preference pairs: a prompt, a chosen and a rejected response (like `Preference`)
     --data HFText       pretraining text, tokenized into the same litdata cache as `TextFiles`
 
 Every module takes `path` (what `datasets.load_dataset` or `load_from_disk` reads), `split`, the
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from toolkit.data.chat import Chat
 from toolkit.data.instruct import Example, InstructData, _InstructOptions, alpaca_examples
+from toolkit.data.preference import Preference
 from toolkit.data.streams import PretrainData, TextFiles
 from toolkit.errors import UserError
 
@@ -261,6 +263,41 @@ class HFChat(_HFRecords, Chat, _HFOptions):
         self._derive_paths()
 
 
+@dataclass
+class HFPreference(_HFRecords, Preference, _HFOptions):
+    """Preference pairs from a Hugging Face dataset (as `Preference`): TRL's layouts
+    (prompt / chosen / rejected, as texts or messages, the prompt explicit or implicit) and LLaMA-Factory's.
+
+    Args:
+        path: a Hub dataset name (e.g. trl-lib/ultrafeedback_binarized), a `save_to_disk` folder, a
+            Parquet / JSON / JSON Lines / CSV / Arrow file, or a folder of such files.
+        split: the training split (e.g. train_prefs).
+        val_split: a split to validate on (e.g. test_prefs); default: hold out val_split_fraction of `split`.
+        name: the dataset's config name.
+        columns: the dataset's columns for prompt (optional), chosen, rejected and conversations
+            (optional, LLaMA-Factory's prompt), e.g. {prompt: question, chosen: good, rejected: bad};
+            unmapped fields are read from columns of their name.
+        streaming: read rows as they come instead of preparing the whole split first.
+        max_records: read at most this many rows of each split.
+
+    Preference's options apply: keep_prompt_tokens, format, role_key, content_key, role_names,
+    system_prompt, chat_template, template_variables, train_reasoning, prompt_style,
+    val_split_fraction, seed, group_by_length.
+    """
+
+    path: str = field(kw_only=True)
+    json_path: Optional[str] = _derived()
+    val_path: Optional[str] = _derived()
+    FIELDS = ("chosen", "rejected")
+    OPTIONAL = ("prompt", "conversations")
+
+    def __post_init__(self) -> None:
+        # The fields read are the record keys the module looks for (--data.prompt_key etc. rename them).
+        self.FIELDS = (self.chosen_key, self.rejected_key)
+        self.OPTIONAL = (self.prompt_key, self.conversation_key or "conversations")
+        self._derive_paths()
+
+
 # ---------------------------------------------------------------------------------------------------
 # Pretraining text
 
@@ -373,4 +410,4 @@ class HFText(PretrainData, _HFOptions):
         return self._text.val_dataloader(micro_batch_size, block_size, num_workers, rank, world_size)
 
 
-__all__ = ["HFChat", "HFInstruct", "HFText", "load_split"]
+__all__ = ["HFChat", "HFInstruct", "HFPreference", "HFText", "load_split"]

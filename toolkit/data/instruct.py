@@ -595,6 +595,9 @@ class InstructData:
 
     _train: Optional[TokenizedSamples] = None
     _val: Optional[TokenizedSamples] = None
+    # What the loaders are, and what one of the things they batch is called in messages.
+    loader_class = InstructLoader
+    unit = "sample"
 
     # ------------------------------------------------------------------ what subclasses define
     def read_examples(self, path: Path, what: str) -> list[Example]:
@@ -711,7 +714,7 @@ class InstructData:
         """`global_batch_size`: samples (packed sequences with `packing`) per optimizer step over all ranks
         (default micro x world)."""
         samples = self._batched(self._require_setup())
-        loader = InstructLoader(
+        loader = self.loader_class(
             samples,
             micro_batch_size,
             shuffle=True,
@@ -722,7 +725,7 @@ class InstructData:
             pad_id=self.pad_id,
             step_batch_size=global_batch_size,
         )
-        what = "packed sequence(s)" if self.packing else "training sample(s)"
+        what = "packed sequence(s)" if self.packing else f"training {self.unit}(s)"
         if len(loader) == 0:
             raise UserError(
                 f"{len(samples)} {what} do not fill one batch of micro_batch_size={micro_batch_size} "
@@ -745,7 +748,7 @@ class InstructData:
         self._require_setup()
         if self._val is None:
             return None
-        loader = InstructLoader(
+        loader = self.loader_class(
             self._batched(self._val),
             micro_batch_size,
             shuffle=False,
@@ -756,8 +759,9 @@ class InstructData:
         )
         if len(loader) == 0:
             log.warning(
-                "%d validation sample(s) do not fill one batch of %d on each of %d processes; no validation",
+                "%d validation %s(s) do not fill one batch of %d on each of %d processes; no validation",
                 len(self._val),
+                self.unit,
                 micro_batch_size,
                 world_size,
             )
@@ -786,6 +790,38 @@ def pad_id_for(tokenizer: "Tokenizer") -> int:
     return next((t for t in (tokenizer.pad_id, tokenizer.eos_id) if t is not None), 0)
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def encode_examples(
+    examples: list[Example], tokenizer: "Tokenizer", style: PromptStyle, what: str = ""
+) -> Iterator[tuple[Example, list[int], int]]:
+    """(example, tokens of `BOS? prompt response EOS`, how many of them are prompt) per example, in order.
+
+    The whole text is tokenized at once (so the prompt/response boundary tokenizes as it reads) and
+    the prompt alone too: the prompt's tokens are the longest common prefix of the two (a last prompt
+    token that merged with the response's first counts as response: the model has to write it).
+    """
+    eos = tokenizer.eos_id
+    chunks = range(0, len(examples), _TOKENIZE_CHUNK)
+    for start in chunks:
+        part = examples[start : start + _TOKENIZE_CHUNK]
+        prompts = tokenizer.encode_batch([style.apply(e.instruction, e.input) for e in part])
+        fulls = tokenizer.encode_batch([style.render(e.instruction, e.input, e.response) for e in part])
+        for example, prompt, full in zip(part, prompts, fulls):
+            if not full or full[-1] != eos:
+                full.append(eos)
+            yield example, full, common_prefix(prompt, full)
+        if len(chunks) > 1:
+            log.info("tokenized %s records: %d/%d", what, min(start + _TOKENIZE_CHUNK, len(examples)), len(examples))
+
+
 def tokenize_examples(
     examples: list[Example],
     tokenizer: "Tokenizer",
@@ -794,41 +830,24 @@ def tokenize_examples(
     mask_prompt: bool,
     what: str = "",
 ) -> tuple[TokenizedSamples, dict[str, int]]:
-    """Tokenize to `BOS? prompt response EOS`, cut to max_seq_length + 1 tokens; drop target-less samples.
-
-    The whole text is tokenized at once (so the prompt/response boundary tokenizes as it reads) and
-    the prompt alone too: the masked part is the longest common prefix of the two.
-    """
-    eos = tokenizer.eos_id
+    """Tokenize to `BOS? prompt response EOS` (`encode_examples`), cut to max_seq_length + 1 tokens;
+    drop target-less samples."""
     limit = max_seq_length + 1
     sequences: list[list[int]] = []
     masked: list[int] = []
     dropped = truncated = 0
     first_dropped = ""
-    chunks = range(0, len(examples), _TOKENIZE_CHUNK)
-    for done, start in enumerate(chunks, start=1):
-        part = examples[start : start + _TOKENIZE_CHUNK]
-        prompts = tokenizer.encode_batch([style.apply(e.instruction, e.input) for e in part])
-        fulls = tokenizer.encode_batch([style.render(e.instruction, e.input, e.response) for e in part])
-        for example, prompt, full in zip(part, prompts, fulls):
-            if not full or full[-1] != eos:
-                full.append(eos)
-            if full[: len(prompt)] == prompt:
-                n_prompt = len(prompt)
-            else:  # the last prompt token merged with the response's first: mask what is surely prompt
-                n_prompt = next(i for i, (a, b) in enumerate(zip(prompt, full)) if a != b)
-            if len(full) > limit:
-                truncated += 1
-                full = full[:limit]
-            n_masked = min(max(n_prompt - 1, 0), len(full) - 1) if mask_prompt else 0
-            if len(full) < 2 or len(full) - 1 - n_masked <= 0:
-                dropped += 1
-                first_dropped = first_dropped or example.where
-                continue
-            sequences.append(full)
-            masked.append(n_masked)
-        if len(chunks) > 1:
-            log.info("tokenized %s records: %d/%d", what, min(start + _TOKENIZE_CHUNK, len(examples)), len(examples))
+    for example, full, n_prompt in encode_examples(examples, tokenizer, style, what):
+        if len(full) > limit:
+            truncated += 1
+            full = full[:limit]
+        n_masked = min(max(n_prompt - 1, 0), len(full) - 1) if mask_prompt else 0
+        if len(full) < 2 or len(full) - 1 - n_masked <= 0:
+            dropped += 1
+            first_dropped = first_dropped or example.where
+            continue
+        sequences.append(full)
+        masked.append(n_masked)
     if dropped:
         log.warning(
             "dropped %d of %d %s samples (the first: %s): no response token fits in max_seq_length=%d",
@@ -919,6 +938,8 @@ __all__ = [
     "PackedSamples",
     "TokenizedSamples",
     "collate",
+    "common_prefix",
+    "encode_examples",
     "pack_lengths",
     "pad_id_for",
     "read_json_records",
