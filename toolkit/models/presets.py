@@ -186,6 +186,27 @@ SMOLLM3 = [
 PRESETS: list[dict[str, Any]] = [*LLAMA, *MISTRAL, *QWEN2, *GEMMA, *PHI, *PYTHIA, *QWEN3, *OLMO2, *SMOLLM3, *DEBUG]
 
 
+# Family id (Config.family) -> the name `toolkit list` shows; a family not listed shows its id.
+FAMILY_TITLES: dict[str, str] = {
+    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "gemma": "Gemma",
+    "phi": "Phi", "gpt_neox": "GPT-NeoX (Pythia)", "olmo2": "OLMo 2", "smollm3": "SmolLM3",
+}
+# The title of the group of presets that mirror no published model (tests, the CPU quick start).
+TINY_TITLE = "Tiny models for tests and the CPU quick start"
+
+
+def presets_by_family() -> dict[str, list[dict[str, Any]]]:
+    """Group title -> its presets, groups and presets in the order of PRESETS; the presets without a
+    Hugging Face repository (the tiny ones) last, in a group of their own."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for preset in PRESETS:
+        if preset.get("hf_repo_id"):
+            family = preset.get("family", "llama")
+            groups.setdefault(FAMILY_TITLES.get(family, family), []).append(preset)
+    tiny = [p for p in PRESETS if not p.get("hf_repo_id")]
+    return {**groups, TINY_TITLE: tiny} if tiny else groups
+
+
 def _index() -> dict[str, dict[str, Any]]:
     index: dict[str, dict[str, Any]] = {}
     for preset in PRESETS:
