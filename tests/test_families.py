@@ -47,8 +47,8 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # QK norm over the whole (grouped) projections, norms after attention and MLP only
     "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
     # layer 1 without RoPE (0 in no_rope_layers) and, as SmolLM3 windows its NoPE layers, windowed
-    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], use_sliding_window=True, pad_token_id=0,
-                                                             sliding_window=WINDOW)),
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], use_sliding_window=True,
+                                                             sliding_window=WINDOW, pad_token_id=0)),
 }
 
 

@@ -272,7 +272,9 @@ def _read_layers(hf_config: dict[str, Any], family: str, n_layer: int) -> dict[s
     if family == "mistral":
         # transformers' Mistral applies sliding_window to every layer and ignores layer_types
         if listed is not None and listed != ["local" if window else "global"] * n_layer:
-            raise UserError("config.json: layer_types on a Mistral model is not supported (Mistral windows every layer)")
+            raise UserError(
+                "config.json: layer_types on a Mistral model is not supported (Mistral windows every layer)"
+            )
         local = [window is not None] * n_layer
     elif family in ("qwen2", "qwen3"):
         if not hf_config.get("use_sliding_window", False):
@@ -289,7 +291,9 @@ def _read_layers(hf_config: dict[str, Any], family: str, n_layer: int) -> dict[s
             interval = _count(hf_config, "no_rope_layer_interval", 4, minimum=1)
             rope = [int((i + 1) % interval != 0) for i in range(n_layer)]
         if not isinstance(rope, list) or len(rope) < n_layer or any(r not in (0, 1) for r in rope[:n_layer]):
-            raise UserError(f"config.json: no_rope_layers must list 1 (RoPE) or 0 (no RoPE) for each of {n_layer} layers")
+            raise UserError(
+                f"config.json: no_rope_layers must list 1 (RoPE) or 0 (no RoPE) for each of {n_layer} layers"
+            )
         values["no_rope_layers"] = [i for i in range(n_layer) if not rope[i]] or None
         if not (hf_config.get("use_sliding_window", False) and window is not None):
             window = None
@@ -514,5 +518,6 @@ def _layer_fields(config: Config) -> dict[str, Any]:
             # read by transformers versions without layer_types: the layers from this index on are windowed
             hf["max_window_layers"] = local.index(True) if any(local) else n
     elif any(local):
-        raise _unsupported(config, f"sliding_window={config.sliding_window!r}, but {family} has no sliding-window attention")
+        why = f"sliding_window={config.sliding_window!r}, but {family} has no sliding-window attention"
+        raise _unsupported(config, why)
     return hf
