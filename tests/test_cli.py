@@ -154,3 +154,31 @@ def test_importing_peft_through_the_cli_prints_no_import_noise():
     assert result.returncode == 0, result.stderr[-2000:]
     for noise in ("Failed to load", "is an Enum subclass"):
         assert noise not in result.stderr, result.stderr[-2000:]
+
+
+def test_list_groups_the_presets_by_family(capsys):
+    from toolkit.models.presets import PRESETS, find_preset
+
+    assert run(["list", "--hf", "true"]) == 0
+    groups: dict[str, list[str]] = {}
+    for line in capsys.readouterr().out.splitlines():
+        if line and not line.startswith(" "):
+            assert line not in groups, f"group {line!r} printed twice"
+            title = line
+            groups[title] = []
+        elif line:
+            groups[title].append(line.split()[0])
+    listed = [name for names in groups.values() for name in names]
+    assert sorted(listed) == sorted(p["name"] for p in PRESETS)  # each preset once
+    families = []
+    for title, names in groups.items():
+        presets = [find_preset(n) for n in names]
+        if all(p.get("hf_repo_id") for p in presets):  # a family group: one family
+            kinds = {p.get("family", "llama") for p in presets}
+            assert len(kinds) == 1, title
+            families += kinds
+        else:  # the tiny models mirror no repository
+            assert not any(p.get("hf_repo_id") for p in presets), title
+    assert len(families) == len(set(families))  # no family split over two groups
+    assert groups["Qwen3"] == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
+    assert groups["OLMo 2"] == ["olmo-2-1b", "olmo-2-7b", "olmo-2-13b", "olmo-2-32b"]

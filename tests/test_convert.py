@@ -22,6 +22,7 @@ import transformers
 from conftest import ASSETS
 
 from toolkit.convert import config_from_hf, config_to_hf, convert_from_hf, convert_pretrained_checkpoint, convert_to_hf
+from toolkit.errors import UserError
 from toolkit.model_dir import load_model, load_state_dict
 from toolkit.models.config import Config
 from toolkit.models.presets import PRESETS
@@ -330,8 +331,106 @@ def test_published_configs_name_their_preset():
     assert custom.name == "mine" and custom.n_layer == 3
 
 
+# Published config.json files (transformers 4.x layout), each naming its preset when read.
+_PUBLISHED_DENSE = {
+    "mistral-7b": {  # mistralai/Mistral-7B-v0.1: a 4096-token window on every layer of a 32k context
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 10000.0,
+        "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000,
+    },
+    "qwen3-8b": {  # Qwen/Qwen3-8B
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936,
+    },
+    "olmo-2-32b": {  # allenai/OLMo-2-0325-32B
+        "architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2", "attention_bias": False, "hidden_act": "silu",
+        "hidden_size": 5120, "intermediate_size": 27648, "max_position_embeddings": 4096, "num_attention_heads": 40,
+        "num_hidden_layers": 64, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 500000, "tie_word_embeddings": False, "vocab_size": 100352,
+    },
+    "smollm3-3b": {  # HuggingFaceTB/SmolLM3-3B: 0 in no_rope_layers marks a layer without RoPE
+        "architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "hidden_size": 2048, "intermediate_size": 11008, "max_position_embeddings": 65536,
+        "num_attention_heads": 16, "num_hidden_layers": 36, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_scaling": None, "rope_theta": 5000000.0, "sliding_window": None, "use_sliding_window": False,
+        "no_rope_layer_interval": 4, "no_rope_layers": [1, 1, 1, 0] * 9, "max_window_layers": 28,
+        "layer_types": ["full_attention"] * 36, "tie_word_embeddings": True, "vocab_size": 128256,
+    },
+}
+
+
+@pytest.mark.parametrize("name", _PUBLISHED_DENSE)
+def test_published_dense_configs_name_their_preset(name):
+    config = config_from_hf(_PUBLISHED_DENSE[name])
+    assert config.name == name
+    if name == "mistral-7b":  # the window is computed, the context is not cut to it
+        assert (config.block_size, config.sliding_window, config.layer_types) == (32768, 4096, None)
+    if name == "smollm3-3b":
+        assert config.no_rope_layers == [3, 7, 11, 15, 19, 23, 27, 31, 35]
+        # without the list, every no_rope_layer_interval-th layer is NoPE
+        without = {k: v for k, v in _PUBLISHED_DENSE[name].items() if k != "no_rope_layers"}
+        assert config_from_hf(without).name == name
+
+
+def test_qwen_windows_start_at_max_window_layers():
+    """transformers' Qwen2/Qwen3 with use_sliding_window window the layers from max_window_layers on."""
+    qwen3 = {**_PUBLISHED_DENSE["qwen3-8b"], "num_hidden_layers": 4, "use_sliding_window": True,
+             "sliding_window": 1024, "max_window_layers": 2}
+    config = config_from_hf(qwen3)
+    assert (config.sliding_window, config.layer_types) == (1024, ["global", "global", "local", "local"])
+    every = config_from_hf({**qwen3, "max_window_layers": 0})
+    assert (every.sliding_window, every.layer_types) == (1024, None)
+    assert config_from_hf({**qwen3, "use_sliding_window": False}).sliding_window is None
+    # the transformers 5 layout lists the layers itself
+    listed = {**qwen3, "layer_types": ["sliding_attention", "full_attention"] * 2}
+    assert config_from_hf(listed).layer_types == ["local", "global", "local", "global"]
+
+
+@pytest.mark.parametrize(
+    "family, changes, message",
+    [
+        ("qwen3-8b", dict(attention_bias=True), "Qwen3 with attention_bias is not supported"),
+        ("qwen3-8b", dict(use_sliding_window=True, sliding_window=64, layer_types=["chunked_attention"] * 36),
+         "layer_types entry 'chunked_attention' is not supported"),
+        ("qwen3-8b", dict(layer_types=["sliding_attention"] * 36), "use_sliding_window is false"),
+        ("olmo-2-32b", dict(attention_bias=True), "OLMo 2 with attention_bias is not supported"),
+        ("olmo-2-32b", dict(hidden_act="gelu"), "Unsupported activation 'gelu' for a olmo2 model"),
+        ("smollm3-3b", dict(no_rope_layers=[1, 2] * 18), "no_rope_layers must list 1 \\(RoPE\\) or 0"),
+        ("smollm3-3b", dict(attention_bias=True), "attention_bias=True with mlp_bias=False"),
+        ("mistral-7b", dict(layer_types=["full_attention", "sliding_attention"] * 16),
+         "layer_types on a Mistral model is not supported"),
+    ],
+)
+def test_dense_configs_the_toolkit_cannot_reproduce_are_refused(family, changes, message):
+    with pytest.raises(UserError, match=message) as err:
+        config_from_hf({**_PUBLISHED_DENSE[family], **changes})
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        ("mistral-7b", dict(layer_types=["local", "global"] * 16), "Mistral windows every layer"),
+        ("qwen3-0.6b", dict(no_rope_layers=[0]), "no_rope_layers=\\[0\\], but qwen3 rotates every layer"),
+        ("olmo-2-1b", dict(sliding_window=8), "olmo2 has no sliding-window attention"),
+        ("olmo-2-1b", dict(norm_position="pre"), "norm_position='pre', but olmo2 needs 'post'"),
+        ("qwen3-0.6b", dict(qk_norm=None), "qk_norm=None, but qwen3 needs 'head'"),
+        ("llama-3.2-1b", dict(qk_norm="head"), "qk_norm='head', but llama needs None"),
+    ],
+)
+def test_export_refuses_what_the_family_cannot_express(name, overrides, message):
+    with pytest.raises(UserError, match=message) as err:
+        config_to_hf(Config.from_name(name, **overrides))
+    assert "\n" not in str(err.value)
+
+
 def test_exported_config_loads_without_remote_code(tmp_path):
-    for name in ("llama-3.1-8b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-160m", "mistral-7b"):
+    for name in ("llama-3.1-8b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-160m", "mistral-7b", "qwen3-8b",
+                 "olmo-2-7b", "smollm3-3b"):
         config = Config.from_name(name)
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config_to_hf(config)))
@@ -340,6 +439,10 @@ def test_exported_config_loads_without_remote_code(tmp_path):
         assert hf.rope_parameters["rope_theta"] == config.rope_base
         if config.rope_scaling:
             assert hf.rope_parameters["factor"] == config.rope_scaling["factor"]
+        if config.family in ("mistral", "qwen2", "qwen3", "smollm3"):
+            assert hf.sliding_window == config.sliding_window
+        if config.family == "smollm3":
+            assert [i for i, rope in enumerate(hf.no_rope_layers) if not rope] == config.no_rope_layers
 
 
 # ---------------------------------------------------------------------------- tokenizers

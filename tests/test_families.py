@@ -35,6 +35,20 @@ PROMPT, NEW_TOKENS = 24, 40
 # name -> (transformers config class, model class, config values beside TINY)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
+    # every layer windowed
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(head_dim=16, sliding_window=WINDOW)),
+    # the layers from max_window_layers on windowed: layer 0 global, layer 1 local
+    "qwen2-window": ("Qwen2Config", "Qwen2ForCausalLM", dict(use_sliding_window=True, sliding_window=WINDOW,
+                                                              max_window_layers=1)),
+    # per-head QK norm, a head size other than hidden / heads, a tied head
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32, tie_word_embeddings=True)),
+    "qwen3-window": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=16, use_sliding_window=True,
+                                                              sliding_window=WINDOW, max_window_layers=1)),
+    # QK norm over the whole (grouped) projections, norms after attention and MLP only
+    "olmo2": ("Olmo2Config", "Olmo2ForCausalLM", dict()),
+    # layer 1 without RoPE (0 in no_rope_layers) and, as SmolLM3 windows its NoPE layers, windowed
+    "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], use_sliding_window=True,
+                                                             sliding_window=WINDOW, pad_token_id=0)),
 }
 
 

@@ -113,6 +113,11 @@ def test_unknown_prompt_style_suggests_close_names(llama2):
         (Config(name="llama-3-8b"), "llama-3"),
         (Config(name="custom", family="gemma"), "gemma"),
         (Config(name="custom", family="qwen2"), "chatml"),
+        ("Qwen/Qwen3-8B", "chatml"),
+        ("smollm3-3b", "chatml"),
+        ("olmo-2-7b", "alpaca"),
+        ("llama-3.3-70b", "llama-3"),
+        (Config(name="custom", family="qwen3"), "chatml"),
     ],
 )
 def test_default_style_per_preset(model, style):

@@ -104,6 +104,54 @@ def test_full_finetuning_under_bf16_mixed_on_two_processes_follows_one_process(b
         assert update > 0 and difference <= FULL_RELATIVE_TOLERANCE * update, (name, difference.item(), update.item())
 
 
+@pytest.fixture(scope="module")
+def qwen3_bf16_base(tmp_path_factory) -> Path:
+    """A random tiny Qwen3 (per-head QK norm, tied head) saved by transformers in bfloat16 with the
+    Llama-2 tokenizer, and its toolkit conversion."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from conftest import ASSETS
+    from toolkit.convert import convert_from_hf
+
+    root = tmp_path_factory.mktemp("qwen3")
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                         tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)  # QK norms away from their init
+    model.to(torch.bfloat16).save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(ASSETS / "tokenizers" / "llama2" / name, root / "hf" / name)
+    convert_from_hf(root / "hf", root / "checkpoint")
+    return root / "checkpoint"
+
+
+# A full fine-tune of Qwen3 on two FSDP processes against one, at the default precision (the
+# tolerance of the Llama test above, for the same reason) and in float32, where only the order of
+# summing float32 gradients differs (the distributed pretraining tests' 1e-5).
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_full_finetuning_of_qwen3_on_two_processes_follows_one_process(qwen3_bf16_base, sums, tmp_path, precision):
+    finals = {}
+    for tag, extra in (("one", ()), ("two", ("--devices", "2"))):
+        run_toolkit(_args("finetune_full", qwen3_bf16_base, tmp_path / tag, sums, "--train.learning_rate", "0.001",
+                          "--precision", precision, "--export_dtype", "float32", *extra))
+        finals[tag] = load_file(str(tmp_path / tag / "final" / "model.safetensors"))
+    base = load_file(str(qwen3_bf16_base / "model.safetensors"))
+    assert "blocks.0.attn.q_norm.weight" in base
+    for name, single in finals["one"].items():
+        update = (single - base[name].float()).abs().mean()
+        assert update > 0, name
+        if precision == "32-true":
+            torch.testing.assert_close(finals["two"][name], single, atol=1e-5, rtol=0, msg=name)
+        else:
+            difference = (finals["two"][name] - single).abs().mean()
+            assert difference <= FULL_RELATIVE_TOLERANCE * update, (name, difference.item(), update.item())
+
+
 def test_single_device_lora_holds_its_frozen_base_in_bf16(bf16_base, sums, tmp_path):
     from toolkit.cli import build_parser
     from toolkit.finetune.lora import finetune_lora

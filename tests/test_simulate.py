@@ -162,9 +162,23 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
                 check_fits(device, config, 8, 1, 1, seq, "bf16-mixed", "FULL_SHARD", True, "lora", lora)
 
 
+def first_blocks(name: str, n_layer: int) -> Config:
+    """Preset `name` cut to its first `n_layer` blocks, its per-layer lists (local layers, NoPE
+    layers) cut with it."""
+    config = Config.from_name(name)
+    changes: dict = {"n_layer": n_layer}
+    if config.layer_types is not None:
+        changes["layer_types"] = config.layer_types[:n_layer]
+    if config.no_rope_layers is not None:
+        changes["no_rope_layers"] = [i for i in config.no_rope_layers if i < n_layer] or None
+    return config.replace(**changes)
+
+
 # The smallest preset of every family, with 4 blocks (every block is alike: 4 give the first, a
-# middle and the last block their own moments of the step) and 512 tokens: seconds each.
-FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m"]
+# middle and the last block their own moments of the step; SmolLM3's fourth is its NoPE layer) and
+# 512 tokens: seconds each.
+FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m", "qwen3-0.6b",
+                   "olmo-2-1b", "smollm3-3b"]
 
 
 @pytest.mark.parametrize("setting", ["pretrain", "lora", "checkpointing"])
@@ -178,7 +192,7 @@ def test_estimate_is_within_3_percent_of_the_simulated_step(name, setting):
     block's backward pass ends is an upper bound of what FSDP holds then)."""
     from toolkit.models.adapters import LoRAArgs
 
-    config = Config.from_name(name, n_layer=4)
+    config = first_blocks(name, 4)
     lora = LoRAArgs() if setting == "lora" else None
     checkpointing = setting == "checkpointing"
     sim = simulate(config, 8, 1, 1, 512, "bf16-mixed", "FULL_SHARD", "lora" if lora else None, lora, checkpointing, 2)

@@ -36,19 +36,21 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def list_models(hf: bool = False) -> None:
-    """List the model presets.
+    """List the model presets, grouped by family.
 
     Args:
         hf: Also show the Hugging Face repository each preset mirrors.
     """
-    from toolkit.models.presets import PRESETS
+    from toolkit.models.presets import presets_by_family
 
-    for preset in PRESETS:
-        aliases = preset.get("aliases", [])
-        line = preset["name"] + (f"  (alias: {', '.join(aliases)})" if aliases else "")
-        if hf and preset.get("hf_repo_id"):
-            line += f"  [{preset['hf_repo_id']}]"
-        print(line)
+    for number, (title, presets) in enumerate(presets_by_family().items()):
+        print(("\n" if number else "") + title)
+        for preset in presets:
+            aliases = preset.get("aliases", [])
+            line = "  " + preset["name"] + (f"  (alias: {', '.join(aliases)})" if aliases else "")
+            if hf and preset.get("hf_repo_id"):
+                line += f"  [{preset['hf_repo_id']}]"
+            print(line)
 
 
 def _usage() -> str:

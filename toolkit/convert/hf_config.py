@@ -1,9 +1,10 @@
 """Hugging Face `config.json` <-> toolkit `Config`.
 
-`config_from_hf` reads the fields that the six supported families use, in both the transformers
-5.x layout (`rope_parameters`) and the older one (`rope_theta`, `rope_scaling`, `rotary_pct`,
-`partial_rotary_factor`), and refuses anything the toolkit model cannot reproduce exactly (other
-RoPE scalings, biases on some projections only, QK layer norm...). `config_to_hf` writes a
+`config_from_hf` reads the fields that the supported families (`ARCHITECTURES`) use, in both the
+transformers 5.x layout (`rope_parameters`, `layer_types`) and the older one (`rope_theta`,
+`rope_scaling`, `rotary_pct`, `partial_rotary_factor`, `max_window_layers`), and refuses anything
+the toolkit model cannot reproduce exactly (other RoPE scalings, biases on some projections only,
+layer kinds other than full and sliding-window attention...). `config_to_hf` writes a
 config.json that transformers loads with its built-in classes (no remote code), in a form both
 transformers 4.x and 5.x read.
 
@@ -25,6 +26,9 @@ ARCHITECTURES: dict[str, str] = {
     "GemmaForCausalLM": "gemma",
     "PhiForCausalLM": "phi",
     "GPTNeoXForCausalLM": "gpt_neox",
+    "Qwen3ForCausalLM": "qwen3",
+    "Olmo2ForCausalLM": "olmo2",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 HF_ARCHITECTURE: dict[str, str] = {family: arch for arch, family in ARCHITECTURES.items()}
 MODEL_TYPES: dict[str, str] = {family: family for family in HF_ARCHITECTURE}
@@ -109,16 +113,6 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
     return float(theta), scaling, float(partial)
 
 
-def _block_size(hf_config: dict[str, Any], family: str) -> int:
-    block = int(_require(hf_config, "max_position_embeddings"))
-    window = hf_config.get("sliding_window")
-    uses_window = family == "mistral" or (family == "qwen2" and hf_config.get("use_sliding_window"))
-    if uses_window and window and window < block:
-        # The toolkit model has no sliding-window attention; within one window the two agree.
-        block = int(window)
-    return block
-
-
 def config_from_hf(
     hf_config: dict[str, Any], model_name: Optional[str] = None, default_name: str = "custom"
 ) -> Config:
@@ -140,7 +134,7 @@ def config_from_hf(
     values: dict[str, Any] = dict(
         family=family,
         vocab_size=int(_require(hf_config, "vocab_size")),
-        block_size=_block_size(hf_config, family),
+        block_size=int(_require(hf_config, "max_position_embeddings")),
         n_layer=int(_require(hf_config, "num_hidden_layers")),
         n_embd=n_embd,
         n_head=n_head,
@@ -186,6 +180,8 @@ def config_from_hf(
             gelu_approximate=_gelu_approximate(act, family), bias=True, lm_head_bias=True,
             parallel_residual=True, shared_attention_norm=True,
         )
+    elif family in ("qwen3", "olmo2", "smollm3"):
+        values.update(_read_dense_family(hf_config, family, act))
     elif family == "gpt_neox":
         if not hf_config.get("attention_bias", True):
             raise UserError("config.json: GPT-NeoX with attention_bias=false is not supported")
@@ -194,8 +190,123 @@ def config_from_hf(
             gelu_approximate=_gelu_approximate(act or "gelu", family), bias=True,
             parallel_residual=bool(hf_config.get("use_parallel_residual", True)),
         )
+    values.update(_read_layers(hf_config, family, values["n_layer"]))
     config = Config.from_dict({"name": default_name, **values})
     return _name(config, model_name, default_name, hf_config.get("_name_or_path") or "")
+
+
+# ---------------------------------------------------------------------------- Qwen3, OLMo 2, SmolLM3
+def _read_dense_family(hf_config: dict[str, Any], family: str, act: str) -> dict[str, Any]:
+    """The fields of a Qwen3, OLMo 2 or SmolLM3 config.json beside the shared sizes and RoPE."""
+    if act != "silu":
+        raise UserError(f"Unsupported activation {act!r} for a {family} model; only 'silu' is supported")
+    values: dict[str, Any] = dict(norm="rmsnorm", mlp="swiglu")
+    attention_bias = bool(hf_config.get("attention_bias", False))
+    if family == "qwen3":
+        if attention_bias:
+            # bias on q, k, v and o but none in the MLP: the toolkit has no such combination
+            raise UserError("config.json: Qwen3 with attention_bias is not supported")
+        values.update(norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)), qk_norm="head")
+    elif family == "olmo2":
+        if attention_bias:
+            raise UserError("config.json: OLMo 2 with attention_bias is not supported")
+        values.update(norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)), qk_norm="projection",
+                      norm_position="post")
+    else:  # smollm3
+        mlp_bias = bool(hf_config.get("mlp_bias", False))
+        if attention_bias != mlp_bias:
+            raise UserError(
+                f"config.json: attention_bias={attention_bias} with mlp_bias={mlp_bias} is not supported "
+                "(the toolkit puts biases on all block projections or none)"
+            )
+        values.update(norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)), bias=attention_bias,
+                      tie_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
+        params = hf_config.get("rope_parameters") or {}
+        if "rope_theta" not in hf_config and "rope_theta" not in params:
+            values["rope_base"] = 2000000.0  # SmolLM3Config's default base
+    return values
+
+
+# ---------------------------------------------------------------------------- per-layer spans, NoPE
+# config.json `layer_types` entries -> toolkit layer types
+_HF_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}
+_TOOLKIT_LAYER_TYPES = {v: k for k, v in _HF_LAYER_TYPES.items()}
+
+
+def _hf_layer_types(hf_config: dict[str, Any], n_layer: int) -> Optional[list[str]]:
+    """config.json's `layer_types` as toolkit types, or None where it has none."""
+    listed = hf_config.get("layer_types")
+    if listed is None:
+        return None
+    if not isinstance(listed, list) or len(listed) != n_layer:
+        raise UserError(f"config.json: layer_types must list one entry per layer ({n_layer})")
+    unknown = [t for t in listed if t not in _HF_LAYER_TYPES]
+    if unknown:
+        raise UserError(
+            f"config.json: layer_types entry {unknown[0]!r} is not supported; supported: {', '.join(_HF_LAYER_TYPES)}"
+        )
+    return [_HF_LAYER_TYPES[t] for t in listed]
+
+
+def _count(hf_config: dict[str, Any], key: str, default: int, minimum: int = 0) -> int:
+    value = hf_config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise UserError(f"config.json: {key} must be an integer of at least {minimum}, got {value!r}")
+    return value
+
+
+def _read_layers(hf_config: dict[str, Any], family: str, n_layer: int) -> dict[str, Any]:
+    """sliding_window, layer_types and no_rope_layers, as transformers' class of the family reads them.
+
+    Mistral: a window on every layer. Qwen2 and Qwen3: with `use_sliding_window`, the layers from
+    `max_window_layers` on (unless `layer_types` lists them). SmolLM3: `no_rope_layers` holds one
+    entry per layer, 1 for a layer that rotates and 0 for a NoPE layer (else every
+    `no_rope_layer_interval`-th layer is NoPE), and with `use_sliding_window` the layers that
+    `layer_types` marks as sliding. Written in one form: no layer_types when all layers are alike.
+    """
+    window = hf_config.get("sliding_window")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise UserError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+    listed = _hf_layer_types(hf_config, n_layer)
+    values: dict[str, Any] = {}
+    if family == "mistral":
+        # transformers' Mistral applies sliding_window to every layer and ignores layer_types
+        if listed is not None and listed != ["local" if window else "global"] * n_layer:
+            raise UserError(
+                "config.json: layer_types on a Mistral model is not supported (Mistral windows every layer)"
+            )
+        local = [window is not None] * n_layer
+    elif family in ("qwen2", "qwen3"):
+        if not hf_config.get("use_sliding_window", False):
+            window = None
+        if listed is None:
+            first = _count(hf_config, "max_window_layers", 28)
+            listed = ["local" if window is not None and i >= first else "global" for i in range(n_layer)]
+        if window is None and "local" in listed:
+            raise UserError("config.json: layer_types has sliding_attention layers but use_sliding_window is false")
+        local = [t == "local" for t in listed]
+    elif family == "smollm3":
+        rope = hf_config.get("no_rope_layers")
+        if rope is None:
+            interval = _count(hf_config, "no_rope_layer_interval", 4, minimum=1)
+            rope = [int((i + 1) % interval != 0) for i in range(n_layer)]
+        if not isinstance(rope, list) or len(rope) < n_layer or any(r not in (0, 1) for r in rope[:n_layer]):
+            raise UserError(
+                f"config.json: no_rope_layers must list 1 (RoPE) or 0 (no RoPE) for each of {n_layer} layers"
+            )
+        values["no_rope_layers"] = [i for i in range(n_layer) if not rope[i]] or None
+        if not (hf_config.get("use_sliding_window", False) and window is not None):
+            window = None
+        if listed is None:
+            listed = ["local" if window is not None and not rope[i] else "global" for i in range(n_layer)]
+        local = [window is not None and t == "local" for t in listed]
+    else:
+        return values
+    if any(local):
+        values["sliding_window"] = int(window)
+        if not all(local):
+            values["layer_types"] = ["local" if is_local else "global" for is_local in local]
+    return values
 
 
 def _comparable(config: Config) -> dict[str, Any]:
@@ -294,8 +405,10 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_embeddings,
     }
     _check(config, family, scale_embeddings=family == "gemma", norm_unit_offset=family == "gemma")
-    # Per-layer attention spans and NoPE layers have no export yet: refused, never silently dropped.
-    _check(config, family, sliding_window=None, layer_types=None, no_rope_layers=None)
+    if family not in ("qwen3", "olmo2", "smollm3"):
+        _check(config, family, norm_position="pre", qk_norm=None)
+    # Per-layer attention spans and NoPE layers: written where the family has them, else refused.
+    hf.update(_layer_fields(config))
     if config.rope_scaling is not None and family not in ("llama", "mistral", "qwen2", "gemma"):
         raise _unsupported(config, "llama3 RoPE scaling is only supported for Llama-like families")
 
@@ -316,10 +429,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
             hf.update(attention_bias=config.bias, mlp_bias=config.bias)
         elif family == "qwen2":
             _check(config, family, bias=False, attn_qkv_bias=True)
-            hf.update(use_sliding_window=False, sliding_window=None)
         elif family == "mistral":
             _check(config, family, bias=False, attn_qkv_bias=False)
-            hf.update(sliding_window=None)
         else:
             _check(config, family, bias=False, attn_qkv_bias=False)
             hf.update(hidden_activation="gelu_pytorch_tanh")
@@ -334,6 +445,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
             hidden_act="gelu_new" if config.gelu_approximate == "tanh" else "gelu",
             qk_layernorm=False,
         )
+    elif family in ("qwen3", "olmo2", "smollm3"):
+        hf.update(_write_dense_family(config))
     elif family == "gpt_neox":
         _check(config, family, norm="layernorm", mlp="gelu", bias=True, attn_qkv_bias=True, lm_head_bias=False,
                shared_attention_norm=False)
@@ -352,4 +465,59 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
     hf.update(_rope_fields(config))
     if dtype is not None:
         hf["dtype"] = dtype
+    return hf
+
+
+def _write_dense_family(config: Config) -> dict[str, Any]:
+    """The config.json fields of a Qwen3, OLMo 2 or SmolLM3 model beside the shared sizes."""
+    family = config.family
+    _check(config, family, norm="rmsnorm", mlp="swiglu", parallel_residual=False, lm_head_bias=False)
+    if family == "smollm3":
+        _check(config, family, norm_position="pre", qk_norm=None)
+        if config.attn_qkv_bias != config.bias:
+            raise _unsupported(config, "SmolLM3 has biases on all projections or none (attn_qkv_bias != bias)")
+    else:
+        _check(config, family, bias=False, attn_qkv_bias=False)
+        if family == "qwen3":
+            _check(config, family, norm_position="pre", qk_norm="head")
+        else:
+            _check(config, family, norm_position="post", qk_norm="projection")
+    hf: dict[str, Any] = dict(
+        num_key_value_heads=config.n_query_groups,
+        head_dim=config.head_size,
+        rms_norm_eps=config.norm_eps,
+        hidden_act="silu",
+        attention_bias=config.bias,
+    )
+    if family == "smollm3":
+        hf["mlp_bias"] = config.bias
+    return hf
+
+
+def _layer_fields(config: Config) -> dict[str, Any]:
+    """sliding_window, layer_types and no_rope_layers for config.json, as `_read_layers` reads them.
+
+    A family whose transformers class cannot express the config's layers is refused, naming the field.
+    """
+    family, n = config.family, config.n_layer
+    local = [config.layer(i).window is not None for i in range(n)]
+    window = config.sliding_window if any(local) else None
+    hf: dict[str, Any] = {}
+    if family == "smollm3":
+        hf.update(no_rope_layers=[int(config.layer(i).rope) for i in range(n)])
+    elif config.no_rope_layers:
+        raise _unsupported(config, f"no_rope_layers={config.no_rope_layers!r}, but {family} rotates every layer")
+    if family == "mistral":
+        if any(local) and not all(local):
+            raise _unsupported(config, "layer_types mixes local and global layers, but Mistral windows every layer")
+        hf.update(sliding_window=window)
+    elif family in ("qwen2", "qwen3", "smollm3"):
+        types = [_TOOLKIT_LAYER_TYPES["local" if is_local else "global"] for is_local in local]
+        hf.update(use_sliding_window=window is not None, sliding_window=window, layer_types=types)
+        if family != "smollm3":
+            # read by transformers versions without layer_types: the layers from this index on are windowed
+            hf["max_window_layers"] = local.index(True) if any(local) else n
+    elif any(local):
+        why = f"sliding_window={config.sliding_window!r}, but {family} has no sliding-window attention"
+        raise _unsupported(config, why)
     return hf

@@ -99,6 +99,23 @@ GPT_NEOX: dict[str, Target] = {
     "embed_out.weight": "lm_head.weight",
 }
 
+# Qwen3: Llama's layout and a per-head RMSNorm of queries and keys (weights of size head_dim).
+_QK_NORMS: dict[str, Target] = {
+    "model.layers.{l}.self_attn.q_norm.weight": "blocks.{l}.attn.q_norm.weight",
+    "model.layers.{l}.self_attn.k_norm.weight": "blocks.{l}.attn.k_norm.weight",
+}
+QWEN3: dict[str, Target] = {**LLAMA, **_QK_NORMS}
+
+# OLMo 2: no norm before attention or MLP; its `post_attention_layernorm` normalises the attention's
+# output (in Llama the same name is the norm before the MLP) and `post_feedforward_layernorm` the
+# MLP's. QK norm over the whole projection (weights of size H * D and G * D).
+OLMO2: dict[str, Target] = {
+    **{hf: tk for hf, tk in LLAMA.items() if "layernorm" not in hf},
+    **_QK_NORMS,
+    "model.layers.{l}.post_attention_layernorm.weight": "blocks.{l}.post_attn_norm.weight",
+    "model.layers.{l}.post_feedforward_layernorm.weight": "blocks.{l}.post_mlp_norm.weight",
+}
+
 WEIGHT_MAPS: dict[str, dict[str, Target]] = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -106,6 +123,9 @@ WEIGHT_MAPS: dict[str, dict[str, Target]] = {
     "gemma": LLAMA,
     "phi": PHI,
     "gpt_neox": GPT_NEOX,
+    "qwen3": QWEN3,
+    "olmo2": OLMO2,
+    "smollm3": LLAMA,  # Llama's names; its NoPE layers have no weights of their own
 }
 
 # Row layout of each fused tensor, by family. "per_head": rows are [head, (q, k, v), head_size],

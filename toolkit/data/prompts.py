@@ -131,7 +131,8 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
     ("llama-3", "llama-3"),  # llama-3, llama-3.1, llama-3.2
     ("llama-2", "llama-2"),
     ("mistral", "llama-2"),  # Mistral's instruct format is [INST] ... [/INST]
-    ("qwen", "chatml"),
+    ("qwen", "chatml"),  # qwen2.5, qwen3
+    ("smollm3", "chatml"),
     ("gemma", "gemma"),
     ("phi", "phi"),
     ("pythia", "alpaca"),
@@ -139,7 +140,8 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
     ("debug", "alpaca"),
 )
 # For a model name the table does not know (a custom config): by architecture family, then this.
-DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma", "phi": "phi"}
+DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma", "phi": "phi", "qwen3": "chatml",
+                                             "smollm3": "chatml"}
 FALLBACK_STYLE = "alpaca"
 
 

@@ -41,7 +41,8 @@ class Config:
     # Hugging Face repository the preset mirrors ("" for presets that exist only here).
     hf_repo_id: str = ""
     # Architecture family: selects the weight-name map for Hugging Face conversion.
-    family: Literal["llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox"] = "llama"
+    family: Literal["llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox",
+                    "qwen3", "olmo2", "smollm3"] = "llama"
 
     # --- sizes
     vocab_size: int = 32000  # rows of the embedding and of the output head
