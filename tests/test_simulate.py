@@ -164,7 +164,8 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
 
 # The smallest preset of every family, with 4 blocks (every block is alike: 4 give the first, a
 # middle and the last block their own moments of the step) and 512 tokens: seconds each.
-FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m"]
+FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m",
+                   "phi-3-mini-4k-instruct"]
 
 
 @pytest.mark.parametrize("setting", ["pretrain", "lora", "checkpointing"])

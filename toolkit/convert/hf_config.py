@@ -12,6 +12,7 @@ Pure Python: importing this module does not import torch or transformers.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from toolkit.errors import UserError
@@ -25,9 +26,15 @@ ARCHITECTURES: dict[str, str] = {
     "GemmaForCausalLM": "gemma",
     "PhiForCausalLM": "phi",
     "GPTNeoXForCausalLM": "gpt_neox",
+    "Phi3ForCausalLM": "phi3",
 }
 HF_ARCHITECTURE: dict[str, str] = {family: arch for arch, family in ARCHITECTURES.items()}
 MODEL_TYPES: dict[str, str] = {family: family for family in HF_ARCHITECTURE}
+
+# Families whose published checkpoints still name their first, remote implementation in auto_map
+# although transformers has a native class for them, which it uses (auto_map is read only with
+# trust_remote_code): Phi-3 and Phi-4.
+_AUTO_MAP_OF_NATIVE_CLASS = ("phi3",)
 
 # transformers activation name -> (toolkit mlp kind for the family's MLP, gelu approximation)
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -93,8 +100,18 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
         hf_config.get("partial_rotary_factor", hf_config.get("rotary_pct", default_partial)),
     )
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if family == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # transformers' Phi3Config reads Phi-3's first names for LongRoPE so
     scaling = None
-    if rope_type == "llama3":
+    if rope_type in _SCALING_READERS:
+        if family not in _SCALING_FAMILIES.get(rope_type, _LLAMA_LIKE):
+            raise UserError(f"Unsupported RoPE scaling {rope_type!r} for a {family} model in config.json: "
+                            f"{_SCALING_REASONS[rope_type]}")
+        scaling = {"rope_type": rope_type, **_SCALING_READERS[rope_type](merged, hf_config, family)}
+    elif family == "phi3" and rope_type not in ("default", None):
+        raise UserError(f"Unsupported RoPE scaling {rope_type!r} for a phi3 model in config.json; "
+                        "transformers' Phi3 reads default and longrope only")
+    elif rope_type == "llama3":
         try:
             scaling = {
                 "factor": float(merged["factor"]),
@@ -105,8 +122,110 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
         except KeyError as err:
             raise UserError(f"config.json: llama3 RoPE scaling lacks {err.args[0]!r}") from None
     elif rope_type not in ("default", None):
-        raise UserError(f"Unsupported RoPE scaling {rope_type!r} in config.json; supported: default, llama3")
+        raise UserError(
+            f"Unsupported RoPE scaling {rope_type!r} in config.json; "
+            f"supported: default, llama3, {', '.join(_SCALING_READERS)}"
+        )
     return float(theta), scaling, float(partial)
+
+
+# ---------------------------------------------------------------------------- YaRN and LongRoPE
+# The values transformers 5 (`_compute_yarn_parameters`, `_compute_longrope_parameters`) derives
+# when config.json leaves them out are computed here and stored in the toolkit config, so that it
+# describes the model by itself and the export writes them out.
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "gemma")
+# Families whose transformers class reads each scaling as the toolkit computes it.
+_SCALING_FAMILIES: dict[str, tuple[str, ...]] = {"llama3": _LLAMA_LIKE, "yarn": _LLAMA_LIKE, "longrope": ("phi3",)}
+_SCALING_REASONS = {
+    "llama3": "transformers reads it for Llama-like families only",
+    "yarn": "transformers reads it for Llama-like families only (its Phi3 reads a yarn type as longrope)",
+    "longrope": "LongRoPE is supported for Phi-3 models only (transformers' other classes keep the keys of "
+                "short-frequency positions in their cache past the switch, which the toolkit does not reproduce)",
+}
+
+
+def _original_max(merged: dict[str, Any], hf_config: dict[str, Any], family: str) -> int:
+    """original_max_position_embeddings as transformers resolves it: a top-level key wins (Phi3Config
+    always has one, 4096 by default), then the scaling's own, then max_position_embeddings."""
+    top = hf_config.get("original_max_position_embeddings", 4096 if family == "phi3" else None)
+    if top is not None:
+        return int(top)
+    return int(merged.get("original_max_position_embeddings") or _require(hf_config, "max_position_embeddings"))
+
+
+def _scaling_factor(merged: dict[str, Any], hf_config: dict[str, Any], original: int) -> float:
+    factor = merged.get("factor")
+    return float(_require(hf_config, "max_position_embeddings")) / original if factor is None else float(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_from_hf(merged: dict[str, Any], hf_config: dict[str, Any], family: str) -> dict[str, Any]:
+    if "factor" not in merged:
+        raise UserError("config.json: yarn RoPE scaling lacks 'factor'")
+    original = _original_max(merged, hf_config, family)
+    factor = _scaling_factor(merged, hf_config, original)
+    attention_factor = merged.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return {
+        "factor": factor,
+        "original_max_seq_len": original,
+        "beta_fast": float(merged.get("beta_fast") or 32),  # `or`: transformers reads 0 as unset too
+        "beta_slow": float(merged.get("beta_slow") or 1),
+        "attention_factor": float(attention_factor),
+        "truncate": bool(merged.get("truncate", True)),
+    }
+
+
+def _longrope_from_hf(merged: dict[str, Any], hf_config: dict[str, Any], family: str) -> dict[str, Any]:
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = merged.get(key)
+        if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
+            raise UserError(f"config.json: longrope RoPE scaling needs {key!r}, a list of numbers")
+        factors[key] = [float(v) for v in values]
+    original = _original_max(merged, hf_config, family)
+    attention_factor = merged.get("attention_factor")
+    if attention_factor is None:
+        factor = _scaling_factor(merged, hf_config, original)
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**factors, "original_max_seq_len": original, "attention_factor": float(attention_factor)}
+
+
+_SCALING_READERS = {"yarn": _yarn_from_hf, "longrope": _longrope_from_hf}
+
+
+def _rope_scaling_to_hf(config: Config) -> dict[str, Any]:
+    """The `rope_parameters` entries of the toolkit's rope_scaling (rope_theta and the partial factor aside)."""
+    keys, kind = config.rope_scaling, config.rope_scaling_type
+    if kind == "yarn":
+        return {
+            "rope_type": "yarn", "factor": float(keys["factor"]),
+            "original_max_position_embeddings": int(keys["original_max_seq_len"]),
+            "beta_fast": float(keys["beta_fast"]), "beta_slow": float(keys["beta_slow"]),
+            "attention_factor": float(keys["attention_factor"]), "truncate": bool(keys["truncate"]),
+        }
+    if kind == "longrope":
+        return {
+            "rope_type": "longrope",
+            "short_factor": list(keys["short_factor"]), "long_factor": list(keys["long_factor"]),
+            "original_max_position_embeddings": int(keys["original_max_seq_len"]),
+            "attention_factor": float(keys["attention_factor"]),
+        }
+    return {
+        "rope_type": "llama3",
+        "factor": float(keys["factor"]),
+        "low_freq_factor": float(keys["low_freq_factor"]),
+        "high_freq_factor": float(keys["high_freq_factor"]),
+        "original_max_position_embeddings": int(keys["original_max_seq_len"]),
+    }
 
 
 def _block_size(hf_config: dict[str, Any], family: str) -> int:
@@ -129,7 +248,7 @@ def config_from_hf(
     cannot reproduce exactly is a UserError.
     """
     family = detect_family(hf_config)
-    if hf_config.get("auto_map"):
+    if hf_config.get("auto_map") and family not in _AUTO_MAP_OF_NATIVE_CLASS:
         raise UserError(
             "config.json asks for custom code (auto_map); the toolkit converts only models that "
             f"transformers supports natively: {supported_architectures()}"
@@ -186,6 +305,8 @@ def config_from_hf(
             gelu_approximate=_gelu_approximate(act, family), bias=True, lm_head_bias=True,
             parallel_residual=True, shared_attention_norm=True,
         )
+    elif family == "phi3":
+        values.update(_phi3_from_hf(hf_config, act, values["block_size"]))
     elif family == "gpt_neox":
         if not hf_config.get("attention_bias", True):
             raise UserError("config.json: GPT-NeoX with attention_bias=false is not supported")
@@ -196,6 +317,19 @@ def config_from_hf(
         )
     config = Config.from_dict({"name": default_name, **values})
     return _name(config, model_name, default_name, hf_config.get("_name_or_path") or "")
+
+
+def _phi3_from_hf(hf_config: dict[str, Any], act: str, block_size: int) -> dict[str, Any]:
+    """Phi-3's layer is Llama's (RMSNorm, SwiGLU, no biases: transformers' Phi3 has none, whatever
+    attention_bias says) with fused projections (weight_maps.PHI3). Its `sliding_window` is applied
+    to every layer; a window at least as long as the context changes nothing and is dropped."""
+    if act != "silu":
+        raise UserError(f"Unsupported activation {act!r} for a phi3 model; only 'silu' is supported")
+    window = hf_config.get("sliding_window")
+    return dict(
+        norm="rmsnorm", norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)), mlp="swiglu", bias=False,
+        sliding_window=int(window) if window is not None and window < block_size else None,
+    )
 
 
 def _comparable(config: Config) -> dict[str, Any]:
@@ -258,19 +392,31 @@ def _rope_fields(config: Config) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_base}
     legacy: dict[str, Any] = {"rope_theta": config.rope_base}
     if config.rope_scaling is not None:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": float(config.rope_scaling["factor"]),
-            "low_freq_factor": float(config.rope_scaling["low_freq_factor"]),
-            "high_freq_factor": float(config.rope_scaling["high_freq_factor"]),
-            "original_max_position_embeddings": int(config.rope_scaling["original_max_seq_len"]),
-        }
+        scaling = _rope_scaling_to_hf(config)
         params.update(scaling)
         legacy["rope_scaling"] = dict(scaling)
     if config.rotary_percentage != 1.0:
         params["partial_rotary_factor"] = config.rotary_percentage
         legacy["partial_rotary_factor"] = config.rotary_percentage
     return {"rope_parameters": params, **legacy}
+
+
+def _phi3_to_hf(config: Config) -> dict[str, Any]:
+    _check(config, "phi3", norm="rmsnorm", mlp="swiglu", bias=False, attn_qkv_bias=False, lm_head_bias=False,
+           parallel_residual=False, norm_position="pre", qk_norm=None)
+    if config.head_size * config.n_head != config.n_embd:
+        raise _unsupported(config, "Phi-3 needs head_size * n_head == n_embd")
+    scaling = config.rope_scaling or {}
+    return dict(
+        num_key_value_heads=config.n_query_groups,
+        rms_norm_eps=config.norm_eps,
+        hidden_act="silu",
+        sliding_window=config.sliding_window,
+        # transformers' Phi3 takes LongRoPE's switch length from here (4096 when absent)
+        original_max_position_embeddings=int(scaling.get("original_max_seq_len", config.block_size)),
+        # Phi3Config's defaults (1, 32000, 32000) are Phi-3-mini's; the export's tokenizer sets its own
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
 
 
 def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
@@ -295,9 +441,12 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
     }
     _check(config, family, scale_embeddings=family == "gemma", norm_unit_offset=family == "gemma")
     # Per-layer attention spans and NoPE layers have no export yet: refused, never silently dropped.
-    _check(config, family, sliding_window=None, layer_types=None, no_rope_layers=None)
-    if config.rope_scaling is not None and family not in ("llama", "mistral", "qwen2", "gemma"):
-        raise _unsupported(config, "llama3 RoPE scaling is only supported for Llama-like families")
+    _check(config, family, layer_types=None, no_rope_layers=None)
+    if family != "phi3":  # Phi-3's window is written with the rest of its config (`_phi3_to_hf`)
+        _check(config, family, sliding_window=None)
+    kind = config.rope_scaling_type
+    if kind is not None and family not in _SCALING_FAMILIES.get(kind, _LLAMA_LIKE):
+        raise _unsupported(config, f"{kind} RoPE scaling: {_SCALING_REASONS.get(kind, 'not read by this family')}")
 
     if family in ("llama", "mistral", "qwen2", "gemma"):
         mlp = "swiglu" if family != "gemma" else "geglu"
@@ -334,6 +483,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
             hidden_act="gelu_new" if config.gelu_approximate == "tanh" else "gelu",
             qk_layernorm=False,
         )
+    elif family == "phi3":
+        hf.update(_phi3_to_hf(config))
     elif family == "gpt_neox":
         _check(config, family, norm="layernorm", mlp="gelu", bias=True, attn_qkv_bias=True, lm_head_bias=False,
                shared_attention_norm=False)
