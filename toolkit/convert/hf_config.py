@@ -1,6 +1,6 @@
 """Hugging Face `config.json` <-> toolkit `Config`.
 
-`config_from_hf` reads the fields that the six supported families use, in both the transformers
+`config_from_hf` reads the fields that the supported families use, in both the transformers
 5.x layout (`rope_parameters`) and the older one (`rope_theta`, `rope_scaling`, `rotary_pct`,
 `partial_rotary_factor`), and refuses anything the toolkit model cannot reproduce exactly (other
 RoPE scalings, biases on some projections only, QK layer norm...). `config_to_hf` writes a
@@ -101,12 +101,12 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
     )
     rope_type = merged.get("rope_type", merged.get("type", "default"))
     if family == "phi3" and rope_type in ("su", "yarn"):
-        rope_type = "longrope"  # transformers' Phi3Config reads Phi-3's first names for LongRoPE so
+        rope_type = "longrope"  # Phi-3's first releases wrote "su"; transformers' Phi3Config reads both as LongRoPE
     scaling = None
     if rope_type in _SCALING_READERS:
-        if family not in _SCALING_FAMILIES.get(rope_type, _LLAMA_LIKE):
-            raise UserError(f"Unsupported RoPE scaling {rope_type!r} for a {family} model in config.json: "
-                            f"{_SCALING_REASONS[rope_type]}")
+        refusal = _scaling_refusal(rope_type, family)
+        if refusal:
+            raise UserError(f"Unsupported RoPE scaling {rope_type!r} for a {family} model in config.json: {refusal}")
         scaling = {"rope_type": rope_type, **_SCALING_READERS[rope_type](merged, hf_config, family)}
     elif family == "phi3" and rope_type not in ("default", None):
         raise UserError(f"Unsupported RoPE scaling {rope_type!r} for a phi3 model in config.json; "
@@ -133,15 +133,18 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
 # The values transformers 5 (`_compute_yarn_parameters`, `_compute_longrope_parameters`) derives
 # when config.json leaves them out are computed here and stored in the toolkit config, so that it
 # describes the model by itself and the export writes them out.
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "gemma")
-# Families whose transformers class reads each scaling as the toolkit computes it.
-_SCALING_FAMILIES: dict[str, tuple[str, ...]] = {"llama3": _LLAMA_LIKE, "yarn": _LLAMA_LIKE, "longrope": ("phi3",)}
-_SCALING_REASONS = {
-    "llama3": "transformers reads it for Llama-like families only",
-    "yarn": "transformers reads it for Llama-like families only (its Phi3 reads a yarn type as longrope)",
-    "longrope": "LongRoPE is supported for Phi-3 models only (transformers' other classes keep the keys of "
-                "short-frequency positions in their cache past the switch, which the toolkit does not reproduce)",
-}
+def _scaling_refusal(kind: str, family: str) -> Optional[str]:
+    """Why `family`'s transformers class does not read RoPE scaling `kind` as the toolkit computes it, or None."""
+    if kind == "longrope":
+        return None if family == "phi3" else (
+            "LongRoPE is supported for Phi-3 models only (transformers' other classes keep the keys of "
+            "short-frequency positions in their cache past the switch, which the toolkit does not reproduce)")
+    if family == "phi3":
+        return "transformers' Phi3 reads a yarn type as longrope" if kind == "yarn" else (
+            "transformers' Phi3 reads default and longrope only")
+    if family in ("phi", "gpt_neox"):
+        return "the toolkit writes it for Llama-like families only"
+    return None
 
 
 def _original_max(merged: dict[str, Any], hf_config: dict[str, Any], family: str) -> int:
@@ -444,9 +447,9 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
     _check(config, family, layer_types=None, no_rope_layers=None)
     if family != "phi3":  # Phi-3's window is written with the rest of its config (`_phi3_to_hf`)
         _check(config, family, sliding_window=None)
-    kind = config.rope_scaling_type
-    if kind is not None and family not in _SCALING_FAMILIES.get(kind, _LLAMA_LIKE):
-        raise _unsupported(config, f"{kind} RoPE scaling: {_SCALING_REASONS.get(kind, 'not read by this family')}")
+    refusal = None if config.rope_scaling is None else _scaling_refusal(config.rope_scaling_type, family)
+    if refusal:
+        raise _unsupported(config, f"{config.rope_scaling_type} RoPE scaling: {refusal}")
 
     if family in ("llama", "mistral", "qwen2", "gemma"):
         mlp = "swiglu" if family != "gemma" else "geglu"
