@@ -202,7 +202,11 @@ def test_new_fields_round_trip_and_old_config_files_load(tmp_path):
 def test_every_rope_scaling_has_a_function_taking_exactly_its_keys():
     assert set(ROPE_SCALINGS) == set(ROPE_SCALING_KEYS)
     for kind, fn in ROPE_SCALINGS.items():
-        assert tuple(inspect.signature(fn).parameters)[1:] == ROPE_SCALING_KEYS[kind]
+        params = inspect.signature(fn).parameters.values()
+        keys = tuple(p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD)
+        asked = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+        assert keys[1:] == ROPE_SCALING_KEYS[kind]
+        assert asked <= {"base", "long"}  # what RotaryEmbedding knows how to give
 
 
 def test_rope_scaling_without_a_type_is_llama3():
@@ -217,13 +221,57 @@ def test_rope_scaling_without_a_type_is_llama3():
 
 @pytest.mark.parametrize(
     "scaling, message",
-    [({"rope_type": "yarn", "factor": 4.0}, "rope_scaling's rope_type 'yarn' is not one of"),
-     ({"rope_type": "llama3", "factor": 4.0}, "rope_scaling lacks")],
+    [({"rope_type": "dynamic", "factor": 4.0}, "rope_scaling's rope_type 'dynamic' is not one of"),
+     ({"rope_type": "llama3", "factor": 4.0}, "rope_scaling lacks"),
+     ({"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 32}, "rope_scaling lacks"),
+     ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 4, "original_max_seq_len": 32,
+       "attention_factor": 1.0}, "short_factor must be a list of 4 positive numbers")],
 )
 def test_unknown_or_incomplete_rope_scalings_are_refused(scaling, message):
     with pytest.raises(UserError, match=message) as err:
         Config(**TINY, rope_scaling=scaling)
     assert "\n" not in str(err.value)
+
+
+# LongRoPE on TINY's heads of 8 (4 rotated pairs): sequences longer than 12 tokens take the long factors.
+LONGROPE = {"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 4.0], "long_factor": [2.0, 3.0, 8.0, 16.0],
+            "original_max_seq_len": 12, "attention_factor": 1.25}
+
+
+def test_longrope_rotates_a_whole_sequence_by_the_long_factors_past_its_switch():
+    rope = RotaryEmbedding(Config(**TINY, rope_scaling=LONGROPE))
+    plain = RotaryEmbedding(Config(**TINY)).inverse_frequencies("cpu")
+    tables = {n: rope(0, n, "cpu") for n in (12, 13)}
+    for n, factors in ((12, LONGROPE["short_factor"]), (13, LONGROPE["long_factor"])):
+        angles = torch.arange(n).float()[:, None] * (plain / torch.tensor(factors))  # (n, 4)
+        angles = torch.cat([angles, angles], dim=-1)
+        torch.testing.assert_close(tables[n][0], 1.25 * angles.cos())
+        torch.testing.assert_close(tables[n][1], 1.25 * angles.sin())
+    assert not torch.allclose(tables[12][0], tables[13][0][:12])  # the first 12 positions switch too
+    # rows of a batch: the longest decides; packed samples: each its own length
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
+    torch.testing.assert_close(rope.at(positions, "cpu")[0][0, 0], tables[13][0])
+    packed = torch.tensor([list(range(10)) + list(range(13))])
+    cos = rope.at(packed, "cpu", [[10, 13]])[0][0, 0]
+    torch.testing.assert_close(cos[:10], rope(0, 10, "cpu")[0])
+    torch.testing.assert_close(cos[10:], tables[13][0])
+
+
+def test_a_cache_does_not_continue_across_the_longrope_switch_and_generation_runs_the_sequence_again():
+    from toolkit.sampling import generate_tokens
+
+    model = _model(rope_scaling=LONGROPE)
+    ids = torch.randint(0, TINY["vocab_size"], (1, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        model.set_kv_cache(1, 16)
+        model(ids[:, :12], input_pos=0)
+        with pytest.raises(ValueError, match="LongRoPE"):
+            model(ids[:, 12:13], input_pos=12)
+        model.clear_kv_cache()
+        sequence = ids[0, :8]
+        for _ in range(8):  # greedy without a cache: every step a whole forward pass
+            sequence = torch.cat([sequence, model(sequence[None])[0, -1].argmax()[None]])
+    assert torch.equal(generate_tokens(model, ids[0, :8], max_new_tokens=8, temperature=0.0, top_k=None), sequence)
 
 
 def test_export_refuses_per_layer_fields_it_cannot_express():

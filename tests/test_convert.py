@@ -414,7 +414,7 @@ def test_dense_configs_the_toolkit_cannot_reproduce_are_refused(family, changes,
 @pytest.mark.parametrize(
     "name, overrides, message",
     [
-        ("mistral-7b", dict(layer_types=["local", "global"] * 16), "Mistral windows every layer"),
+        ("mistral-7b", dict(layer_types=["local", "global"] * 16), "mistral windows every layer"),
         ("qwen3-0.6b", dict(no_rope_layers=[0]), "no_rope_layers=\\[0\\], but qwen3 rotates every layer"),
         ("olmo-2-1b", dict(sliding_window=8), "olmo2 has no sliding-window attention"),
         ("olmo-2-1b", dict(norm_position="pre"), "norm_position='pre', but olmo2 needs 'post'"),
@@ -428,9 +428,106 @@ def test_export_refuses_what_the_family_cannot_express(name, overrides, message)
     assert "\n" not in str(err.value)
 
 
+# Phi-3 configs as published (transformers 4.x layout; the first releases name their remote code in
+# auto_map, which transformers' native Phi3 replaces).
+_PHI3_COMMON = {
+    "architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "hidden_act": "silu", "attention_bias": False,
+    "auto_map": {"AutoConfig": "configuration_phi3.Phi3Config",
+                 "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM"},
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "tie_word_embeddings": False, "bos_token_id": 1,
+    "eos_token_id": 32000, "pad_token_id": 32000, "torch_dtype": "bfloat16",
+}
+_PHI3_MINI = {**_PHI3_COMMON, "hidden_size": 3072, "intermediate_size": 8192, "num_attention_heads": 32,
+              "num_hidden_layers": 32, "num_key_value_heads": 32, "vocab_size": 32064,
+              "original_max_position_embeddings": 4096}
+
+
+def _published_phi3() -> dict[str, dict]:
+    from toolkit.models import presets
+
+    return {
+        "phi-3-mini-4k-instruct": {**_PHI3_MINI, "max_position_embeddings": 4096, "rope_scaling": None,
+                                   "sliding_window": 2047},
+        "phi-3.5-mini-instruct": {**_PHI3_MINI, "max_position_embeddings": 131072, "sliding_window": 262144,
+                                  "rope_scaling": {"type": "longrope", "long_factor": presets._PHI35_MINI_LONG,
+                                                   "short_factor": presets._PHI35_MINI_SHORT}},
+        "phi-4": {**_PHI3_COMMON, "auto_map": {}, "hidden_size": 5120, "intermediate_size": 17920,
+                  "max_position_embeddings": 16384, "num_attention_heads": 40, "num_hidden_layers": 40,
+                  "num_key_value_heads": 10, "original_max_position_embeddings": 16384, "rope_scaling": None,
+                  "rope_theta": 250000, "sliding_window": None, "vocab_size": 100352, "pad_token_id": 100257},
+        "phi-4-mini-instruct": {
+            **_PHI3_COMMON, "hidden_size": 3072, "intermediate_size": 8192, "max_position_embeddings": 131072,
+            "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75, "sliding_window": 262144,
+            "tie_word_embeddings": True, "vocab_size": 200064, "lm_head_bias": False, "mlp_bias": False,
+            "pad_token_id": 199999, "rope_scaling": {"type": "longrope", "long_factor": presets._PHI4_MINI_LONG,
+                                                     "short_factor": [1.0] * 48}},
+    }
+
+
+@pytest.mark.parametrize("name", ["phi-3-mini-4k-instruct", "phi-3.5-mini-instruct", "phi-4", "phi-4-mini-instruct"])
+def test_published_phi3_configs_name_their_preset_and_transformers_derives_the_same_rope(name):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from toolkit.models.rope import RotaryEmbedding
+
+    published = _published_phi3()[name]
+    config = config_from_hf(published)
+    assert config.name == name
+    hf = transformers.Phi3Config(**published)
+    window = hf.sliding_window  # one at least as long as the context changes nothing
+    assert config.sliding_window == (window if window and window < hf.max_position_embeddings else None)
+    if hf.rope_parameters["rope_type"] == "longrope":  # the attention factor and both sets of frequencies, bit for bit
+        short, attention_factor = ROPE_INIT_FUNCTIONS["longrope"](hf, None)
+        long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, None, seq_len=hf.original_max_position_embeddings + 1)
+        rope = RotaryEmbedding(config)
+        assert config.rope_scaling["attention_factor"] == attention_factor > 1
+        assert torch.equal(rope.inverse_frequencies("cpu"), short)
+        assert torch.equal(rope.inverse_frequencies("cpu", long=True), long)
+        assert rope.switch_length == hf.original_max_position_embeddings
+
+
+_LLAMA_SMALL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                "intermediate_size": 96, "num_attention_heads": 4, "num_hidden_layers": 2, "vocab_size": 96,
+                "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("hf_config, message", [
+    ({**_PHI3_MINI, "max_position_embeddings": 4096, "hidden_act": "gelu_new"}, "activation 'gelu_new' for a phi3"),
+    ({**_PHI3_MINI, "max_position_embeddings": 4096,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+     "'llama3' for a phi3 model"),
+    ({**_PHI3_MINI, "max_position_embeddings": 131072, "rope_scaling": {"type": "su", "short_factor": [1.0] * 48}},
+     "longrope RoPE scaling needs 'long_factor'"),
+    ({**_PHI3_MINI, "max_position_embeddings": 131072,
+      "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 47, "long_factor": [2.0] * 47}},
+     "short_factor must be a list of 48 positive numbers"),
+    ({**_LLAMA_SMALL, "rope_scaling": {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}},
+     "LongRoPE is supported for Phi-3 models only"),
+    ({**_LLAMA_SMALL, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 32}}, "lacks 'factor'"),
+    ({**_LLAMA_SMALL, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "Unsupported RoPE scaling 'dynamic'"),
+])
+def test_rope_scalings_and_phi3_configs_the_toolkit_cannot_reproduce_are_refused_in_one_line(hf_config, message):
+    with pytest.raises(UserError, match=message) as err:
+        config_from_hf(hf_config)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name, scaling, message", [
+    ("debug", {"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 16,
+               "original_max_seq_len": 128, "attention_factor": 1.1}, "LongRoPE is supported for Phi-3 models only"),
+    ("phi-3-mini-4k-instruct", {"rope_type": "yarn", "factor": 4.0, "original_max_seq_len": 1024, "beta_fast": 32.0,
+                                "beta_slow": 1.0, "attention_factor": 1.1, "truncate": True},
+     "reads a yarn type as longrope"),
+])
+def test_export_refuses_a_rope_scaling_the_family_does_not_read(name, scaling, message):
+    with pytest.raises(UserError, match=message):
+        config_to_hf(Config.from_name(name, rope_scaling=scaling))
+
+
 def test_exported_config_loads_without_remote_code(tmp_path):
     for name in ("llama-3.1-8b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-160m", "mistral-7b", "qwen3-8b",
-                 "olmo-2-7b", "smollm3-3b"):
+                 "olmo-2-7b", "smollm3-3b", "phi-3-mini-4k-instruct", "phi-4-mini-instruct"):
         config = Config.from_name(name)
         (tmp_path / name).mkdir()
         (tmp_path / name / "config.json").write_text(json.dumps(config_to_hf(config)))
@@ -438,7 +535,8 @@ def test_exported_config_loads_without_remote_code(tmp_path):
         assert hf.num_hidden_layers == config.n_layer and hf.vocab_size == config.vocab_size
         assert hf.rope_parameters["rope_theta"] == config.rope_base
         if config.rope_scaling:
-            assert hf.rope_parameters["factor"] == config.rope_scaling["factor"]
+            key = "long_factor" if config.rope_scaling_type == "longrope" else "factor"
+            assert hf.rope_parameters[key] == config.rope_scaling[key]
         if config.family in ("mistral", "qwen2", "qwen3", "smollm3"):
             assert hf.sliding_window == config.sliding_window
         if config.family == "smollm3":

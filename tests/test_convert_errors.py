@@ -83,15 +83,15 @@ def test_unsupported_architecture_lists_supported(hf_dir, tmp_path):
     rewrite_config(bad, architectures=["BertForMaskedLM"], model_type="bert")
     message = one_line_error(convert_from_hf, bad, tmp_path / "out", match="Unsupported architecture 'BertForMaskedLM'")
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "PhiForCausalLM",
-                 "GPTNeoXForCausalLM"):
+                 "GPTNeoXForCausalLM", "Phi3ForCausalLM"):
         assert arch in message
     assert_nothing_written(tmp_path / "out")
 
 
 def test_unsupported_features(hf_dir):
     base = json.loads((hf_dir / "config.json").read_text())
-    one_line_error(config_from_hf, {**base, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}},
-                   match="Unsupported RoPE scaling 'yarn'")
+    one_line_error(config_from_hf, {**base, "rope_parameters": {"rope_type": "dynamic", "factor": 4.0}},
+                   match="Unsupported RoPE scaling 'dynamic'")
     one_line_error(config_from_hf, {**base, "hidden_act": "relu"}, match="Unsupported activation 'relu'")
     one_line_error(config_from_hf, {**base, "attention_bias": True}, match="attention_bias=True with mlp_bias=False")
     one_line_error(config_from_hf, {**base, "auto_map": {"AutoModel": "x.Y"}}, match="custom code")

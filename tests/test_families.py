@@ -32,6 +32,20 @@ TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_h
 WINDOW = 16  # shorter than the test sequences (PROMPT + NEW_TOKENS tokens): windows are exercised
 PROMPT, NEW_TOKENS = 24, 40
 
+# LongRoPE switches to its long factors for sequences longer than LONGROPE_SWITCH tokens: the logits
+# test runs past it, generation crosses it, and one packed sample is shorter and one longer.
+LONGROPE_SWITCH = 32
+# No special ids: Phi3Config's defaults lie outside TINY's vocabulary, and `generate`'s min_new_tokens
+# forbids the EOS id (Llama's 2), which greedy decoding in the toolkit may pick.
+_NO_IDS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+
+def _longrope(pairs: int) -> dict:
+    return dict(original_max_position_embeddings=LONGROPE_SWITCH, rope_scaling=dict(
+        rope_type="longrope", short_factor=[1.0 + 0.1 * i for i in range(pairs)],
+        long_factor=[1.5 + 2.5 * i for i in range(pairs)]))
+
+
 # name -> (transformers config class, model class, config values beside TINY)
 FAMILIES: dict[str, tuple[str, str, dict]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", dict(head_dim=16)),
@@ -49,6 +63,20 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # layer 1 without RoPE (0 in no_rope_layers) and, as SmolLM3 windows its NoPE layers, windowed
     "smollm3": ("SmolLM3Config", "SmolLM3ForCausalLM", dict(no_rope_layers=[1, 0], use_sliding_window=True,
                                                              sliding_window=WINDOW, pad_token_id=0)),
+    # YaRN: defaults (beta 32 / 1, truncated ramp, attention factor from the factor), then every key
+    "llama-yarn": ("LlamaConfig", "LlamaForCausalLM", dict(_NO_IDS, head_dim=16, rope_scaling=dict(
+        rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
+    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(_NO_IDS, rope_scaling=dict(
+        rope_type="yarn", factor=8.0, original_max_position_embeddings=32, beta_fast=16.0, beta_slow=2.0,
+        mscale=1.0, mscale_all_dim=0.5, truncate=False))),
+    # Phi-3: fused qkv_proj (grouped-query) and gate_up_proj, a sliding window (Phi-3-mini-4k)
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_NO_IDS, sliding_window=WINDOW)),
+    # LongRoPE with a window, multi-head (Phi-3-mini-128k, Phi-3.5-mini)
+    "phi3-longrope": ("Phi3Config", "Phi3ForCausalLM", dict(_NO_IDS, num_key_value_heads=4, sliding_window=WINDOW,
+                                                           **_longrope(8))),
+    # Phi-4-mini: 3/4 of each head rotates, tied embeddings, LongRoPE
+    "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(_NO_IDS, partial_rotary_factor=0.75, tie_word_embeddings=True,
+                                                       **_longrope(6))),
 }
 
 

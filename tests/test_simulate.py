@@ -178,7 +178,7 @@ def first_blocks(name: str, n_layer: int) -> Config:
 # middle and the last block their own moments of the step; SmolLM3's fourth is its NoPE layer) and
 # 512 tokens: seconds each.
 FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m", "qwen3-0.6b",
-                   "olmo-2-1b", "smollm3-3b"]
+                   "olmo-2-1b", "smollm3-3b", "phi-3-mini-4k-instruct"]
 
 
 @pytest.mark.parametrize("setting", ["pretrain", "lora", "checkpointing"])

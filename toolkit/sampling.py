@@ -44,7 +44,12 @@ def generate_tokens(
                 break
             if position + 1 >= total:
                 break
-            logits = model(next_token.view(1, 1), input_pos=position)[0, -1]
+            if model.rope.same_frequencies(position, position + 1):
+                logits = model(next_token.view(1, 1), input_pos=position)[0, -1]
+            else:
+                # LongRoPE: past its switch every position takes the long frequencies, so the whole
+                # sequence is run again (as transformers' Phi-3 generation drops its cache there)
+                logits = model(torch.cat(tokens)[None], input_pos=0, logits_to_keep=1)[0, -1]
             position += 1
         return torch.cat(tokens)
     finally:

@@ -3,7 +3,7 @@
 `config_from_hf` reads the fields that the supported families (`ARCHITECTURES`) use, in both the
 transformers 5.x layout (`rope_parameters`, `layer_types`) and the older one (`rope_theta`,
 `rope_scaling`, `rotary_pct`, `partial_rotary_factor`, `max_window_layers`), and refuses anything
-the toolkit model cannot reproduce exactly (other RoPE scalings, biases on some projections only,
+the toolkit model cannot reproduce exactly (RoPE scalings other than llama3, YaRN and LongRoPE, biases on some projections only,
 layer kinds other than full and sliding-window attention...). `config_to_hf` writes a
 config.json that transformers loads with its built-in classes (no remote code), in a form both
 transformers 4.x and 5.x read.
@@ -13,6 +13,7 @@ Pure Python: importing this module does not import torch or transformers.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from toolkit.errors import UserError
@@ -29,9 +30,15 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen3ForCausalLM": "qwen3",
     "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
+    "Phi3ForCausalLM": "phi3",
 }
 HF_ARCHITECTURE: dict[str, str] = {family: arch for arch, family in ARCHITECTURES.items()}
 MODEL_TYPES: dict[str, str] = {family: family for family in HF_ARCHITECTURE}
+
+# Families whose published checkpoints still name their first, remote implementation in auto_map
+# although transformers has a native class for them, which it uses (auto_map is read only with
+# trust_remote_code): Phi-3 and Phi-4.
+_AUTO_MAP_OF_NATIVE_CLASS = ("phi3",)
 
 # transformers activation name -> (toolkit mlp kind for the family's MLP, gelu approximation)
 _GELU = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
@@ -97,8 +104,18 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
         hf_config.get("partial_rotary_factor", hf_config.get("rotary_pct", default_partial)),
     )
     rope_type = merged.get("rope_type", merged.get("type", "default"))
+    if family == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # Phi-3's first releases wrote "su"; transformers' Phi3Config reads both as LongRoPE
     scaling = None
-    if rope_type == "llama3":
+    if rope_type in _SCALING_READERS:
+        refusal = _scaling_refusal(rope_type, family)
+        if refusal:
+            raise UserError(f"Unsupported RoPE scaling {rope_type!r} for a {family} model in config.json: {refusal}")
+        scaling = {"rope_type": rope_type, **_SCALING_READERS[rope_type](merged, hf_config, family)}
+    elif family == "phi3" and rope_type not in ("default", None):
+        raise UserError(f"Unsupported RoPE scaling {rope_type!r} for a phi3 model in config.json; "
+                        "transformers' Phi3 reads default and longrope only")
+    elif rope_type == "llama3":
         try:
             scaling = {
                 "factor": float(merged["factor"]),
@@ -109,8 +126,113 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
         except KeyError as err:
             raise UserError(f"config.json: llama3 RoPE scaling lacks {err.args[0]!r}") from None
     elif rope_type not in ("default", None):
-        raise UserError(f"Unsupported RoPE scaling {rope_type!r} in config.json; supported: default, llama3")
+        raise UserError(
+            f"Unsupported RoPE scaling {rope_type!r} in config.json; "
+            f"supported: default, llama3, {', '.join(_SCALING_READERS)}"
+        )
     return float(theta), scaling, float(partial)
+
+
+# ---------------------------------------------------------------------------- YaRN and LongRoPE
+# The values transformers 5 (`_compute_yarn_parameters`, `_compute_longrope_parameters`) derives
+# when config.json leaves them out are computed here and stored in the toolkit config, so that it
+# describes the model by itself and the export writes them out.
+def _scaling_refusal(kind: str, family: str) -> Optional[str]:
+    """Why `family`'s transformers class does not read RoPE scaling `kind` as the toolkit computes it, or None."""
+    if kind == "longrope":
+        return None if family == "phi3" else (
+            "LongRoPE is supported for Phi-3 models only (transformers' other classes keep the keys of "
+            "short-frequency positions in their cache past the switch, which the toolkit does not reproduce)")
+    if family == "phi3":
+        return "transformers' Phi3 reads a yarn type as longrope" if kind == "yarn" else (
+            "transformers' Phi3 reads default and longrope only")
+    if family in ("phi", "gpt_neox"):
+        return "the toolkit writes it for Llama-like families only"
+    return None
+
+
+def _original_max(merged: dict[str, Any], hf_config: dict[str, Any], family: str) -> int:
+    """original_max_position_embeddings as transformers resolves it: a top-level key wins (Phi3Config
+    always has one, 4096 by default), then the scaling's own, then max_position_embeddings."""
+    top = hf_config.get("original_max_position_embeddings", 4096 if family == "phi3" else None)
+    if top is not None:
+        return int(top)
+    return int(merged.get("original_max_position_embeddings") or _require(hf_config, "max_position_embeddings"))
+
+
+def _scaling_factor(merged: dict[str, Any], hf_config: dict[str, Any], original: int) -> float:
+    factor = merged.get("factor")
+    return float(_require(hf_config, "max_position_embeddings")) / original if factor is None else float(factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_from_hf(merged: dict[str, Any], hf_config: dict[str, Any], family: str) -> dict[str, Any]:
+    if "factor" not in merged:
+        raise UserError("config.json: yarn RoPE scaling lacks 'factor'")
+    original = _original_max(merged, hf_config, family)
+    factor = _scaling_factor(merged, hf_config, original)
+    attention_factor = merged.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = merged.get("mscale"), merged.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return {
+        "factor": factor,
+        "original_max_seq_len": original,
+        "beta_fast": float(merged.get("beta_fast") or 32),  # `or`: transformers reads 0 as unset too
+        "beta_slow": float(merged.get("beta_slow") or 1),
+        "attention_factor": float(attention_factor),
+        "truncate": bool(merged.get("truncate", True)),
+    }
+
+
+def _longrope_from_hf(merged: dict[str, Any], hf_config: dict[str, Any], family: str) -> dict[str, Any]:
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = merged.get(key)
+        if not isinstance(values, list) or not all(isinstance(v, (int, float)) for v in values):
+            raise UserError(f"config.json: longrope RoPE scaling needs {key!r}, a list of numbers")
+        factors[key] = [float(v) for v in values]
+    original = _original_max(merged, hf_config, family)
+    attention_factor = merged.get("attention_factor")
+    if attention_factor is None:
+        factor = _scaling_factor(merged, hf_config, original)
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return {**factors, "original_max_seq_len": original, "attention_factor": float(attention_factor)}
+
+
+_SCALING_READERS = {"yarn": _yarn_from_hf, "longrope": _longrope_from_hf}
+
+
+def _rope_scaling_to_hf(config: Config) -> dict[str, Any]:
+    """The `rope_parameters` entries of the toolkit's rope_scaling (rope_theta and the partial factor aside)."""
+    keys, kind = config.rope_scaling, config.rope_scaling_type
+    if kind == "yarn":
+        return {
+            "rope_type": "yarn", "factor": float(keys["factor"]),
+            "original_max_position_embeddings": int(keys["original_max_seq_len"]),
+            "beta_fast": float(keys["beta_fast"]), "beta_slow": float(keys["beta_slow"]),
+            "attention_factor": float(keys["attention_factor"]), "truncate": bool(keys["truncate"]),
+        }
+    if kind == "longrope":
+        return {
+            "rope_type": "longrope",
+            "short_factor": list(keys["short_factor"]), "long_factor": list(keys["long_factor"]),
+            "original_max_position_embeddings": int(keys["original_max_seq_len"]),
+            "attention_factor": float(keys["attention_factor"]),
+        }
+    return {
+        "rope_type": "llama3",
+        "factor": float(keys["factor"]),
+        "low_freq_factor": float(keys["low_freq_factor"]),
+        "high_freq_factor": float(keys["high_freq_factor"]),
+        "original_max_position_embeddings": int(keys["original_max_seq_len"]),
+    }
 
 
 def config_from_hf(
@@ -123,7 +245,7 @@ def config_from_hf(
     cannot reproduce exactly is a UserError.
     """
     family = detect_family(hf_config)
-    if hf_config.get("auto_map"):
+    if hf_config.get("auto_map") and family not in _AUTO_MAP_OF_NATIVE_CLASS:
         raise UserError(
             "config.json asks for custom code (auto_map); the toolkit converts only models that "
             f"transformers supports natively: {supported_architectures()}"
@@ -182,6 +304,8 @@ def config_from_hf(
         )
     elif family in ("qwen3", "olmo2", "smollm3"):
         values.update(_read_dense_family(hf_config, family, act))
+    elif family == "phi3":
+        values.update(_phi3_from_hf(hf_config, act, values["block_size"]))
     elif family == "gpt_neox":
         if not hf_config.get("attention_bias", True):
             raise UserError("config.json: GPT-NeoX with attention_bias=false is not supported")
@@ -309,6 +433,19 @@ def _read_layers(hf_config: dict[str, Any], family: str, n_layer: int) -> dict[s
     return values
 
 
+def _phi3_from_hf(hf_config: dict[str, Any], act: str, block_size: int) -> dict[str, Any]:
+    """Phi-3's layer is Llama's (RMSNorm, SwiGLU, no biases: transformers' Phi3 has none, whatever
+    attention_bias says) with fused projections (weight_maps.PHI3). Its `sliding_window` is applied
+    to every layer; a window at least as long as the context changes nothing and is dropped."""
+    if act != "silu":
+        raise UserError(f"Unsupported activation {act!r} for a phi3 model; only 'silu' is supported")
+    window = hf_config.get("sliding_window")
+    return dict(
+        norm="rmsnorm", norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)), mlp="swiglu", bias=False,
+        sliding_window=int(window) if window is not None and window < block_size else None,
+    )
+
+
 def _comparable(config: Config) -> dict[str, Any]:
     return {k: v for k, v in config.to_dict().items() if k not in _IDENTITY_FIELDS}
 
@@ -369,19 +506,30 @@ def _rope_fields(config: Config) -> dict[str, Any]:
     params: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_base}
     legacy: dict[str, Any] = {"rope_theta": config.rope_base}
     if config.rope_scaling is not None:
-        scaling = {
-            "rope_type": "llama3",
-            "factor": float(config.rope_scaling["factor"]),
-            "low_freq_factor": float(config.rope_scaling["low_freq_factor"]),
-            "high_freq_factor": float(config.rope_scaling["high_freq_factor"]),
-            "original_max_position_embeddings": int(config.rope_scaling["original_max_seq_len"]),
-        }
+        scaling = _rope_scaling_to_hf(config)
         params.update(scaling)
         legacy["rope_scaling"] = dict(scaling)
     if config.rotary_percentage != 1.0:
         params["partial_rotary_factor"] = config.rotary_percentage
         legacy["partial_rotary_factor"] = config.rotary_percentage
     return {"rope_parameters": params, **legacy}
+
+
+def _phi3_to_hf(config: Config) -> dict[str, Any]:
+    _check(config, "phi3", norm="rmsnorm", mlp="swiglu", bias=False, attn_qkv_bias=False, lm_head_bias=False,
+           parallel_residual=False, norm_position="pre", qk_norm=None)
+    if config.head_size * config.n_head != config.n_embd:
+        raise _unsupported(config, "Phi-3 needs head_size * n_head == n_embd")
+    scaling = config.rope_scaling or {}
+    return dict(
+        num_key_value_heads=config.n_query_groups,
+        rms_norm_eps=config.norm_eps,
+        hidden_act="silu",
+        # transformers' Phi3 takes LongRoPE's switch length from here (4096 when absent)
+        original_max_position_embeddings=int(scaling.get("original_max_seq_len", config.block_size)),
+        # Phi3Config's defaults (1, 32000, 32000) are Phi-3-mini's; the export's tokenizer sets its own
+        bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
 
 
 def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
@@ -405,12 +553,13 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_embeddings,
     }
     _check(config, family, scale_embeddings=family == "gemma", norm_unit_offset=family == "gemma")
-    if family not in ("qwen3", "olmo2", "smollm3"):
+    if family not in ("qwen3", "olmo2", "smollm3", "phi3"):
         _check(config, family, norm_position="pre", qk_norm=None)
     # Per-layer attention spans and NoPE layers: written where the family has them, else refused.
     hf.update(_layer_fields(config))
-    if config.rope_scaling is not None and family not in ("llama", "mistral", "qwen2", "gemma"):
-        raise _unsupported(config, "llama3 RoPE scaling is only supported for Llama-like families")
+    refusal = None if config.rope_scaling is None else _scaling_refusal(config.rope_scaling_type, family)
+    if refusal:
+        raise _unsupported(config, f"{config.rope_scaling_type} RoPE scaling: {refusal}")
 
     if family in ("llama", "mistral", "qwen2", "gemma"):
         mlp = "swiglu" if family != "gemma" else "geglu"
@@ -447,6 +596,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         )
     elif family in ("qwen3", "olmo2", "smollm3"):
         hf.update(_write_dense_family(config))
+    elif family == "phi3":
+        hf.update(_phi3_to_hf(config))
     elif family == "gpt_neox":
         _check(config, family, norm="layernorm", mlp="gelu", bias=True, attn_qkv_bias=True, lm_head_bias=False,
                shared_attention_norm=False)
@@ -507,9 +658,9 @@ def _layer_fields(config: Config) -> dict[str, Any]:
         hf.update(no_rope_layers=[int(config.layer(i).rope) for i in range(n)])
     elif config.no_rope_layers:
         raise _unsupported(config, f"no_rope_layers={config.no_rope_layers!r}, but {family} rotates every layer")
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         if any(local) and not all(local):
-            raise _unsupported(config, "layer_types mixes local and global layers, but Mistral windows every layer")
+            raise _unsupported(config, f"layer_types mixes local and global layers, but {family} windows every layer")
         hf.update(sliding_window=window)
     elif family in ("qwen2", "qwen3", "smollm3"):
         types = [_TOOLKIT_LAYER_TYPES["local" if is_local else "global"] for is_local in local]

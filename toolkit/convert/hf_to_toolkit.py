@@ -12,7 +12,8 @@ Memory: the output is written header first and then one tensor after the other
 (`toolkit.safetensors_io.SafetensorsShards`), so that nothing has to be held in memory at once. A
 tensor whose bytes are only renamed (the usual case) is copied from file to file by the kernel
 (`copy_file_range`) without passing through this process. A dtype conversion goes ~64 MiB of rows
-at a time; only GPT-NeoX's fused query/key/value matrix is materialised whole (one at a time).
+at a time; only a fused tensor (GPT-NeoX's query/key/value, Phi-3's qkv_proj and gate_up_proj) is
+materialised whole (one at a time).
 `.bin` shards are memory-mapped one at a time.
 
 The plan and writer here (`OutTensor`, `write_weight_files`) are shared with `toolkit_to_hf`.

@@ -2,9 +2,9 @@
 
 Each table maps a Hugging Face parameter name to a toolkit parameter name. `{l}` stands for the
 layer index and is the only placeholder. A value that is a tuple names several toolkit tensors that
-Hugging Face stores fused in one tensor (GPT-NeoX's `query_key_value`); `FUSED` says how the rows
-are laid out. The reverse direction (toolkit -> Hugging Face) is derived by inverting the same
-tables, so the two directions can never disagree.
+Hugging Face stores fused in one tensor (GPT-NeoX's `query_key_value`, Phi-3's `qkv_proj` and
+`gate_up_proj`); `FUSED` says how the rows are laid out. The reverse direction (toolkit -> Hugging
+Face) is derived by inverting the same tables, so the two directions can never disagree.
 
 A table lists every name the family *can* have (biases included); which names a given model really
 has is decided by its `Config` (the toolkit model built on the meta device is the reference).
@@ -116,6 +116,25 @@ OLMO2: dict[str, Target] = {
     "model.layers.{l}.post_feedforward_layernorm.weight": "blocks.{l}.post_mlp_norm.weight",
 }
 
+# transformers' `Phi3ForCausalLM` (Phi-3, Phi-3.5, Phi-4, Phi-4-mini): Llama's layer with query, key
+# and value fused in `qkv_proj` and the MLP's gate and up projections in `gate_up_proj` (FUSED
+# "concat": the parts' rows one after the other, q (H*D), k (G*D), v (G*D); gate, then up).
+PHI3: dict[str, Target] = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.layers.{l}.input_layernorm.weight": "blocks.{l}.norm_1.weight",
+    "model.layers.{l}.self_attn.qkv_proj.weight": (
+        "blocks.{l}.attn.q_proj.weight",
+        "blocks.{l}.attn.k_proj.weight",
+        "blocks.{l}.attn.v_proj.weight",
+    ),
+    "model.layers.{l}.self_attn.o_proj.weight": "blocks.{l}.attn.o_proj.weight",
+    "model.layers.{l}.post_attention_layernorm.weight": "blocks.{l}.norm_2.weight",
+    "model.layers.{l}.mlp.gate_up_proj.weight": ("blocks.{l}.mlp.gate_proj.weight", "blocks.{l}.mlp.up_proj.weight"),
+    "model.layers.{l}.mlp.down_proj.weight": "blocks.{l}.mlp.down_proj.weight",
+    "model.norm.weight": "norm_f.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+
 WEIGHT_MAPS: dict[str, dict[str, Target]] = {
     "llama": LLAMA,
     "mistral": LLAMA,
@@ -126,11 +145,15 @@ WEIGHT_MAPS: dict[str, dict[str, Target]] = {
     "qwen3": QWEN3,
     "olmo2": OLMO2,
     "smollm3": LLAMA,  # Llama's names; its NoPE layers have no weights of their own
+    "phi3": PHI3,
 }
 
-# Row layout of each fused tensor, by family. "per_head": rows are [head, (q, k, v), head_size],
-# i.e. head 0's query rows, then its key rows, then its value rows, then head 1's, and so on.
-FUSED: dict[str, str] = {"gpt_neox": "per_head"}
+# Row layout of each family's fused tensors:
+#   "per_head"  [head, (q, k, v), head_size]: head 0's query rows, its key rows, its value rows, then
+#               head 1's, and so on (GPT-NeoX; parts of equal size)
+#   "concat"    the parts one after the other, of any sizes (Phi-3's [q; k; v] under grouped-query
+#               attention, and [gate; up])
+FUSED: dict[str, str] = {"gpt_neox": "per_head", "phi3": "concat"}
 
 # Buffers that some Hugging Face checkpoints carry but that are not weights (recomputed from the
 # config by both implementations). Matched against the end of the name.
@@ -214,12 +237,14 @@ def toolkit_to_hf_name(family: str, toolkit_name: str) -> tuple[str, int, int]:
 def split_fused(tensor, family: str, sizes: tuple[int, ...], head_size: int) -> list:
     """Split a fused tensor into its parts; `sizes` are the parts' row counts. Rows move, values do not."""
     layout = FUSED[family]
-    if layout != "per_head":  # pragma: no cover - only one layout exists today
+    rest = tuple(tensor.shape[1:])
+    if layout == "concat":
+        return list(tensor.split(list(sizes), dim=0))
+    if layout != "per_head":  # pragma: no cover - a layout without its code
         raise AssertionError(layout)
     if len(set(sizes)) != 1 or sizes[0] % head_size:
         raise UserError(f"Cannot split a fused tensor into parts of {sizes} rows with head size {head_size}")
     n_heads = sizes[0] // head_size
-    rest = tuple(tensor.shape[1:])
     grouped = tensor.reshape(n_heads, len(sizes), head_size, *rest)
     return [grouped[:, i].reshape(sizes[i], *rest) for i in range(len(sizes))]
 
@@ -229,6 +254,8 @@ def fuse(parts: list, family: str, head_size: int):
     import torch
 
     layout = FUSED[family]
+    if layout == "concat":
+        return torch.cat(parts, dim=0)
     if layout != "per_head":  # pragma: no cover
         raise AssertionError(layout)
     rest = tuple(parts[0].shape[1:])

@@ -22,6 +22,9 @@ CONFIG_FILENAME = "model_config.json"
 # step). Listed here, free of torch, so that a config is checked when it is read.
 ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"),
+    # YaRN and LongRoPE (Phi-3): see toolkit.models.rope for what each key does.
+    "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "attention_factor", "truncate"),
+    "longrope": ("short_factor", "long_factor", "original_max_seq_len", "attention_factor"),
 }
 # A `rope_scaling` without "rope_type" is Llama-3.1's (the only kind before the key existed).
 DEFAULT_ROPE_SCALING = "llama3"
@@ -42,7 +45,7 @@ class Config:
     hf_repo_id: str = ""
     # Architecture family: selects the weight-name map for Hugging Face conversion.
     family: Literal["llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox",
-                    "qwen3", "olmo2", "smollm3"] = "llama"
+                    "qwen3", "olmo2", "smollm3", "phi3"] = "llama"
 
     # --- sizes
     vocab_size: int = 32000  # rows of the embedding and of the output head
@@ -160,10 +163,24 @@ class Config:
             missing = set(ROPE_SCALING_KEYS[kind]) - set(self.rope_scaling)
             if missing:
                 raise UserError(f"Invalid model config {self.name!r}: rope_scaling lacks {sorted(missing)}")
+            self._check_rope_factor_lists()
         self._check_layers()
         for name, allowed in (("norm", ("rmsnorm", "layernorm")), ("mlp", ("gelu", "swiglu", "geglu"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"Invalid model config {self.name!r}: {name} must be one of {allowed}")
+
+    def _check_rope_factor_lists(self) -> None:
+        """LongRoPE's factor lists hold one number per rotated frequency (rope_n_elem / 2)."""
+        for key in ("short_factor", "long_factor"):
+            if key not in self.rope_scaling:
+                continue
+            factors = self.rope_scaling[key]
+            if (not isinstance(factors, list) or len(factors) != self.rope_n_elem // 2
+                    or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)):
+                raise UserError(
+                    f"Invalid model config {self.name!r}: rope_scaling's {key} must be a list of "
+                    f"{self.rope_n_elem // 2} positive numbers (one per rotated frequency)"
+                )
 
     def _check_layers(self) -> None:
         """sliding_window, layer_types and no_rope_layers describe n_layer layers consistently."""

@@ -79,6 +79,8 @@ class GPT(nn.Module):
         if self.config.scale_embeddings:
             x = x * torch.tensor(self.config.n_embd**0.5, dtype=x.dtype)
         cache = self.blocks[0].attn.kv_cache
+        if cache is not None and start > 0 and self.rope.switch_length is not None:
+            self._check_cached_frequencies(cache, start, T, B)
         segments = None
         if document_ids is not None:
             if document_ids.shape != input_ids.shape:
@@ -86,9 +88,9 @@ class GPT(nn.Module):
             if cache is not None:
                 raise ValueError("document_ids (packed samples) are for training; clear the KV cache first")
             positions, segments = document_segments(document_ids)
+            cos, sin = self.rope.at(positions, x.device, segments)  # (B, 1, T, rope_n_elem) each
             if all(len(row) == 1 for row in segments):
                 segments = None  # one sample per row: the plain causal path
-            cos, sin = self.rope.at(positions, x.device)  # (B, 1, T, rope_n_elem) each
         elif cache is not None and cache.left_padding is not None:
             # A row's first real token is at position 0 whatever padding precedes it (padding: 0)
             positions = torch.arange(start, start + T, device=x.device)[None] - cache.left_padding[:B, None]  # (B, T)
@@ -116,6 +118,19 @@ class GPT(nn.Module):
         return (label_log_probs if per_token else cross_entropy_sum)(head(x), labels)
 
     # ------------------------------------------------------------------ KV cache
+    def _check_cached_frequencies(self, cache: KVCache, start: int, T: int, B: int) -> None:
+        """Refuse to extend a cache across LongRoPE's switch: its keys were rotated by the other tables.
+
+        Left-padded rows count from their first real token, the longest row deciding (`RotaryEmbedding.at`).
+        """
+        shift = 0 if cache.left_padding is None else int(cache.left_padding[:B].min())
+        if not self.rope.same_frequencies(start - shift, start + T - shift):
+            raise ValueError(
+                f"The rotary frequencies change past {self.rope.switch_length} tokens (LongRoPE), so the KV "
+                f"cache of {start - shift} tokens cannot be extended to {start + T - shift}: run the whole "
+                "sequence again from position 0"
+            )
+
     def set_kv_cache(
         self, batch_size: int, max_seq_length: int, device=None, dtype=None, left_padding: Optional[torch.Tensor] = None
     ) -> None:
