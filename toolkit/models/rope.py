@@ -45,6 +45,12 @@ def llama3_scale_frequencies(
     return torch.where(is_medium, smoothed, scaled)
 
 
+@register_rope_scaling("linear")
+def linear_scale_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Linear ("position interpolation") scaling: every frequency divided by `factor`."""
+    return inv_freq / factor
+
+
 class RotaryEmbedding:
     """cos/sin tables for rotary position embedding, computed in float32 and cached per device.
 
@@ -52,12 +58,14 @@ class RotaryEmbedding:
     parameters nor checkpointed buffers, and meta-device or sharded initialisation never touches them.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, local: bool = False) -> None:
+        """`local`: the tables of the local layers when they have their own base (`Config.rope_local_base`):
+        that base, no frequency scaling."""
         self.dim = config.rope_n_elem
-        self.base = config.rope_base
-        self.scaling = config.rope_scaling_type
+        self.base = config.rope_local_base if local else config.rope_base
+        self.scaling = None if local else config.rope_scaling_type
         # the scaling's own keys (Config has checked that they are there)
-        self.scaling_keys = {k: v for k, v in (config.rope_scaling or {}).items() if k != "rope_type"}
+        self.scaling_keys = {} if local else {k: v for k, v in (config.rope_scaling or {}).items() if k != "rope_type"}
         self._cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def inverse_frequencies(self, device) -> torch.Tensor:
