@@ -346,13 +346,12 @@ def tiny_gemma3(tmp_path_factory) -> Path:
     return root / "checkpoint"
 
 
-@pytest.mark.parametrize("precision, tolerance", [("32-true", 1e-5), (None, 2e-3)])
-def test_gemma3_lora_under_two_fsdp_processes_equals_one_process(tiny_gemma3, tmp_path, precision, tolerance):
+@pytest.mark.parametrize("precision", ["32-true", None])
+def test_gemma3_lora_under_two_fsdp_processes_equals_one_process(tiny_gemma3, tmp_path, precision):
     """Same global batch (8): one process accumulates 4 micro-batches of 2, two processes 2 each;
-    sequences of up to 128 tokens, far past the window. The adapters after 3 steps agree, in
-    float32 and at the default precision (bf16-mixed on the CPU: bfloat16 products whose sums
-    are taken in another order on two processes, hence the wider tolerance; a wrong gradient
-    sync or loss scale moves the adapters by ~1e-2 here)."""
+    sequences of up to 128 tokens, far past the window. The adapters after 3 steps agree within
+    1e-5, in float32 and at the default precision (bf16-mixed on the CPU; measured: identical in
+    both). Each lora_B has moved by about 5e-3 (3 Adam steps of 0.002 from zero)."""
     import os
     import subprocess
     import sys
@@ -374,6 +373,6 @@ def test_gemma3_lora_under_two_fsdp_processes_equals_one_process(tiny_gemma3, tm
 
     single, sharded = adapter("1"), adapter("2")
     assert single.keys() == sharded.keys() and any("lora_B" in k for k in single)
-    assert max(float(v.abs().max()) for k, v in single.items() if "lora_B" in k) > 10 * tolerance  # it trained
+    assert min(float(v.abs().max()) for k, v in single.items() if "lora_B" in k) > 1e-3  # every adapter trained
     for name in single:
-        torch.testing.assert_close(sharded[name].float(), single[name].float(), atol=tolerance, rtol=0, msg=name)
+        torch.testing.assert_close(sharded[name].float(), single[name].float(), atol=1e-5, rtol=0, msg=name)

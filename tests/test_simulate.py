@@ -164,7 +164,7 @@ def test_simulated_lora_step_matches_the_analytic_estimate(name, seq, moment):
 
 # The smallest preset of every family, with 4 blocks (every block is alike: 4 give the first, a
 # middle and the last block their own moments of the step) and 512 tokens: seconds each.
-FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m"]
+FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "gemma-2-2b", "gemma-3-270m", "phi-2", "pythia-14m"]
 
 
 @pytest.mark.parametrize("setting", ["pretrain", "lora", "checkpointing"])
@@ -178,7 +178,9 @@ def test_estimate_is_within_3_percent_of_the_simulated_step(name, setting):
     block's backward pass ends is an upper bound of what FSDP holds then)."""
     from toolkit.models.adapters import LoRAArgs
 
-    config = Config.from_name(name, n_layer=4)
+    preset = Config.from_name(name)
+    # 4 layers; a per-layer pattern keeps its last 4 entries (Gemma 3's include a global layer)
+    config = preset.replace(n_layer=4, **({"layer_types": preset.layer_types[-4:]} if preset.layer_types else {}))
     lora = LoRAArgs() if setting == "lora" else None
     checkpointing = setting == "checkpointing"
     sim = simulate(config, 8, 1, 1, 512, "bf16-mixed", "FULL_SHARD", "lora" if lora else None, lora, checkpointing, 2)
