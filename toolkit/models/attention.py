@@ -126,9 +126,11 @@ def attend(
 
 
 def _use_flex(q: torch.Tensor, T: int, S: int, left_padding: Optional[torch.Tensor]) -> bool:
-    """flex_attention for a whole sequence (training, a prompt): decoding and padded batches take the
-    chunked paths, whose masks are small (a compiled flex kernel would recompile for each length)."""
-    name = BACKEND["name"] or ("flex" if q.device.type == "cuda" else "chunked")
+    """flex_attention for whole sequences: by default on CUDA when gradients are wanted (training,
+    whose sequence length is fixed). Generation and evaluation (no gradients: prompts of every
+    length, one token at a time, padded batches) take the chunked paths, which need no compilation;
+    compiled flex kernels are specialised to one length and would compile again for each."""
+    name = BACKEND["name"] or ("flex" if q.device.type == "cuda" and torch.is_grad_enabled() else "chunked")
     return name == "flex" and T == S and left_padding is None
 
 
