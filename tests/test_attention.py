@@ -291,3 +291,133 @@ def test_a_window_shortens_the_attention_flops_only_below_the_sequence_length():
     # one query-key pair costs 3 (fwd + bwd) x 2 matmuls x 2 FLOPs x heads x head size
     pair = 3 * 2 * 2 * TINY["n_head"] * (TINY["n_embd"] // TINY["n_head"])
     assert full - mixed == pytest.approx(pair * (64 / 2 - (4 * 5 / 2 + 60 * 4) / 64))
+
+
+# ------------------------------------------------------------------------------ the kernels behind `attend`
+
+
+def _reference_attention(q, k, v, sees, scale, softcap=None):
+    """softmax(cap(q k^T * scale) where sees(i, j)) v in float64, key/value heads repeated."""
+    H, G = q.shape[1], k.shape[1]
+    q, k, v = (t.double() for t in (q, k, v))
+    k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
+    T, S = q.shape[2], k.shape[2]
+    allowed = torch.tensor([[sees(i, j) for j in range(S)] for i in range(T)])
+    scores = q @ k.transpose(-1, -2) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+def _qkv(T, S=None, B=2, H=4, G=2, D=8, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    S = S or T
+    q = (torch.randn(B, H, T, D, generator=g) * 2).to(dtype).requires_grad_()
+    k = (torch.randn(B, G, S, D, generator=g) * 2).to(dtype).requires_grad_()
+    v = torch.randn(B, G, S, D, generator=g).to(dtype).requires_grad_()
+    return q, k, v
+
+
+@pytest.mark.parametrize("window, softcap", [(5, None), (5, 3.0), (None, 3.0), (40, 3.0)])
+@pytest.mark.parametrize("rows", [4, 7, 64])
+def test_chunked_window_and_softcap_attention_equal_a_dense_reference_with_gradients(window, softcap, rows):
+    """`windowed_attention` (SDPA per chunk) and `softcapped_attention` (its own backward pass),
+    whatever the chunk of queries, against the dense float64 reference: outputs and the gradients
+    of q, k and v. Scale 0.3 (query_pre_attn_scalar), grouped-query heads."""
+    from toolkit.models.attention import softcapped_attention, windowed_attention
+
+    q, k, v = _qkv(19)
+    span = window or 19
+    want = _reference_attention(q, k, v, lambda i, j: j <= i and i - j < span, 0.3, softcap)
+    if softcap is None:
+        got = windowed_attention(q, k, v, 0.3, window, rows=rows)
+    else:
+        got = softcapped_attention(q, k, v, 0.3, softcap, window, rows=rows)
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    got_grads = torch.autograd.grad((got * upstream.float()).sum(), (q, k, v))
+    want_grads = torch.autograd.grad((want * upstream).sum(), (q, k, v))
+    for g, ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), ref.double(), rtol=0, atol=1e-5)
+
+
+def test_a_softcap_changes_attention_and_bf16_softcapped_attention_is_close_to_float32():
+    from toolkit.models.attention import softcapped_attention
+
+    q, k, v = _qkv(12)
+    capped = softcapped_attention(q, k, v, 0.5, 1.0)
+    plain = _reference_attention(q, k, v, lambda i, j: j <= i, 0.5)
+    assert (capped.double() - plain).abs().max() > 0.1
+    q16, k16, v16 = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
+    low = softcapped_attention(q16, k16, v16, 0.5, 1.0, rows=5)
+    assert low.dtype == torch.bfloat16
+    torch.testing.assert_close(low.float(), capped, rtol=0, atol=5e-2)
+    grads = torch.autograd.grad(low.float().sum(), (q16, k16, v16))
+    want = torch.autograd.grad(capped.sum(), (q, k, v))
+    for g, ref in zip(grads, want):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), ref, rtol=0, atol=1e-1)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_decoding_with_cached_keys_and_padding_equals_the_reference(softcap):
+    """T queries at the last T of S cached slots, left padding, window 4: `attend`'s chunked paths."""
+    from toolkit.models.attention import attend
+
+    q, k, v = _qkv(3, 11, seed=3)
+    padding = torch.tensor([2, 0])
+    with torch.no_grad():
+        got = attend(q, k, v, 0.4, 4, softcap, padding)
+    for b in range(2):
+        def sees(i, j, b=b):
+            i = i + 8
+            return j == i or (j <= i and i - j < 4 and j >= padding[b])
+
+        want = _reference_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], sees, 0.4, softcap)
+        torch.testing.assert_close(got[b : b + 1].double(), want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_flex_attention_backend_equals_the_reference(softcap):
+    """The CUDA path (flex_attention with a block mask and a softcap score_mod), run eagerly on the
+    CPU without gradients (torch 2.13 has no CPU backward for it): window, documents of a packed row."""
+    from toolkit.models.attention import attention_backend, flex_attend
+
+    q, k, v = (t.detach() for t in _qkv(20, seed=4))
+    documents = torch.tensor([[0] * 9 + [1] * 11, [0] * 20])
+    with torch.no_grad(), attention_backend("flex"):
+        got = flex_attend(q, k, v, 0.3, 5, softcap, documents)
+    for b in range(2):
+        def sees(i, j, b=b):
+            return documents[b, i] == documents[b, j] and j <= i and i - j < 5
+
+        want = _reference_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], sees, 0.3, softcap)
+        torch.testing.assert_close(got[b : b + 1].double(), want, rtol=0, atol=2e-6)
+
+
+def test_a_long_window_never_builds_a_mask_over_all_queries_and_keys():
+    """At T = 2048 with a window of 64, no tensor that `attend` makes (masks, scores) holds T x T / 8
+    elements: the work is block-sparse."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from toolkit.models.attention import attend
+
+    class Largest(TorchDispatchMode):
+        largest = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    Largest.largest = max(Largest.largest, t.numel())
+            return out
+
+    T = 2048
+    q, k, v = _qkv(T, B=1, H=2, G=1, D=4)
+    for softcap in (None, 5.0):
+        Largest.largest = 0
+        with Largest():
+            out = attend(q, k, v, None, 64, softcap)
+            out.sum().backward()
+        assert Largest.largest < T * T // 8, (softcap, Largest.largest)

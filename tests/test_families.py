@@ -77,6 +77,20 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     # Phi-4-mini: 3/4 of each head rotates, tied embeddings, LongRoPE
     "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(_NO_IDS, partial_rotary_factor=0.75, tie_word_embeddings=True,
                                                        **_longrope(6))),
+    # one local layer (window) and one global; softcaps that bite with these weights; the scores
+    # scaled by 1/sqrt(24), not 1/sqrt(head_dim); exact GELU (Gemma 2's configs may say "gelu")
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu")),
+    # the layer pattern transformers derives when config.json has no layer_types; tanh GELU
+    "gemma2-tanh-gelu": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3)),
+    # local layers rotate with their own base, global ones with another and linear scaling; QK norm
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=3, sliding_window_pattern=2,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
 }
 
 
@@ -156,3 +170,66 @@ def test_the_round_trip_is_bit_identical_and_loads_in_transformers(converted):
     # the exported config.json reads back as the same toolkit config
     config = Config.from_file(tmp / "toolkit")
     assert config_from_hf(json.loads((export / "config.json").read_text())).replace(name=config.name) == config
+
+
+# ------------------------------------------------------------------------------ what cannot be reproduced
+
+
+def _hf_config(name: str, **changes) -> dict:
+    config_cls, _, extra = FAMILIES[name]
+    return {**getattr(transformers, config_cls)(**{**TINY, **extra}).to_dict(), **changes}
+
+
+@pytest.mark.parametrize("name, changes, field", [
+    ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
+    ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma3", dict(query_pre_attn_scalar=24.5), "query_pre_attn_scalar"),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4},
+                                     "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0}}),
+     "rope_parameters.sliding_attention"),
+    ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}}),
+     "RoPE scaling 'dynamic'"),
+])
+def test_a_config_the_toolkit_cannot_reproduce_is_refused_naming_the_field(name, changes, field):
+    from toolkit.errors import UserError
+
+    config_from_hf(_hf_config(name))  # the row itself converts
+    with pytest.raises(UserError, match=field) as err:
+        config_from_hf(_hf_config(name, **changes))
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("preset, changes, field", [
+    ("gemma-2-2b", dict(rope_local_base=100.0), "rope_local_base"),
+    ("gemma-3-1b", dict(qk_norm=None), "qk_norm"),
+    ("llama-3.1-8b", dict(attn_logit_softcap=50.0), "attn_logit_softcap"),
+])
+def test_export_refuses_what_the_family_cannot_express(preset, changes, field):
+    from toolkit.convert import config_to_hf
+    from toolkit.errors import UserError
+
+    config_to_hf(Config.from_name(preset))
+    with pytest.raises(UserError, match=field):
+        config_to_hf(Config.from_name(preset, **changes))
+
+
+@pytest.mark.parametrize("name", ["gemma-2-27b", "gemma-3-1b", "gemma-3-27b"])
+def test_gemma_presets_export_to_configs_transformers_reads_back_to_the_same_preset(name):
+    """A preset's config.json builds transformers' model config with the same layer pattern,
+    softcaps, scale and per-layer RoPE, and reads back as that preset."""
+    from toolkit.convert import config_to_hf
+
+    config = Config.from_name(name)
+    hf = config_to_hf(config)
+    built = transformers.AutoConfig.for_model(**hf)
+    assert built.layer_types == ["sliding_attention" if t == "local" else "full_attention" for t in config.layer_types]
+    assert built.query_pre_attn_scalar == config.query_pre_attn_scalar
+    assert built.final_logit_softcapping == config.final_logit_softcap
+    assert config_from_hf(built.to_dict()) == config
+    # transformers 4.x files: RoPE as rope_theta / rope_local_base_freq / rope_scaling, the layer
+    # pattern as sliding_window_pattern (Gemma 3) or implied (Gemma 2)
+    legacy = {k: v for k, v in hf.items() if k not in ("rope_parameters", "layer_types")}
+    if config.family == "gemma3":
+        legacy["sliding_window_pattern"] = 6
+    assert config_from_hf(legacy) == config

@@ -443,3 +443,57 @@ def _fake_peaks(loss_fn, n: int, hidden: int, vocab: int, saved) -> tuple[dict, 
     ((_, fwd),) = forward.get_tracker_snapshot("peak").items()
     ((_, bwd),) = backward.get_tracker_snapshot("peak").items()
     return {str(k): v for k, v in fwd.items()}, {str(k): v for k, v in bwd.items()}
+
+
+# ------------------------------------------------------------------------------ final-logit softcap
+
+
+def _softcapped(h, w, b, cap):
+    return torch.tanh(F.linear(h, w, b) / cap) * cap
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk_rows", [5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcapped_loss_and_log_probs_match_the_plain_softcapped_logits(bias, chunk_rows, dtype):
+    """`softcap` c: loss and per-token log-probabilities (and their gradients) are those of the
+    logits c * tanh(logits / c), computed plainly (in float32 from the same values: the fused
+    path's softmax and tanh are float32); a cap of 2 moves the loss far from the uncapped one."""
+    h, w, b, labels = _inputs(bias, 0.3, dtype=dtype)
+    with torch.no_grad():
+        w.mul_(8)  # logits of tens: the cap bites
+    tensors = (h, w, b)
+    exact = [None if t is None else t.detach().float().requires_grad_() for t in tensors]
+    upstream = torch.randn(N, generator=torch.Generator().manual_seed(9))
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    want = cross_entropy_sum(_softcapped(*exact, 2.0), labels)
+    got = linear_cross_entropy_sum(h, w, b, labels, chunk_rows=chunk_rows, softcap=2.0)
+    torch.testing.assert_close(got, want, **tol)
+    assert (want - _plain(*exact, labels)).abs() > 10
+    for g, ref in zip(_grads(got, tensors), _grads(want, exact)):
+        assert g.dtype == dtype
+        torch.testing.assert_close(g.float(), ref, **tol)
+    want = label_log_probs(_softcapped(*exact, 2.0), labels)
+    got = linear_label_log_probs(h, w, b, labels, chunk_rows=chunk_rows, softcap=2.0)
+    torch.testing.assert_close(got, want, **tol)
+    for g, ref in zip(_grads((got * upstream).sum(), tensors), _grads((want * upstream).sum(), exact)):
+        torch.testing.assert_close(g.float(), ref, **tol)
+
+
+def test_a_model_with_a_final_softcap_caps_its_logits_and_its_fused_loss():
+    """GPT with `final_logit_softcap`: its logits never exceed the cap, and its fused loss and
+    per-token log-probs equal the plain ones on those logits, gradients included."""
+    model, ids, labels = _model_and_batch("debug-gemma")
+    uncapped = model(ids)
+    model.config = model.config.replace(final_logit_softcap=0.5)
+    params = list(model.parameters())
+    logits = model(ids)
+    assert uncapped.abs().max() > 1 and logits.abs().max() <= 0.5
+    plain = cross_entropy_sum(logits, labels)
+    plain_grads = torch.autograd.grad(plain, params)
+    fused = model(ids, labels=labels)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-4)
+    for (n, _), g, ref in zip(model.named_parameters(), torch.autograd.grad(fused, params), plain_grads):
+        torch.testing.assert_close(g, ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    per_token = model(ids, labels=labels, per_token=True)
+    torch.testing.assert_close(per_token, label_log_probs(model(ids), labels), rtol=1e-5, atol=1e-5)

@@ -177,8 +177,8 @@ def first_blocks(name: str, n_layer: int) -> Config:
 # The smallest preset of every family, with 4 blocks (every block is alike: 4 give the first, a
 # middle and the last block their own moments of the step; SmolLM3's fourth is its NoPE layer) and
 # 512 tokens: seconds each.
-FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "phi-2", "pythia-14m", "qwen3-0.6b",
-                   "olmo-2-1b", "smollm3-3b", "phi-3-mini-4k-instruct"]
+FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "gemma-2-2b", "gemma-3-270m", "phi-2",
+                   "pythia-14m", "qwen3-0.6b", "olmo-2-1b", "smollm3-3b", "phi-3-mini-4k-instruct"]
 
 
 @pytest.mark.parametrize("setting", ["pretrain", "lora", "checkpointing"])

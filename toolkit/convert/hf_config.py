@@ -25,6 +25,8 @@ ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "GemmaForCausalLM": "gemma",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3",
     "PhiForCausalLM": "phi",
     "GPTNeoXForCausalLM": "gpt_neox",
     "Qwen3ForCausalLM": "qwen3",
@@ -33,7 +35,10 @@ ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "phi3",
 }
 HF_ARCHITECTURE: dict[str, str] = {family: arch for arch, family in ARCHITECTURES.items()}
+# family -> model_type in config.json (the family's own name but where noted)
 MODEL_TYPES: dict[str, str] = {family: family for family in HF_ARCHITECTURE}
+MODEL_TYPES["gemma3"] = "gemma3_text"  # Gemma 3's text-only model ("gemma3" is the multimodal one)
+FAMILY_OF_MODEL_TYPE: dict[str, str] = {model_type: family for family, model_type in MODEL_TYPES.items()}
 
 # Families whose published checkpoints still name their first, remote implementation in auto_map
 # although transformers has a native class for them, which it uses (auto_map is read only with
@@ -57,8 +62,8 @@ def detect_family(hf_config: dict[str, Any]) -> str:
     architectures = hf_config.get("architectures") or []
     if isinstance(architectures, str):
         architectures = [architectures]
-    if model_type in MODEL_TYPES:
-        family = MODEL_TYPES[model_type]
+    if model_type in FAMILY_OF_MODEL_TYPE:
+        family = FAMILY_OF_MODEL_TYPE[model_type]
     elif model_type is None and architectures and architectures[0] in ARCHITECTURES:
         family = ARCHITECTURES[architectures[0]]
     else:
@@ -125,10 +130,14 @@ def _rope(hf_config: dict[str, Any], family: str) -> tuple[float, Optional[dict[
             }
         except KeyError as err:
             raise UserError(f"config.json: llama3 RoPE scaling lacks {err.args[0]!r}") from None
+    elif rope_type == "linear":
+        if "factor" not in merged:
+            raise UserError("config.json: linear RoPE scaling lacks 'factor'")
+        scaling = {"rope_type": "linear", "factor": float(merged["factor"])}
     elif rope_type not in ("default", None):
         raise UserError(
             f"Unsupported RoPE scaling {rope_type!r} in config.json; "
-            f"supported: default, llama3, {', '.join(_SCALING_READERS)}"
+            f"supported: default, llama3, linear, {', '.join(_SCALING_READERS)}"
         )
     return float(theta), scaling, float(partial)
 
@@ -212,6 +221,8 @@ _SCALING_READERS = {"yarn": _yarn_from_hf, "longrope": _longrope_from_hf}
 def _rope_scaling_to_hf(config: Config) -> dict[str, Any]:
     """The `rope_parameters` entries of the toolkit's rope_scaling (rope_theta and the partial factor aside)."""
     keys, kind = config.rope_scaling, config.rope_scaling_type
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(keys["factor"])}
     if kind == "yarn":
         return {
             "rope_type": "yarn", "factor": float(keys["factor"]),
@@ -235,6 +246,73 @@ def _rope_scaling_to_hf(config: Config) -> dict[str, Any]:
     }
 
 
+# The families whose RMSNorm scales by (1 + weight) and whose embeddings are scaled
+_GEMMAS = ("gemma", "gemma2", "gemma3")
+# config.json layer type -> Config.layer_types entry
+_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}
+
+
+def _local_rope(hf_config: dict[str, Any], family: str) -> tuple[dict[str, Any], Optional[float]]:
+    """(config.json with the global layers' RoPE keys in place of per-layer-type ones, the local
+    layers' base or None).
+
+    transformers 5 writes RoPE per layer type ({"full_attention": {...}, "sliding_attention": {...}},
+    Gemma 3); older files write `rope_local_base_freq` beside the global keys. The local layers must
+    rotate without scaling (`Config.rope_local_base`): anything else is refused.
+    """
+    params = hf_config.get("rope_parameters")
+    if isinstance(params, dict) and set(params) & set(_LAYER_TYPES):
+        unknown = sorted(set(params) - set(_LAYER_TYPES))
+        if unknown:
+            raise UserError(f"config.json: rope_parameters for layer type {unknown[0]!r} is not supported")
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default" or set(local) - {"rope_type", "rope_theta"}:
+            raise UserError(
+                f"config.json: rope_parameters.sliding_attention {local!r} is not supported (local layers "
+                "rotate without scaling)"
+            )
+        default_local = 10000.0 if family == "gemma3" else None
+        base = local.get("rope_theta", default_local)
+        return {**hf_config, "rope_parameters": params.get("full_attention") or {}}, None if base is None else float(base)
+    if "rope_local_base_freq" in hf_config:
+        return hf_config, float(hf_config["rope_local_base_freq"])
+    return hf_config, (10000.0 if family == "gemma3" else None)
+
+
+def _gemma_2_3(hf_config: dict[str, Any], family: str) -> dict[str, Any]:
+    """Gemma 2 and Gemma 3 (text): norms before and after attention and MLP with (1 + w) scales,
+    scaled embeddings, GeGLU, local and global layers, softcaps (Gemma 2), QK norm per head (Gemma 3),
+    queries scaled by query_pre_attn_scalar."""
+    act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "gelu_pytorch_tanh"
+    if hf_config.get("attention_bias"):
+        raise UserError(f"config.json: {family} with attention_bias is not supported")
+    if hf_config.get("use_bidirectional_attention"):
+        raise UserError("config.json: use_bidirectional_attention is not supported (the toolkit's attention is causal)")
+    scalar = hf_config.get("query_pre_attn_scalar", 256)
+    if not isinstance(scalar, (int, float)) or isinstance(scalar, bool) or int(scalar) != scalar:
+        raise UserError(f"config.json: query_pre_attn_scalar must be a whole number, got {scalar!r}")
+    n_layer = int(_require(hf_config, "num_hidden_layers"))
+    layer_types = hf_config.get("layer_types")
+    if layer_types is None:  # the pattern transformers derives: every `period`-th layer global
+        period = 2 if family == "gemma2" else int(hf_config.get("sliding_window_pattern", 6))
+        layer_types = ["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(n_layer)]
+    unknown = [t for t in layer_types if t not in _LAYER_TYPES]
+    if unknown:
+        raise UserError(f"config.json: layer_types entry {unknown[0]!r} is not supported; supported: {', '.join(_LAYER_TYPES)}")
+    values: dict[str, Any] = dict(
+        norm="rmsnorm", norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)), norm_unit_offset=True,
+        norm_position="sandwich", mlp="geglu", gelu_approximate=_gelu_approximate(act, family), scale_embeddings=True,
+        query_pre_attn_scalar=int(scalar), layer_types=[_LAYER_TYPES[t] for t in layer_types],
+        sliding_window=None if hf_config.get("sliding_window") is None else int(hf_config["sliding_window"]),
+    )
+    for ours, theirs in (("attn_logit_softcap", "attn_logit_softcapping"), ("final_logit_softcap", "final_logit_softcapping")):
+        cap = hf_config.get(theirs, 50.0 if theirs == "attn_logit_softcapping" else 30.0) if family == "gemma2" else hf_config.get(theirs)
+        values[ours] = None if cap is None else float(cap)
+    if family == "gemma3":
+        values["qk_norm"] = "head"
+    return values
+
+
 def config_from_hf(
     hf_config: dict[str, Any], model_name: Optional[str] = None, default_name: str = "custom"
 ) -> Config:
@@ -252,6 +330,7 @@ def config_from_hf(
         )
     n_embd = int(_require(hf_config, "hidden_size"))
     n_head = int(_require(hf_config, "num_attention_heads"))
+    hf_config, rope_local_base = _local_rope(hf_config, family)
     rope_base, rope_scaling, rotary_percentage = _rope(hf_config, family)
     values: dict[str, Any] = dict(
         family=family,
@@ -266,7 +345,7 @@ def config_from_hf(
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         rotary_percentage=rotary_percentage,
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", family == "gemma")),
+        tie_embeddings=bool(hf_config.get("tie_word_embeddings", family in _GEMMAS)),
     )
     act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "silu"
 
@@ -294,6 +373,8 @@ def config_from_hf(
         )
         if hf_config.get("attention_bias"):
             raise UserError("config.json: Gemma with attention_bias is not supported")
+    elif family in ("gemma2", "gemma3"):
+        values.update(_gemma_2_3(hf_config, family))
     elif family == "phi":
         if hf_config.get("qk_layernorm"):
             raise UserError("config.json: Phi with qk_layernorm is not supported")
@@ -315,6 +396,9 @@ def config_from_hf(
             parallel_residual=bool(hf_config.get("use_parallel_residual", True)),
         )
     values.update(_read_layers(hf_config, family, values["n_layer"]))
+    has_local = values.get("sliding_window") is not None and "local" in (values.get("layer_types") or ["local"])
+    if has_local and rope_local_base is not None and (rope_local_base != rope_base or rope_scaling is not None):
+        values["rope_local_base"] = rope_local_base  # local layers rotate otherwise than global ones
     config = Config.from_dict({"name": default_name, **values})
     return _name(config, model_name, default_name, hf_config.get("_name_or_path") or "")
 
@@ -532,6 +616,39 @@ def _phi3_to_hf(config: Config) -> dict[str, Any]:
     )
 
 
+def _layer_type_rope_fields(config: Config) -> dict[str, Any]:
+    """RoPE per layer type (`Config.rope_local_base`): transformers 5's `rope_parameters` by layer
+    type, and Gemma 3's legacy keys (`rope_theta`, `rope_local_base_freq`, `rope_scaling`) for 4.x."""
+    if config.rotary_percentage != 1.0:
+        raise _unsupported(config, "rope_local_base with partial rotation (rotary_percentage) has no config.json form")
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": config.rope_base}
+    legacy: dict[str, Any] = {"rope_theta": config.rope_base, "rope_local_base_freq": config.rope_local_base}
+    if config.rope_scaling is not None:
+        full.update(_rope_scaling_to_hf(config))
+        legacy["rope_scaling"] = _rope_scaling_to_hf(config)
+    local = {"rope_type": "default", "rope_theta": config.rope_local_base}
+    return {"rope_parameters": {"full_attention": full, "sliding_attention": local}, **legacy}
+
+
+def _gemma_2_3_to_hf(config: Config) -> dict[str, Any]:
+    """config.json keys of Gemma 2 and Gemma 3 (text) beside the shared ones."""
+    family = config.family
+    _check(config, family, norm="rmsnorm", mlp="geglu", norm_position="sandwich", bias=False, attn_qkv_bias=False,
+           lm_head_bias=False, parallel_residual=False, qk_norm="head" if family == "gemma3" else None)
+    if config.rope_local_base is not None and family != "gemma3":
+        raise _unsupported(config, "rope_local_base (a RoPE base of local layers) is Gemma 3's")
+    return dict(
+        num_key_value_heads=config.n_query_groups,
+        head_dim=config.head_size,
+        rms_norm_eps=config.norm_eps,
+        hidden_activation="gelu_pytorch_tanh" if config.gelu_approximate == "tanh" else "gelu",
+        query_pre_attn_scalar=config.head_size if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar,
+        attn_logit_softcapping=config.attn_logit_softcap,
+        final_logit_softcapping=config.final_logit_softcap,
+        attention_bias=False,
+    )
+
+
 def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
     """A config.json (as a dict) for transformers' built-in class of `config.family`.
 
@@ -552,9 +669,12 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         "intermediate_size": config.intermediate_size,
         "tie_word_embeddings": config.tie_embeddings,
     }
-    _check(config, family, scale_embeddings=family == "gemma", norm_unit_offset=family == "gemma")
-    if family not in ("qwen3", "olmo2", "smollm3", "phi3"):
+    _check(config, family, scale_embeddings=family in _GEMMAS, norm_unit_offset=family in _GEMMAS)
+    if family not in ("qwen3", "olmo2", "smollm3", "phi3", "gemma2", "gemma3"):
         _check(config, family, norm_position="pre", qk_norm=None)
+    if family not in ("gemma2", "gemma3"):
+        _check(config, family, attn_logit_softcap=None, final_logit_softcap=None, query_pre_attn_scalar=None,
+               rope_local_base=None)
     # Per-layer attention spans and NoPE layers: written where the family has them, else refused.
     hf.update(_layer_fields(config))
     refusal = None if config.rope_scaling is None else _scaling_refusal(config.rope_scaling_type, family)
@@ -583,6 +703,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         else:
             _check(config, family, bias=False, attn_qkv_bias=False)
             hf.update(hidden_activation="gelu_pytorch_tanh")
+    elif family in ("gemma2", "gemma3"):
+        hf.update(_gemma_2_3_to_hf(config))
     elif family == "phi":
         _check(config, family, norm="layernorm", mlp="gelu", bias=True, attn_qkv_bias=True, lm_head_bias=True,
                parallel_residual=True, shared_attention_norm=True)
@@ -613,7 +735,7 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
             rotary_pct=config.rotary_percentage,
             rotary_emb_base=config.rope_base,
         )
-    hf.update(_rope_fields(config))
+    hf.update(_rope_fields(config) if config.rope_local_base is None else _layer_type_rope_fields(config))
     if dtype is not None:
         hf["dtype"] = dtype
     return hf
@@ -662,6 +784,9 @@ def _layer_fields(config: Config) -> dict[str, Any]:
         if any(local) and not all(local):
             raise _unsupported(config, f"layer_types mixes local and global layers, but {family} windows every layer")
         hf.update(sliding_window=window)
+    elif family in ("gemma2", "gemma3"):
+        hf.update(sliding_window=config.sliding_window,
+                  layer_types=[_TOOLKIT_LAYER_TYPES["local" if is_local else "global"] for is_local in local])
     elif family in ("qwen2", "qwen3", "smollm3"):
         types = [_TOOLKIT_LAYER_TYPES["local" if is_local else "global"] for is_local in local]
         hf.update(use_sliding_window=window is not None, sliding_window=window, layer_types=types)

@@ -47,6 +47,30 @@ LLAMA: dict[str, Target] = {
     "lm_head.weight": "lm_head.weight",
 }
 
+# Gemma 2 and Gemma 3 (text): a norm before and after attention and before and after the MLP
+# (`norm_position` "sandwich"), stored centred on zero as Gemma's; Gemma 3 adds per-head QK norms.
+GEMMA2: dict[str, Target] = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.layers.{l}.input_layernorm.weight": "blocks.{l}.norm_1.weight",
+    "model.layers.{l}.self_attn.q_proj.weight": "blocks.{l}.attn.q_proj.weight",
+    "model.layers.{l}.self_attn.k_proj.weight": "blocks.{l}.attn.k_proj.weight",
+    "model.layers.{l}.self_attn.v_proj.weight": "blocks.{l}.attn.v_proj.weight",
+    "model.layers.{l}.self_attn.o_proj.weight": "blocks.{l}.attn.o_proj.weight",
+    "model.layers.{l}.post_attention_layernorm.weight": "blocks.{l}.post_attn_norm.weight",
+    "model.layers.{l}.pre_feedforward_layernorm.weight": "blocks.{l}.norm_2.weight",
+    "model.layers.{l}.mlp.gate_proj.weight": "blocks.{l}.mlp.gate_proj.weight",
+    "model.layers.{l}.mlp.up_proj.weight": "blocks.{l}.mlp.up_proj.weight",
+    "model.layers.{l}.mlp.down_proj.weight": "blocks.{l}.mlp.down_proj.weight",
+    "model.layers.{l}.post_feedforward_layernorm.weight": "blocks.{l}.post_mlp_norm.weight",
+    "model.norm.weight": "norm_f.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+GEMMA3: dict[str, Target] = {
+    **GEMMA2,
+    "model.layers.{l}.self_attn.q_norm.weight": "blocks.{l}.attn.q_norm.weight",
+    "model.layers.{l}.self_attn.k_norm.weight": "blocks.{l}.attn.k_norm.weight",
+}
+
 # transformers' native `PhiForCausalLM` (Phi-1.5, Phi-2): one LayerNorm per block shared by the
 # attention and the MLP (parallel residual), biases everywhere, an output head with a bias.
 PHI: dict[str, Target] = {
@@ -140,6 +164,8 @@ WEIGHT_MAPS: dict[str, dict[str, Target]] = {
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "gemma": LLAMA,
+    "gemma2": GEMMA2,
+    "gemma3": GEMMA3,
     "phi": PHI,
     "gpt_neox": GPT_NEOX,
     "qwen3": QWEN3,

@@ -140,8 +140,8 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
     ("debug", "alpaca"),
 )
 # For a model name the table does not know (a custom config): by architecture family, then this.
-DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma", "phi": "phi", "qwen3": "chatml",
-                                             "smollm3": "chatml"}
+DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma",
+                                             "phi": "phi", "qwen3": "chatml", "smollm3": "chatml"}
 FALLBACK_STYLE = "alpaca"
 
 

@@ -101,6 +101,7 @@ class _Head:
     logits_bytes: int  # a LoRA head's output
     logits_grad: bool  # and whether it needs a gradient
     hidden_saved: bool  # the head's input is among what the head saves
+    softcap: bool = False  # the fused loss caps its logits (Config.final_logit_softcap): one more chunk buffer
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,7 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
         weight_bytes=weight.element_size(), weight_grad=weight.requires_grad,
         bias_bytes=0 if bias is None else bias.element_size(), bias_grad=bias is not None and bias.requires_grad,
         logits_bytes=recorder.logits_bytes, logits_grad=recorder.logits_grad, hidden_saved=hidden_saved,
+        softcap=opts.config.final_logit_softcap is not None,
     )  # fmt: skip
     per_row = loss_saved[1] - loss_saved[0]
     return Recording(tuple(recorder.blocks), tuple(recorder.inputs), tuple(recorder.copies), before_head[0],
@@ -585,6 +587,8 @@ def loss_transients(head: _Head, mode: Mode, n: int, E: int, V: int) -> tuple[in
     in_place = cdt == 4 and not mode.cuda  # CPU float32: softmax writes over the logits
     logits = rows * cdt
     probs = 0 if in_place else rows * 4
+    if head.softcap:  # the chunk's float32 tanh(logits / cap), for the gradient through the cap
+        probs += rows * 4
     # On CUDA softmax(..., dtype=float32) first copies bfloat16 logits to float32 (float16 it widens
     # as it reads); on CPU (fake tensors included) the loss copies them into `probs` itself.
     widened = rows * 4 if cdt != 4 and mode.cuda and not mode.float16 else 0

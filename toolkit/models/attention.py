@@ -3,15 +3,19 @@
 Shapes: B batch, T queries in this call, S keys (cached ones included), H query heads, G key/value
 heads (query groups), D head size.
 
-Every mask comes from `attention_mask`: causal, a query's sliding window, a KV cache's earlier
-slots and left padding. Packed samples (`document_segments`) are attended one sample at a time
-(`segment_attention`), each with the mask `attention_mask` gives a sequence of its length, so
-windows compose with packing. Scores become outputs in one place, `attend`.
+Which keys a query sees is said in one place, `key_mask`: causal, a query's sliding window, a KV
+cache's earlier slots and left padding. Scores become outputs in one place, `attend`, which picks
+the kernel: plain causal attention is one SDPA call; a sliding window or a softcap never builds a
+(T, S) mask but runs block-sparse (flex_attention on CUDA; chunks of queries against the keys they
+reach elsewhere, `windowed_attention` and `softcapped_attention`). Packed samples
+(`document_segments`) are attended one sample at a time (`segment_attention`), each as a sequence
+of its length, so windows and softcaps compose with packing.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -23,46 +27,274 @@ from toolkit.models.norms import make_norm
 from toolkit.models.rope import apply_rope
 
 
-def attention_mask(
-    T: int, S: int, device, window: Optional[int] = None, left_padding: Optional[torch.Tensor] = None
-) -> tuple[Optional[torch.Tensor], bool]:
-    """(mask, is_causal) for `attend`: T queries, the last T of S key slots (query i is slot S - T + i).
+def key_mask(
+    q_start: int, n_queries: int, k_start: int, n_keys: int, device, window: Optional[int] = None,
+    left_padding: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Which keys each query sees: queries at slots [q_start, q_start + n_queries), keys at slots
+    [k_start, k_start + n_keys); boolean (n_queries, n_keys), or (B, 1, n_queries, n_keys) with padding.
 
     Query q sees key slot s when s <= q (causal), q - s < window (its last `window` tokens, itself
     included), and s >= left_padding[b] (not its row's padding; a padding query sees itself only,
-    as a query that sees nothing would give NaN). Where plain causal attention says all of it
-    (no padding, no earlier slots, no key beyond a window), the mask is None and `is_causal` says
-    whether queries see only earlier keys (T > 1) or every key (one query at the last slot).
-    Otherwise the mask is boolean (T, S), or (B, 1, T, S) with padding.
+    as a query that sees nothing would give NaN).
+    """
+    key = torch.arange(k_start, k_start + n_keys, device=device)[None, :]  # (1, n_keys)
+    query = torch.arange(q_start, q_start + n_queries, device=device)[:, None]  # (n_queries, 1)
+    mask = key <= query
+    if window is not None:
+        mask = mask & (key > query - window)
+    if left_padding is not None:
+        real = key >= left_padding[:, None, None]  # (B, 1, n_keys)
+        mask = (mask & real | (key == query))[:, None]  # (B, 1, n_queries, n_keys)
+    return mask
+
+
+def attention_mask(
+    T: int, S: int, device, window: Optional[int] = None, left_padding: Optional[torch.Tensor] = None
+) -> tuple[Optional[torch.Tensor], bool]:
+    """(mask, is_causal) for SDPA: T queries, the last T of S key slots (query i is slot S - T + i).
+
+    Where plain causal attention says all of it (no padding, no earlier slots, no key beyond a
+    window), the mask is None and `is_causal` says whether queries see only earlier keys (T > 1)
+    or every key (one query at the last slot). Otherwise the mask is `key_mask`'s.
     """
     start = S - T
     if left_padding is None and (start == 0 or T == 1) and (window is None or S <= window):
         # A branch, not `T > 1` itself: compiled with dynamic shapes that is a symbolic bool, which SDPA refuses.
         return None, True if T > 1 else False  # noqa: SIM210
-    key = torch.arange(S, device=device)[None, :]  # (1, S)
-    query = torch.arange(start, S, device=device)[:, None]  # (T, 1)
-    mask = key <= query  # (T, S)
-    if window is not None:
-        mask = mask & (key > query - window)
-    if left_padding is not None:
-        real = key >= left_padding[:, None, None]  # (B, 1, S)
-        mask = (mask & real | (key == query))[:, None]  # (B, 1, T, S)
-    return mask, False
+    return key_mask(start, T, 0, S, device, window, left_padding), False
+
+
+# ---------------------------------------------------------------------------- one attention call
+# Which kernel runs a window or a softcap: "flex" (flex_attention, compiled: block-sparse, the
+# softcap as a score_mod), "chunked" (the chunked paths below, over SDPA or, with a softcap, plain
+# products), or None: flex on CUDA, chunked elsewhere (torch 2.13's flex_attention has no backward
+# pass on the CPU). See `attention_backend` and benchmarks/README.md (Attention windows).
+BACKEND: dict[str, Optional[str]] = {"name": None}
+# Queries per SDPA call of a sliding-window layer: each call sees chunk + window - 1 keys.
+WINDOW_CHUNK = 256
+# Queries per chunk of the softcapped path, fewer where their float32 scores (batch x heads x queries
+# x keys) would pass SCORE_CHUNK_BYTES. Measured at T=8192 (benchmarks/attention_window.py): 128
+# rows against 256 to 1024 was 15-55% faster with a 1024-token window and up to 28% without.
+SCORE_CHUNK_ROWS = 128
+SCORE_CHUNK_BYTES = 16 << 20
+
+
+@contextmanager
+def attention_backend(name: Optional[str]) -> Iterator[None]:
+    """Inside the block, windows and softcaps run through `name` ("flex", "chunked"; None: by device)."""
+    if name not in (None, "flex", "chunked"):
+        raise ValueError(f"attention backend {name!r}: one of None, 'flex', 'chunked'")
+    saved = BACKEND["name"]
+    BACKEND["name"] = name
+    try:
+        yield
+    finally:
+        BACKEND["name"] = saved
 
 
 def attend(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor], is_causal: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
+    softcap: Optional[float] = None, left_padding: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """softmax(q k^T / sqrt(D) where `mask`) v: q (B, H, T, D), k and v (B, G, S, D) -> (B, H, T, D).
+    """softmax(cap(q k^T * scale) where the query sees the key) v: q (B, H, T, D) at the last T of
+    the S key slots of k and v (B, G, S, D) -> (B, H, T, D).
+
+    Which keys a query sees: `key_mask` (causal, the `window`, `left_padding`). `scale` defaults to
+    1 / sqrt(D); `softcap` c makes each score c * tanh(score / c). Plain causal attention is one SDPA
+    call. A window that matters, or a softcap, runs block-sparse, never through a (T, S) mask: on
+    CUDA through flex_attention; elsewhere a window through one SDPA call per chunk of queries
+    (`windowed_attention`), a softcap through `softcapped_attention`. Decoding (T = 1) looks at one
+    window of keys.
 
     The place for attention sinks (a learned logit per head joining every query's softmax as one
     more key whose value is zero): with log Z the log-sum-exp of a query's scores, its output
-    becomes y * sigmoid(log Z - sink). SDPA does not return log Z, so a sink-carrying layer would
-    pass its sinks here and compute the scores itself (or through a kernel that returns them).
+    becomes y * sigmoid(log Z - sink); flex_attention and `softcapped_attention` have log Z at hand.
     """
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1]
-    )
+    T, S = q.shape[2], k.shape[2]
+    window = None if window is not None and window >= S else window  # a window as long as the keys is none
+    if window is None and softcap is None:
+        mask, is_causal = attention_mask(T, S, q.device, None, left_padding)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+        )
+    if _use_flex(q, T, S, left_padding):
+        return flex_attend(q, k, v, scale, window, softcap)
+    if softcap is not None:
+        return softcapped_attention(q, k, v, scale, softcap, window, left_padding)
+    return windowed_attention(q, k, v, scale, window, left_padding)
+
+
+def _use_flex(q: torch.Tensor, T: int, S: int, left_padding: Optional[torch.Tensor]) -> bool:
+    """flex_attention for whole sequences: by default on CUDA when gradients are wanted (training,
+    whose sequence length is fixed). Generation and evaluation (no gradients: prompts of every
+    length, one token at a time, padded batches) take the chunked paths, which need no compilation;
+    compiled flex kernels are specialised to one length and would compile again for each."""
+    name = BACKEND["name"] or ("flex" if q.device.type == "cuda" and torch.is_grad_enabled() else "chunked")
+    return name == "flex" and T == S and left_padding is None
+
+
+def _query_chunks(T: int, S: int, rows: int, window: Optional[int]) -> Iterator[tuple[int, int, int, int]]:
+    """(first, end) of each chunk of `rows` queries (0-based among the T) and (lo, hi): the key slots
+    it may see (the last T of S slots are the queries'; a window bounds the earliest key)."""
+    start = S - T
+    for first in range(0, T, rows):
+        end = min(first + rows, T)
+        lo = 0 if window is None else max(0, start + first - window + 1)
+        yield first, end, lo, start + end
+
+
+def windowed_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], window: int,
+    left_padding: Optional[torch.Tensor] = None, rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Sliding-window attention as one SDPA call per chunk of `rows` queries (default WINDOW_CHUNK),
+    each against the rows + window - 1 keys it can reach, with that chunk's small mask: T x (rows +
+    window) scores in all instead of T x S, and what autograd keeps is the chunks' inputs and
+    outputs (SDPA recomputes its scores in its backward pass). Shapes as `attend`."""
+    T, S = q.shape[2], k.shape[2]
+    gqa = k.shape[1] != q.shape[1]
+    parts = []
+    for first, end, lo, hi in _query_chunks(T, S, rows or WINDOW_CHUNK, window):
+        mask = key_mask(S - T + first, end - first, lo, hi - lo, q.device, window, left_padding)
+        parts.append(F.scaled_dot_product_attention(
+            q[:, :, first:end], k[:, :, lo:hi], v[:, :, lo:hi], attn_mask=mask, scale=scale, enable_gqa=gqa
+        ))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+
+
+def softcapped_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], softcap: float,
+    window: Optional[int] = None, left_padding: Optional[torch.Tensor] = None, rows: Optional[int] = None,
+) -> torch.Tensor:
+    """Attention with softcapped scores, chunk by chunk of queries, as a flash-attention kernel does
+    it: the forward pass keeps each query's log-sum-exp (B, H, T) and its output, never the scores,
+    and the backward pass computes each chunk's scores again. A chunk holds `rows` queries (default:
+    SCORE_CHUNK_ROWS, or as many as SCORE_CHUNK_BYTES of float32 scores hold) against the keys it can
+    reach (all earlier ones, or its window). The products run in the inputs' dtype, the softmax and its gradient in float32.
+    Shapes as `attend`."""
+    B, H, T, D = q.shape
+    S = k.shape[2]
+    if rows is None:  # a chunk of r queries reaches r + window - 1 keys (or all S)
+        reach = S if window is None else min(S, SCORE_CHUNK_ROWS + window)
+        rows = min(SCORE_CHUNK_ROWS, max(16, SCORE_CHUNK_BYTES // (4 * B * H * reach)))
+    scale = D**-0.5 if scale is None else scale
+    return _SoftcappedAttention.apply(q, k, v, scale, softcap, window, left_padding, rows)
+
+
+class _SoftcappedAttention(torch.autograd.Function):
+    """`softcapped_attention`. Queries are grouped by their key/value head: q (B, G, H / G, T, D)
+    against k, v (B, G, 1, S, D), so grouped-query attention never copies a key."""
+
+    @staticmethod
+    def _probs(qc, kc, scale, softcap, mask, lse=None):
+        """Float32 tanh(scores / cap) and probabilities (B, G, R, rows, keys) of a chunk, with its
+        log-sum-exp (B, G, R, rows) (computed, or the forward pass's `lse`). Without `lse` (the
+        forward pass) the tanh is not kept: its buffer becomes the probabilities."""
+        tanh = (qc @ kc.transpose(-1, -2)).float().mul_(scale / softcap).tanh_()
+        scores = (tanh.mul_(softcap) if lse is None else tanh * softcap).masked_fill_(~mask, float("-inf"))
+        if lse is None:
+            lse = torch.logsumexp(scores, dim=-1)
+        return tanh, scores.sub_(lse[..., None]).exp_(), lse
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, softcap, window, left_padding, rows):
+        B, H, T, D = q.shape
+        G, S = k.shape[1], k.shape[2]
+        qg = q.reshape(B, G, H // G, T, D)
+        kg, vg = k[:, :, None], v[:, :, None]  # (B, G, 1, S, D)
+        out = torch.empty_like(qg)
+        lse = torch.empty((B, G, H // G, T), dtype=torch.float32, device=q.device)
+        for first, end, lo, hi in _query_chunks(T, S, rows, window):
+            mask = _chunk_mask(S - T + first, end - first, lo, hi - lo, q.device, window, left_padding)
+            _, probs, lse[..., first:end] = _SoftcappedAttention._probs(
+                qg[..., first:end, :], kg[..., lo:hi, :], scale, softcap, mask)
+            out[..., first:end, :] = probs.to(v.dtype) @ vg[..., lo:hi, :]
+        ctx.save_for_backward(q, k, v, out, lse, left_padding)
+        ctx.settings = (scale, softcap, window, rows)
+        return out.view(B, H, T, D)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse, left_padding = ctx.saved_tensors
+        scale, softcap, window, rows = ctx.settings
+        B, H, T, D = q.shape
+        G, S = k.shape[1], k.shape[2]
+        qg = q.reshape(B, G, H // G, T, D)
+        kg, vg = k[:, :, None], v[:, :, None]
+        dout = grad_out.reshape(B, G, H // G, T, D).float()
+        delta = (dout * out.float()).sum(-1)  # (B, G, R, T): sum over keys of probs * d(probs)
+        dq = torch.empty(qg.shape, dtype=torch.float32, device=q.device)
+        dk = torch.zeros((B, G, S, D), dtype=torch.float32, device=q.device)
+        dv = torch.zeros_like(dk)
+        for first, end, lo, hi in _query_chunks(T, S, rows, window):
+            mask = _chunk_mask(S - T + first, end - first, lo, hi - lo, q.device, window, left_padding)
+            qc, kc, vc = qg[..., first:end, :], kg[..., lo:hi, :], vg[..., lo:hi, :]
+            capped, probs, _ = _SoftcappedAttention._probs(qc, kc, scale, softcap, mask, lse[..., first:end])
+            doc = dout[..., first:end, :]
+            dv[:, :, lo:hi] += (probs.transpose(-1, -2) @ doc).sum(2)
+            # d(capped score) = probs * (d(probs) - delta); through cap * tanh(x / cap): * (1 - tanh^2)
+            grad = probs.mul_((doc @ vc.float().transpose(-1, -2)).sub_(delta[..., first:end, None]))
+            grad.mul_(capped.square_().neg_().add_(1.0)).mul_(scale)
+            dq[..., first:end, :] = grad @ kc.float()
+            dk[:, :, lo:hi] += (grad.transpose(-1, -2) @ qc.float()).sum(2)
+        return dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+
+
+def _chunk_mask(q_start, n_queries, k_start, n_keys, device, window, left_padding) -> torch.Tensor:
+    """`key_mask` shaped for scores (B, G, R, rows, keys)."""
+    mask = key_mask(q_start, n_queries, k_start, n_keys, device, window, left_padding)
+    return mask if mask.dim() == 2 else mask[:, :, None]  # (B, 1, 1, rows, keys)
+
+
+_BLOCK_MASKS: dict = {}  # (T, window, device) -> flex_attention's BlockMask, without documents
+_FLEX: dict = {}  # the compiled flex_attention
+
+
+def flex_attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], window: Optional[int],
+    softcap: Optional[float], document_ids: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """`attend` (T = S, no padding) through flex_attention: the causal mask, the window and the
+    documents of a packed row (`document_ids` (B, T)) as a block mask, whose blocks that no query
+    sees are skipped (O(T * window) work for a window), and the softcap as a score_mod. Compiled
+    (`torch.compile(flex_attention)`; inside a compiled model, traced into its graph)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    B, H, T, D = q.shape
+
+    def sees(b, h, q_idx, kv_idx):
+        seen = kv_idx <= q_idx
+        if window is not None:
+            seen = seen & (q_idx - kv_idx < window)
+        if document_ids is not None:
+            seen = seen & (document_ids[b, q_idx] == document_ids[b, kv_idx])
+        return seen
+
+    def cap(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    compiling = torch.compiler.is_compiling()
+    key = (T, window, q.device)
+    block_mask = None if document_ids is not None or compiling else _BLOCK_MASKS.get(key)
+    if block_mask is None:
+        block_mask = create_block_mask(sees, None if document_ids is None else B, None, T, T, device=q.device)
+        if document_ids is None and not compiling:
+            if len(_BLOCK_MASKS) >= 8:  # a few (length, window) pairs: the layer kinds of the lengths in use
+                _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+            _BLOCK_MASKS[key] = block_mask
+    kernel = flex_attention if compiling or q.device.type != "cuda" else _compiled_flex()
+    return kernel(q, k, v, score_mod=None if softcap is None else cap, block_mask=block_mask, scale=scale,
+                  enable_gqa=k.shape[1] != H)
+
+
+def _compiled_flex():
+    fn = _FLEX.get("compiled")
+    if fn is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = _FLEX["compiled"] = torch.compile(flex_attention, dynamic=False)
+    return fn
 
 
 class CausalSelfAttention(nn.Module):
@@ -83,6 +315,10 @@ class CausalSelfAttention(nn.Module):
         layer = config.layer(layer_index)
         self.window = layer.window
         self.rope_n_elem = config.rope_n_elem if layer.rope else 0
+        # which rotary tables the layer's queries and keys rotate by (GPT passes them)
+        self.rope_kind = "local" if layer.window is not None and config.rope_local_base is not None else "global"
+        self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
+        self.softcap = config.attn_logit_softcap
         self.kv_cache: Optional[KVCache] = None
 
     def forward(
@@ -105,15 +341,14 @@ class CausalSelfAttention(nn.Module):
             k = apply_rope(k, cos, sin, self.rope_n_elem)
 
         if segments is not None:
-            y = segment_attention(q, k, v, segments, window=self.window)  # (B, H, T, D)
+            y = segment_attention(q, k, v, segments, self.scale, self.window, self.softcap)  # (B, H, T, D)
         else:
             padding = None
             if self.kv_cache is not None:
                 start = 0 if input_pos is None else input_pos
                 k, v = self.kv_cache.update(start, k, v)  # (B, G, start + T, D)
                 padding = None if self.kv_cache.left_padding is None else self.kv_cache.left_padding[:B]
-            mask, is_causal = attention_mask(T, k.shape[2], x.device, self.window, padding)
-            y = attend(q, k, v, mask, is_causal)  # (B, H, T, D)
+            y = attend(q, k, v, self.scale, self.window, self.softcap, padding)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size))
 
 
@@ -137,26 +372,31 @@ def document_segments(document_ids: torch.Tensor) -> tuple[torch.Tensor, list[li
 
 
 def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[list[int]], window: Optional[int] = None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[list[int]], scale: Optional[float] = None,
+    window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention within each segment of each row: q (B, H, T, D), k and v (B, G, T, D) -> (B, H, T, D).
 
-    Each sample of n tokens gets the mask of a sequence of n tokens (`attention_mask`, with the
-    layer's `window`).
+    Each sample of n tokens is attended as a sequence of n tokens (`attend`, with the layer's
+    `scale`, `window` and `softcap`), so windows and softcaps compose with packing.
 
-    One SDPA call per sample, the CPU form of a variable-length ("varlen") kernel: a sample
-    of n tokens costs n^2 / 2, never the T^2 of a block-diagonal mask over the whole row.
-    Measured on CPU (benchmarks/packing.py --attention, figures in benchmarks/README.md): at T=2048
-    with 8 samples per row, one call per sample took 189 ms forward + backward, SDPA with a boolean
+    One call per sample, the CPU form of a variable-length ("varlen") kernel: a sample of n tokens
+    costs n^2 / 2, never the T^2 of a block-diagonal mask over the whole row. Measured on CPU
+    (benchmarks/packing.py --attention, figures in benchmarks/README.md): at T=2048 with 8 samples
+    per row, one call per sample took 189 ms forward + backward, SDPA with a boolean
     block-diagonal mask 1320 ms, plain causal SDPA over the row 812 ms; flex_attention has no
-    backward on CPU in torch 2.13. On a GPU a varlen kernel would replace this loop.
+    backward on CPU in torch 2.13. Where `attend` would use flex_attention (CUDA), a row with a
+    window or a softcap is one flex_attention call whose block mask holds the documents.
     """
+    T = q.shape[2]
+    if (window is not None or softcap is not None) and _use_flex(q, T, T, None):
+        document_ids = torch.cat([
+            torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None] for lengths in segments
+        ]).to(q.device)  # (B, T)
+        return flex_attend(q, k, v, scale, window, softcap, document_ids)
     rows = []
     for b, lengths in enumerate(segments):
         qs, ks, vs = (t[b : b + 1].split(lengths, dim=2) for t in (q, k, v))
-        parts = []
-        for qi, ki, vi in zip(qs, ks, vs):
-            n = qi.shape[2]
-            parts.append(attend(qi, ki, vi, *attention_mask(n, n, q.device, window)))
+        parts = [attend(qi, ki, vi, scale, window, softcap) for qi, ki, vi in zip(qs, ks, vs)]
         rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]

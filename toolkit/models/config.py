@@ -25,6 +25,7 @@ ROPE_SCALING_KEYS: dict[str, tuple[str, ...]] = {
     # YaRN and LongRoPE (Phi-3): see toolkit.models.rope for what each key does.
     "yarn": ("factor", "original_max_seq_len", "beta_fast", "beta_slow", "attention_factor", "truncate"),
     "longrope": ("short_factor", "long_factor", "original_max_seq_len", "attention_factor"),
+    "linear": ("factor",),
 }
 # A `rope_scaling` without "rope_type" is Llama-3.1's (the only kind before the key existed).
 DEFAULT_ROPE_SCALING = "llama3"
@@ -44,7 +45,7 @@ class Config:
     # Hugging Face repository the preset mirrors ("" for presets that exist only here).
     hf_repo_id: str = ""
     # Architecture family: selects the weight-name map for Hugging Face conversion.
-    family: Literal["llama", "mistral", "qwen2", "gemma", "phi", "gpt_neox",
+    family: Literal["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox",
                     "qwen3", "olmo2", "smollm3", "phi3"] = "llama"
 
     # --- sizes
@@ -108,6 +109,18 @@ class Config:
     # None: every layer local when sliding_window is set (Mistral), else every layer global.
     layer_types: Optional[list[str]] = None
 
+    # --- softcapping, attention scale and local RoPE (Gemma 2 and 3)
+    # Attention scores (after scaling) become cap * tanh(scores / cap) before the softmax. None: no cap.
+    attn_logit_softcap: Optional[float] = None
+    # The output logits become cap * tanh(logits / cap) (the fused loss applies it chunk by chunk).
+    final_logit_softcap: Optional[float] = None
+    # Scores are q k^T / sqrt(query_pre_attn_scalar) instead of q k^T / sqrt(head_size). None: head_size.
+    query_pre_attn_scalar: Optional[int] = None
+    # RoPE base of the local (sliding-window) layers, which then rotate without `rope_scaling`; the
+    # global layers keep `rope_base` and `rope_scaling` (Gemma 3: 10000 local, 1e6 global with
+    # linear scaling). None: local layers rotate as global ones.
+    rope_local_base: Optional[float] = None
+
     # --- derived in __post_init__; not meant to be set
     rope_n_elem: int = field(default=0, init=False)
 
@@ -115,7 +128,8 @@ class Config:
         self._check_types()
         problems = []
         for name in ("vocab_size", "block_size", "n_layer", "n_embd", "n_head", "head_size", "intermediate_size",
-                     "norm_eps", "rope_base"):
+                     "norm_eps", "rope_base", "attn_logit_softcap", "final_logit_softcap", "query_pre_attn_scalar",
+                     "rope_local_base"):
             value = getattr(self, name)
             if value is not None and not value > 0:  # None: derived below
                 problems.append(f"{name} must be positive, got {value}")
@@ -196,6 +210,8 @@ class Config:
                 problems.append(f"layer_types entries must be one of {LAYER_TYPES}, got {wrong[0]!r}")
             elif "local" in self.layer_types and window is None:
                 problems.append("layer_types has local layers but sliding_window is not set")
+        if not problems and self.rope_local_base is not None and not any(self.layer(i).window for i in range(self.n_layer)):
+            problems.append("rope_local_base is set but no layer is local (sliding_window, layer_types)")
         if self.no_rope_layers is not None:
             wrong = [i for i in self.no_rope_layers if isinstance(i, bool) or not isinstance(i, int)
                      or not 0 <= i < self.n_layer]

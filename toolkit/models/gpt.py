@@ -41,6 +41,8 @@ class GPT(nn.Module):
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.rope = RotaryEmbedding(config)
+        # local layers' own tables (Config.rope_local_base), else they share the global ones
+        self.rope_local = RotaryEmbedding(config, local=True) if config.rope_local_base is not None else None
 
     def forward(
         self,
@@ -88,21 +90,32 @@ class GPT(nn.Module):
             if cache is not None:
                 raise ValueError("document_ids (packed samples) are for training; clear the KV cache first")
             positions, segments = document_segments(document_ids)
-            cos, sin = self.rope.at(positions, x.device, segments)  # (B, 1, T, rope_n_elem) each
-            if all(len(row) == 1 for row in segments):
-                segments = None  # one sample per row: the plain causal path
         elif cache is not None and cache.left_padding is not None:
             # A row's first real token is at position 0 whatever padding precedes it (padding: 0)
             positions = torch.arange(start, start + T, device=x.device)[None] - cache.left_padding[:B, None]  # (B, T)
-            cos, sin = self.rope.at(positions.clamp(min=0), x.device)  # (B, 1, T, rope_n_elem) each
+            positions = positions.clamp(min=0)
         else:
-            cos, sin = self.rope(start, T, x.device)  # (T, rope_n_elem) each, float32
+            positions = None
+        tables = {"global": self._rope_tables(self.rope, positions, start, T, x.device, segments)}
+        if self.rope_local is not None:
+            tables["local"] = self._rope_tables(self.rope_local, positions, start, T, x.device, segments)
+        if segments is not None and all(len(row) == 1 for row in segments):
+            segments = None  # one sample per row: the plain causal path
         for block in self.blocks:
-            x = block(x, cos, sin, input_pos, segments)
+            x = block(x, *tables[block.attn.rope_kind], input_pos, segments)
         x = self.norm_f(x)
         if labels is None:
-            return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x)
+            return softcap(self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x), self.config.final_logit_softcap)
         return self.head_loss(x, labels, per_token)
+
+    @staticmethod
+    def _rope_tables(
+        rope: RotaryEmbedding, positions: Optional[torch.Tensor], start: int, T: int, device,
+        segments: Optional[list[list[int]]] = None,
+    ):
+        """cos, sin: (T, rope_n_elem) each for positions start..start + T - 1, or (B, 1, T, rope_n_elem)
+        at each row's `positions` (B, T) (of packed samples: `segments`); float32."""
+        return rope(start, T, device) if positions is None else rope.at(positions, device, segments)
 
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor, per_token: bool = False) -> torch.Tensor:
         """Summed cross-entropy of `lm_head(x)` against `labels`, equal to `cross_entropy_sum(lm_head(x), labels)`;
@@ -112,10 +125,10 @@ class GPT(nn.Module):
         through its forward pass, so that hooks on the head (FSDP's gather) run. Anything else in
         its place (a peft LoRA layer, a quantized layer) takes the plain path.
         """
-        head = self.lm_head
+        head, cap = self.lm_head, self.config.final_logit_softcap
         if isinstance(head, OutputHead):
-            return head(x, labels, per_token)
-        return (label_log_probs if per_token else cross_entropy_sum)(head(x), labels)
+            return head(x, labels, per_token, softcap=cap)
+        return (label_log_probs if per_token else cross_entropy_sum)(softcap(head(x), cap), labels)
 
     # ------------------------------------------------------------------ KV cache
     def _check_cached_frequencies(self, cache: KVCache, start: int, T: int, B: int) -> None:
@@ -180,13 +193,18 @@ class OutputHead(nn.Linear):
     before the call) sees the call.
     """
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, per_token: bool = False) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, labels: Optional[torch.Tensor] = None, per_token: bool = False,
+        softcap: Optional[float] = None,
+    ) -> torch.Tensor:
+        """`softcap`: the loss is that of the logits cap * tanh(logits / cap) (`Config.final_logit_softcap`);
+        the logits themselves (no labels) are returned uncapped, as the caller caps them."""
         if labels is None:
             return super().forward(x)
         fused = linear_label_log_probs if per_token else linear_cross_entropy_sum
         if _compiling():
-            return _outside_compile(fused)(x, self.weight, self.bias, labels)
-        return fused(x, self.weight, self.bias, labels)
+            return _outside_compile(fused)(x, self.weight, self.bias, labels, softcap=softcap)
+        return fused(x, self.weight, self.bias, labels, softcap=softcap)
 
 
 class Block(nn.Module):
@@ -229,6 +247,11 @@ class Block(nn.Module):
         if self.post_mlp_norm is not None:
             mlp_out = self.post_mlp_norm(mlp_out)
         return x + mlp_out
+
+
+def softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma 2's final logits); the logits themselves when `cap` is None."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def count_parameters(config: Config) -> int:

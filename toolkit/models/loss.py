@@ -73,6 +73,7 @@ def linear_cross_entropy_sum(
     labels: torch.Tensor,
     chunk_rows: Optional[int] = None,
     skip_ignored: Optional[bool] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """`cross_entropy_sum(F.linear(hidden, weight, bias), labels)` without the full logits.
 
@@ -92,11 +93,15 @@ def linear_cross_entropy_sum(
     for the device.
     Under autocast the products run in the autocast dtype, as `nn.Linear` would; the softmax and
     the sums are float32.
+
+    `softcap` c: the loss of the logits c * tanh(logits / c) (Gemma 2's final softcap), capped chunk
+    by chunk; the gradient goes through the cap with the chunk's float32 tanh, one more chunk buffer.
     """
     hidden, labels, dtype, chunk_rows, skip_ignored = _prepare(hidden, weight, labels, chunk_rows, skip_ignored)
     # Under no_grad (validation) the Function still reports that its inputs require grad: ask here.
     want_grad = torch.is_grad_enabled()
-    return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad)
+    return _LinearCrossEntropySum.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad,
+                                        softcap)
 
 
 def linear_label_log_probs(
@@ -106,6 +111,7 @@ def linear_label_log_probs(
     labels: torch.Tensor,
     chunk_rows: Optional[int] = None,
     skip_ignored: Optional[bool] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """`label_log_probs(F.linear(hidden, weight, bias), labels)` (...) without the full logits.
 
@@ -115,10 +121,11 @@ def linear_label_log_probs(
     arguments, but the incoming gradient differs per row, so the gradients cannot be made in the
     forward pass: the backward pass computes each chunk's logits and softmax again (three matrix
     products per chunk in all, against two) and keeps nothing of the head's size in between.
+    `softcap` as in `linear_cross_entropy_sum`.
     """
     shape = labels.shape
     hidden, labels, dtype, chunk_rows, skip_ignored = _prepare(hidden, weight, labels, chunk_rows, skip_ignored)
-    return _LinearLabelLogProbs.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored).view(shape)
+    return _LinearLabelLogProbs.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, softcap).view(shape)
 
 
 def _prepare(hidden, weight, labels, chunk_rows, skip_ignored):
@@ -158,11 +165,12 @@ class _Chunks:
     5x slower than a copy and an in-place softmax.
     """
 
-    def __init__(self, h, w, b, y, dtype, chunk_rows) -> None:
+    def __init__(self, h, w, b, y, dtype, chunk_rows, softcap=None) -> None:
         n = h.shape[0]
         if n:  # equal chunks: a small last chunk would stream the whole weight for a few rows
             chunk_rows = math.ceil(n / math.ceil(n / chunk_rows))
         self.h, self.w, self.b, self.y, self.dtype, self.chunk_rows = h, w, b, y, dtype, chunk_rows
+        self.softcap = softcap
         self.shape = (min(chunk_rows, n), w.shape[0])
         device = h.device
         self.on_host = device.type == "cpu"
@@ -170,6 +178,8 @@ class _Chunks:
         self.logits_buf = _scratch(self.shape, dtype, device, 0)
         self.probs_buf = self.logits_buf if self.in_place else _scratch(self.shape, torch.float32, device, 1)
         self.vocab_rows = max(1, LOSS_CHUNK_BYTES // (4 * h.shape[1]))
+        # a softcap's float32 tanh(logits / cap) of the chunk, for the gradient through the cap
+        self.tanh_buf = None if softcap is None else _scratch(self.shape, torch.float32, device, 3)
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         n = self.h.shape[0]
@@ -183,6 +193,10 @@ class _Chunks:
             torch.mm(hc, self.w.t(), out=logits)
         else:
             torch.addmm(self.b, hc, self.w.t(), out=logits)
+        if self.softcap is not None:  # logits = cap * tanh(logits / cap), the tanh kept in float32
+            tanh = self.tanh_buf[: end - start]
+            torch.div(logits, self.softcap, out=tanh).tanh_()
+            torch.mul(tanh, self.softcap, out=logits)
         # log p(label) = (x_label - x_max) - log(sum_j exp(x_j - x_max)), and the largest
         # logit's probability is exp(0) / sum: the sum comes out of the softmax, so no
         # log-softmax pass is needed beside it (that probability is at least 1/V: it never
@@ -197,6 +211,13 @@ class _Chunks:
         else:
             torch.softmax(logits, dim=1, dtype=torch.float32, out=probs)
         return probs, shift + probs.amax(1).log()
+
+    def through_softcap(self, grad: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """The float32 gradient of the chunk's capped logits (rows, V) made that of the logits before
+        the cap, in place: times 1 - tanh^2 (the chunk's last `softmax` call kept its tanh)."""
+        if self.softcap is None:
+            return grad
+        return grad.mul_(self.tanh_buf[: end - start].square_().neg_().add_(1.0))
 
     def in_dtype(self, grad: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """A float32 gradient of the chunk's logits in the products' dtype (a scratch buffer)."""
@@ -223,7 +244,7 @@ class _Chunks:
 
 class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad):
+    def forward(ctx, hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, want_grad, softcap):
         n_rows, E = hidden.shape
         need_h, need_w = want_grad and ctx.needs_input_grad[0], want_grad and ctx.needs_input_grad[1]
         need_b = want_grad and bias is not None and ctx.needs_input_grad[2]
@@ -244,7 +265,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if need_w:  # the first chunk writes it (no zero-fill), unless there is no chunk at all
                 grad_w = (torch.empty if n else torch.zeros)(weight.shape, dtype=torch.float32, device=device)
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
-            chunks = _Chunks(h, w, b, y, dtype, chunk_rows)
+            chunks = _Chunks(h, w, b, y, dtype, chunk_rows, softcap)
             for start, end in chunks:
                 probs, picked = chunks.softmax(start, end)  # log-probability of each label
                 if mask is not None:
@@ -257,6 +278,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 grad.scatter_add_(1, y[start:end].unsqueeze(1), grad.new_full((end - start, 1), -1.0))
                 if mask is not None:
                     grad.mul_(mask[start:end].unsqueeze(1))
+                grad = chunks.through_softcap(grad, start, end)
                 if need_b:
                     grad_b += grad.sum(0)
                 grad = chunks.in_dtype(grad, start, end)
@@ -288,16 +310,16 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             d_weight = grad_w.mul_(grad_loss) if w_dtype == torch.float32 else _scaled(grad_w, grad_loss, w_dtype)
         if grad_b is not None:
             d_bias = grad_b.mul_(grad_loss) if b_dtype == torch.float32 else _scaled(grad_b, grad_loss, b_dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 class _LinearLabelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored):
+    def forward(ctx, hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, softcap):
         device = hidden.device
         rows, mask = _select_rows(labels, skip_ignored)
         with torch.autocast(device.type, enabled=False):
-            chunks = _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows)
+            chunks = _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows, softcap)
             picked = torch.empty(chunks.h.shape[0], dtype=torch.float32, device=device)
             for start, end in chunks:
                 picked[start:end] = chunks.softmax(start, end)[1]
@@ -305,7 +327,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
                 picked = picked.masked_fill(~mask, 0.0)
             if rows is not None:
                 picked = picked.new_zeros(labels.shape).index_copy_(0, rows, picked)
-        ctx.dtype, ctx.chunk_rows = dtype, chunk_rows
+        ctx.dtype, ctx.chunk_rows, ctx.softcap = dtype, chunk_rows, softcap
         ctx.save_for_backward(hidden, weight, bias, labels, rows, mask)
         return picked
 
@@ -315,7 +337,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         device = hidden.device
         with torch.autocast(device.type, enabled=False):
-            chunks = _chunked(hidden, weight, bias, labels, rows, mask, ctx.dtype, ctx.chunk_rows)
+            chunks = _chunked(hidden, weight, bias, labels, rows, mask, ctx.dtype, ctx.chunk_rows, ctx.softcap)
             n, E = chunks.h.shape
             g = grad_out.float()  # (N,): d(out)/d(log p(label)) of each row
             if mask is not None:
@@ -330,6 +352,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
                 # d(log p(label))/d(logits) = one_hot(label) - softmax, times the row's incoming gradient
                 grad.scatter_add_(1, chunks.y[start:end].unsqueeze(1), grad.new_full((end - start, 1), -1.0))
                 grad.mul_(-g[start:end].unsqueeze(1))
+                grad = chunks.through_softcap(grad, start, end)
                 if need_b:
                     grad_b += grad.sum(0)
                 grad = chunks.in_dtype(grad, start, end)
@@ -342,17 +365,17 @@ class _LinearLabelLogProbs(torch.autograd.Function):
                 d_hidden = d_hidden.new_zeros(hidden.shape).index_copy_(0, rows, d_hidden)
             d_weight = None if grad_w is None else grad_w.to(weight.dtype)
             d_bias = None if grad_b is None else grad_b.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None
 
 
-def _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows) -> _Chunks:
+def _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows, softcap=None) -> _Chunks:
     """The labelled rows (all of them, ignored ones pointed at class 0, with `mask`) as `_Chunks`."""
     h = hidden if rows is None else hidden.index_select(0, rows)
     y = labels if rows is None else labels.index_select(0, rows)
     if mask is not None:
         y = y.masked_fill(~mask, 0)  # any valid class: these rows are weighted by 0
     b = None if bias is None else bias.to(dtype)
-    return _Chunks(h.to(dtype), weight.to(dtype), b, y, dtype, chunk_rows)
+    return _Chunks(h.to(dtype), weight.to(dtype), b, y, dtype, chunk_rows, softcap)
 
 
 def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -97,6 +97,59 @@ GEMMA = [
     ),
 ]
 
+
+def _every_nth_global(n_layer: int, period: int) -> list[str]:
+    """Layer types with every `period`-th layer global, the others local (Gemma 2: 2, Gemma 3: 6)."""
+    return ["global" if (i + 1) % period == 0 else "local" for i in range(n_layer)]
+
+
+# Gemma 2 and 3: norms around attention and MLP, (1 + w) RMSNorm, scaled embeddings, tanh GeGLU,
+# local (sliding-window) and global layers. Gemma 2 softcaps scores and logits; Gemma 3 normalises
+# queries and keys per head and rotates local layers with their own base.
+_GEMMA_2_3 = dict(
+    norm_eps=1e-6, norm_unit_offset=True, norm_position="sandwich", mlp="geglu", gelu_approximate="tanh",
+    scale_embeddings=True, tie_embeddings=True,
+)
+_GEMMA2 = dict(_GEMMA_2_3, family="gemma2", vocab_size=256000, block_size=8192, sliding_window=4096,
+               attn_logit_softcap=50.0, final_logit_softcap=30.0)
+_GEMMA3 = dict(_GEMMA_2_3, family="gemma3", qk_norm="head", rope_base=1000000.0, rope_local_base=10000.0)
+# Gemma 3 4B and up: the text model of the published multimodal checkpoints (their parameter counts
+# here are the language model's: Gemma 3 report, Table 1, embedding + non-embedding parameters)
+_GEMMA3_LONG = dict(_GEMMA3, vocab_size=262208, block_size=131072, sliding_window=1024,
+                    rope_scaling={"rope_type": "linear", "factor": 8.0})
+GEMMA_2_3 = [
+    dict(_GEMMA2, name="gemma-2-2b", hf_repo_id="google/gemma-2-2b", aliases=["gemma-2-2b-it", "google/gemma-2-2b-it"],
+         n_layer=26, n_embd=2304, n_head=8, n_query_groups=4, head_size=256, intermediate_size=9216,
+         query_pre_attn_scalar=256, layer_types=_every_nth_global(26, 2), expected_params=2_614_341_888),
+    dict(_GEMMA2, name="gemma-2-9b", hf_repo_id="google/gemma-2-9b", aliases=["gemma-2-9b-it", "google/gemma-2-9b-it"],
+         n_layer=42, n_embd=3584, n_head=16, n_query_groups=8, head_size=256, intermediate_size=14336,
+         query_pre_attn_scalar=256, layer_types=_every_nth_global(42, 2), expected_params=9_241_705_984),
+    dict(_GEMMA2, name="gemma-2-27b", hf_repo_id="google/gemma-2-27b",
+         aliases=["gemma-2-27b-it", "google/gemma-2-27b-it"],
+         n_layer=46, n_embd=4608, n_head=32, n_query_groups=16, head_size=128, intermediate_size=36864,
+         query_pre_attn_scalar=144, layer_types=_every_nth_global(46, 2), expected_params=27_227_128_320),
+    dict(_GEMMA3, name="gemma-3-270m", hf_repo_id="google/gemma-3-270m", aliases=["gemma-3-270m-it", "google/gemma-3-270m-it"],
+         vocab_size=262144, block_size=32768, sliding_window=512, n_layer=18, n_embd=640, n_head=4,
+         n_query_groups=1, head_size=256, intermediate_size=2048, query_pre_attn_scalar=256,
+         layer_types=_every_nth_global(18, 6), expected_params=268_098_176),
+    dict(_GEMMA3, name="gemma-3-1b", hf_repo_id="google/gemma-3-1b-pt", aliases=["gemma-3-1b-it", "google/gemma-3-1b-it"],
+         vocab_size=262144, block_size=32768, sliding_window=512, n_layer=26, n_embd=1152, n_head=4,
+         n_query_groups=1, head_size=256, intermediate_size=6912, query_pre_attn_scalar=256,
+         layer_types=_every_nth_global(26, 6), expected_params=999_885_952),
+    dict(_GEMMA3_LONG, name="gemma-3-4b", hf_repo_id="google/gemma-3-4b-pt",
+         aliases=["gemma-3-4b-it", "google/gemma-3-4b-it"],
+         n_layer=34, n_embd=2560, n_head=8, n_query_groups=4, head_size=256, intermediate_size=10240,
+         query_pre_attn_scalar=256, layer_types=_every_nth_global(34, 6), expected_params=3_884_000_000),
+    dict(_GEMMA3_LONG, name="gemma-3-12b", hf_repo_id="google/gemma-3-12b-pt",
+         aliases=["gemma-3-12b-it", "google/gemma-3-12b-it"],
+         n_layer=48, n_embd=3840, n_head=16, n_query_groups=8, head_size=256, intermediate_size=15360,
+         query_pre_attn_scalar=256, layer_types=_every_nth_global(48, 6), expected_params=11_771_000_000),
+    dict(_GEMMA3_LONG, name="gemma-3-27b", hf_repo_id="google/gemma-3-27b-pt",
+         aliases=["gemma-3-27b-it", "google/gemma-3-27b-it"],
+         n_layer=62, n_embd=5376, n_head=32, n_query_groups=16, head_size=128, intermediate_size=21504,
+         query_pre_attn_scalar=168, layer_types=_every_nth_global(62, 6), expected_params=27_016_000_000),
+]
+
 PHI = [
     dict(
         name="phi-2", hf_repo_id="microsoft/phi-2", family="phi",
@@ -254,6 +307,12 @@ DEBUG = [
     dict(name="debug-gemma", family="gemma", vocab_size=512, block_size=256, n_layer=2, n_embd=64, n_head=4,
          n_query_groups=1, head_size=32, intermediate_size=128, mlp="geglu", gelu_approximate="tanh",
          norm_unit_offset=True, tie_embeddings=True, scale_embeddings=True, norm_eps=1e-6),
+    dict(_GEMMA2, name="debug-gemma2", vocab_size=512, block_size=256, n_layer=2, n_embd=64, n_head=4,
+         n_query_groups=2, head_size=16, intermediate_size=128, sliding_window=16, query_pre_attn_scalar=24,
+         layer_types=_every_nth_global(2, 2)),
+    dict(_GEMMA3, name="debug-gemma3", vocab_size=512, block_size=256, n_layer=3, n_embd=64, n_head=4,
+         n_query_groups=2, head_size=16, intermediate_size=128, sliding_window=16, query_pre_attn_scalar=24,
+         layer_types=_every_nth_global(3, 3), rope_scaling={"rope_type": "linear", "factor": 8.0}),
     dict(name="debug-phi", family="phi", vocab_size=512, block_size=256, n_layer=2, n_embd=64, n_head=4,
          norm="layernorm", mlp="gelu", gelu_approximate="tanh", bias=True, lm_head_bias=True,
          parallel_residual=True, shared_attention_norm=True, rotary_percentage=0.5),
@@ -306,12 +365,13 @@ SMOLLM3 = [
          no_rope_layers=list(range(3, 36, 4)), expected_params=3_075_098_624),
 ]
 
-PRESETS: list[dict[str, Any]] = [*LLAMA, *MISTRAL, *QWEN2, *GEMMA, *PHI, *PHI3, *PYTHIA, *QWEN3, *OLMO2, *SMOLLM3, *DEBUG]
+PRESETS: list[dict[str, Any]] = [*LLAMA, *MISTRAL, *QWEN2, *GEMMA, *GEMMA_2_3, *PHI, *PHI3, *PYTHIA, *QWEN3, *OLMO2, *SMOLLM3, *DEBUG]
 
 
 # Family id (Config.family) -> the name `toolkit list` shows; a family not listed shows its id.
 FAMILY_TITLES: dict[str, str] = {
-    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "gemma": "Gemma",
+    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma 2",
+    "gemma3": "Gemma 3",
     "phi": "Phi", "phi3": "Phi-3 and Phi-4", "gpt_neox": "GPT-NeoX (Pythia)", "olmo2": "OLMo 2", "smollm3": "SmolLM3",
 }
 # The title of the group of presets that mirror no published model (tests, the CPU quick start).

@@ -53,6 +53,12 @@ def llama3_scale_frequencies(
     return torch.where(is_medium, smoothed, scaled)
 
 
+@register_rope_scaling("linear")
+def linear_scale_frequencies(inv_freq: torch.Tensor, factor: float) -> torch.Tensor:
+    """Linear ("position interpolation") scaling: every frequency divided by `factor`."""
+    return inv_freq / factor
+
+
 @register_rope_scaling("yarn")
 def yarn_scale_frequencies(
     inv_freq: torch.Tensor, factor: float, original_max_seq_len: int, beta_fast: float, beta_slow: float,
@@ -115,12 +121,14 @@ class RotaryEmbedding:
     alone. A KV cache filled with one set cannot continue with the other (`same_frequencies`).
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, local: bool = False) -> None:
+        """`local`: the tables of the local layers when they have their own base (`Config.rope_local_base`):
+        that base, no frequency scaling."""
         self.dim = config.rope_n_elem
-        self.base = config.rope_base
-        self.scaling = config.rope_scaling_type
+        self.base = config.rope_local_base if local else config.rope_base
+        self.scaling = None if local else config.rope_scaling_type
         # the scaling's own keys (Config has checked that they are there)
-        self.scaling_keys = {k: v for k, v in (config.rope_scaling or {}).items() if k != "rope_type"}
+        self.scaling_keys = {} if local else {k: v for k, v in (config.rope_scaling or {}).items() if k != "rope_type"}
         asks = inspect.signature(ROPE_SCALINGS[self.scaling]).parameters if self.scaling is not None else {}
         self._takes_base = "base" in asks
         # Sequences longer than this take the long frequencies (None: one set for every length)
