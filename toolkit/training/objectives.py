@@ -19,17 +19,21 @@ keys itself; it only adds up what the objective returns:
   loss is a mean token cross-entropy (`reports_perplexity`).
 
 Adding an objective: subclass `Objective`, implement `normaliser` and `loss` (and `real_tokens`
-if batches are padded or hold no `input_ids`), and pass an instance to `Session.fit`
-(or `fit`). See tutorials/objectives.md.
+if batches are padded or hold no `input_ids`; `prepare` if it sets something up once before
+training, such as a preference loss's reference model), and pass an instance to `Session.fit`
+(or `fit`). See tutorials/objectives.md. The preference objectives (DPO, IPO, SimPO, ORPO) are in
+`toolkit.training.preference`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
+from toolkit.errors import UserError
 from toolkit.models import IGNORE_INDEX
 
 
@@ -42,6 +46,25 @@ class ObjectiveOutput:
     # name -> a sum over the same units, detached or not; logged as train/<name> and val/<name>
     # divided by the summed normaliser. "loss" and "ppl" are taken.
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class ObjectiveSetup:
+    """What a fine-tuning entry point gives `Objective.prepare`, once, before training."""
+
+    fabric: Any
+    model: Any  # the trained model as Fabric set it up (sharded under FSDP), still at its starting weights
+    train_loader: Any
+    val_loader: Any  # None: no validation
+    out_dir: Path
+    precision: str  # the run's Fabric precision
+    micro_batch_size: int
+    # The trained weights are adapters over a frozen base (LoRA): the model with its adapters
+    # switched off is the starting model.
+    frozen_base: bool
+    # Another copy of the starting weights, frozen and sharded like `model` (`Session.build_model(frozen=True)`).
+    build_frozen_copy: Callable[[], Any]
+    base_fingerprint: str  # identifies the starting checkpoint (`toolkit.model_dir.checkpoint_fingerprint`)
 
 
 class Objective:
@@ -73,6 +96,11 @@ class Objective:
         ids = batch["input_ids"]
         return torch.full((), ids.numel(), dtype=torch.long, device=ids.device)
 
+    def prepare(self, setup: ObjectiveSetup) -> None:
+        """Set up what the objective needs beside the trained model, once, before the loop starts (and
+        before a resumed run loads its checkpoint): check that the data fits it, build or compute a
+        reference. Every rank calls it; collectives are allowed. Nothing to do here."""
+
     def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
         loss_sum, metrics = self.loss(model, batch)
         return ObjectiveOutput(loss_sum=loss_sum, normaliser=self.normaliser(batch), metrics=metrics)
@@ -98,6 +126,27 @@ class CausalLM(Objective):
 
     def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         return tokens_before_padding(batch["labels"])
+
+    def prepare(self, setup: ObjectiveSetup) -> None:
+        batch = peek_batch(setup.train_loader)
+        if batch is not None and "pair_ids" in batch:
+            raise UserError(
+                "The data gives preference pairs (chosen and rejected responses), which supervised fine-tuning would "
+                "train on alike: choose a preference objective (--objective dpo, ipo, simpo or orpo), or instruction data."
+            )
+
+
+class SFT(CausalLM):
+    """Supervised fine-tuning (`--objective sft`, the fine-tuning default): `CausalLM` on the responses."""
+
+
+def peek_batch(loader: Any) -> Optional[dict[str, Any]]:
+    """The batch of the loader's first sample, without moving the loader; None for a loader that
+    cannot make one (the instruction and preference loaders can: they hold `samples` and `pad_id`)."""
+    samples = getattr(loader, "samples", None)
+    if samples is None or not hasattr(samples, "collate") or not len(samples):
+        return None
+    return samples.collate([0], getattr(loader, "pad_id", 0))
 
 
 def tokens_before_padding(labels: torch.Tensor) -> torch.Tensor:
