@@ -20,10 +20,10 @@ import pytest
 import torch
 import transformers
 
+from pair_data import collate_pairs
 from toolkit.convert import convert_from_hf
 from toolkit.convert.weight_maps import toolkit_to_hf_name
 from toolkit.model_dir import load_model
-from toolkit.models import IGNORE_INDEX
 from toolkit.training.preference import DPO, IPO, ORPO, SimPO
 from toolkit.training.reference import FrozenModel
 
@@ -71,16 +71,7 @@ def models(tmp_path_factory):
 
 
 def toolkit_batch(pairs) -> dict:
-    """The data modules' contract: (2B, T) shifted rows, chosen first, IGNORE_INDEX on prompt and padding."""
-    rows = [p + c for p, c, _ in pairs] + [p + r for p, _, r in pairs]
-    prompts = [len(p) for p, _, _ in pairs] * 2
-    T = max(len(r) for r in rows) - 1
-    input_ids = torch.full((len(rows), T), PAD)
-    labels = torch.full((len(rows), T), IGNORE_INDEX)
-    for i, (row, prompt) in enumerate(zip(rows, prompts)):
-        input_ids[i, : len(row) - 1] = torch.tensor(row[:-1])
-        labels[i, prompt - 1 : len(row) - 1] = torch.tensor(row[prompt:])
-    return {"input_ids": input_ids, "labels": labels, "pair_ids": torch.arange(len(pairs))}
+    return collate_pairs(pairs, list(range(len(pairs))), PAD)
 
 
 def _padded(rows: list[list[int]], value: int) -> torch.Tensor:

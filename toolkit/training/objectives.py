@@ -27,6 +27,7 @@ training, such as a preference loss's reference model), and pass an instance to 
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Optional
@@ -67,7 +68,7 @@ class ObjectiveSetup:
     base_fingerprint: str  # identifies the starting checkpoint (`toolkit.model_dir.checkpoint_fingerprint`)
 
 
-class Objective:
+class Objective(ABC):
     """Base class of the objectives the loop trains and validates with.
 
     Subclasses implement `normaliser(batch)`, computed from the batch alone (the loop needs the
@@ -79,16 +80,16 @@ class Objective:
     # The loss is a mean token cross-entropy: validation also reports exp(loss) as val/ppl.
     reports_perplexity: ClassVar[bool] = False
 
+    @abstractmethod
     def normaliser(self, batch: dict[str, Any]) -> torch.Tensor:
         """The units this micro-batch's loss is summed over (0-dim, on the batch's device).
 
         A count known on the host is made with `torch.full` on the device, not `torch.tensor`
         (a copy from host memory, which waits for the GPU's queued work)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss summed over the units, metrics summed over them) for one micro-batch."""
-        raise NotImplementedError
 
     def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         """Input tokens the step computes on, padding left out (0-dim long): throughput, tokens_seen
@@ -106,6 +107,7 @@ class Objective:
         return ObjectiveOutput(loss_sum=loss_sum, normaliser=self.normaliser(batch), metrics=metrics)
 
 
+@dataclass
 class CausalLM(Objective):
     """Next-token cross-entropy, normalised by target tokens (labels that are not IGNORE_INDEX).
 
@@ -136,6 +138,7 @@ class CausalLM(Objective):
             )
 
 
+@dataclass
 class SFT(CausalLM):
     """Supervised fine-tuning (`--objective sft`, the fine-tuning default): `CausalLM` on the responses."""
 

@@ -23,6 +23,7 @@ fine-tuning), or log-probabilities computed once before training (`precompute_re
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -59,7 +60,7 @@ def split_pairs(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @dataclass
-class PreferenceObjective(Objective):
+class PreferenceObjective(Objective, ABC):
     """What every preference loss shares: units, the policy's log-probabilities, metrics, the reference.
 
     Subclasses set `uses_reference` and implement `pair_losses`."""
@@ -129,10 +130,10 @@ class PreferenceObjective(Objective):
         (chosen, rejected), (chosen_tokens, rejected_tokens) = split_pairs(per_token.sum(-1)), split_pairs(tokens)
         return PairLogProbs(chosen, rejected, chosen_tokens, rejected_tokens)
 
+    @abstractmethod
     def pair_losses(self, policy: PairLogProbs, reference: Optional[tuple[torch.Tensor, torch.Tensor]]):
         """(losses (B,), chosen rewards (B,), rejected rewards (B,), (chosen logps, rejected logps) as
         logged, extra metric sums {name: 0-dim}); the rewards detached."""
-        raise NotImplementedError
 
 
 def sigmoid_loss(logits: torch.Tensor, label_smoothing: float) -> torch.Tensor:
