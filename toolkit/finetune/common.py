@@ -95,9 +95,11 @@ def run_finetune(
         train = dataclasses.replace(train, epochs=1)
 
     hparams = dict(hparams or {}, train=plain(train))  # with the epochs default resolved
+    objective = objective if objective is not None else SFT()
     with Session.start(
         kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, run_plan=run_plan, seed=seed,
         resume=resume, hparams=hparams, lora=lora, frozen_base=checkpoint_dir if frozen_base else None,
+        objective=objective,
     ) as session:
         session.export_dtype = dtype
         fabric = session.fabric
@@ -125,7 +127,6 @@ def run_finetune(
         model = session.build_model(weights=checkpoint_dir, prepare=prepare, prepare_on_meta=prepare_on_meta,
                                     meta_model=meta_model)
         optimizer = session.build_optimizer(model)
-        objective = objective if objective is not None else SFT()
         with session.remove_output_on_error():
             objective.prepare(ObjectiveSetup(
                 fabric=fabric, model=model, train_loader=train_loader, val_loader=val_loader, out_dir=session.out_dir,

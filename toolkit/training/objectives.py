@@ -97,6 +97,13 @@ class Objective(ABC):
         ids = batch["input_ids"]
         return torch.full((), ids.numel(), dtype=torch.long, device=ids.device)
 
+    def memory_profile(self, frozen_base: bool) -> dict[str, bool]:
+        """What this objective adds to a training step's memory, as `toolkit.memory.check_run_fits`
+        takes it: {"pairs": each sample is two rows with per-token log-probabilities, "frozen_copy":
+        a frozen copy of the model lives beside it}. `frozen_base`: the run trains adapters (LoRA).
+        Nothing here."""
+        return {}
+
     def prepare(self, setup: ObjectiveSetup) -> None:
         """Set up what the objective needs beside the trained model, once, before the loop starts (and
         before a resumed run loads its checkpoint): check that the data fits it, build or compute a

@@ -113,6 +113,10 @@ class PreferenceObjective(Objective, ABC):
         }
         return losses.sum(), metrics
 
+    def memory_profile(self, frozen_base: bool) -> dict[str, bool]:
+        # LoRA's reference is its own base; a precomputed one is a table, not a model.
+        return {"pairs": True, "frozen_copy": self.uses_reference and not frozen_base and not self.precompute_reference}
+
     def prepare(self, setup: ObjectiveSetup) -> None:
         batch = peek_batch(setup.train_loader)
         if batch is not None and "pair_ids" not in batch:

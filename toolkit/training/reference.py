@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import os
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
 from toolkit.errors import UserError
+from toolkit.models.adapters import adapters_switched_off
+from toolkit.parallel.fsdp import release_gathered
 from toolkit.training.objectives import ObjectiveSetup
 
 REFERENCE_FILE = "reference_logps.safetensors"
@@ -42,11 +43,14 @@ def _summed_log_probs(model, batch: dict[str, Any]) -> torch.Tensor:
 
 
 class AdaptersOff(Reference):
-    """The trained (peft) model with every adapter switched off: its frozen base."""
+    """The trained (peft) model with every adapter switched off: its frozen base. Under FSDP the
+    units this pass leaves gathered are freed after it (`release_gathered`)."""
 
     def log_probs(self, model, batch):
-        with torch.no_grad(), adapters_disabled(model):
-            return _summed_log_probs(model, batch)
+        with torch.no_grad(), adapters_switched_off(model):
+            values = _summed_log_probs(model, batch)
+        release_gathered(model)
+        return values
 
     def describe(self) -> str:
         return "the base model, with the LoRA adapters switched off (no second copy)"
@@ -84,18 +88,6 @@ class Precomputed(Reference):
 
     def describe(self) -> str:
         return f"log-probabilities precomputed once, in {self.path}"
-
-
-@contextmanager
-def adapters_disabled(model) -> Iterator[None]:
-    """`model` (Fabric's wrapper around a peft model, sharded or not) with its adapters switched off."""
-    from peft import PeftModel
-
-    peft_model = next((m for m in model.modules() if isinstance(m, PeftModel)), None)
-    if peft_model is None:
-        raise RuntimeError("the model has no LoRA adapters to switch off")
-    with peft_model.disable_adapter():
-        yield
 
 
 def choose_reference(setup: ObjectiveSetup, precompute: bool) -> Reference:
@@ -215,6 +207,7 @@ def _compute_table(fabric, model, live: Reference, samples, loader, micro_batch_
         if j < len(chunks):
             chosen, rejected = values.chunk(2)
             table[batch["pair_ids"]] = torch.stack([chosen, rejected], dim=1)
+    release_gathered(model)
     if world > 1:
         torch.distributed.all_reduce(table)
     return table
