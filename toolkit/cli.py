@@ -108,6 +108,7 @@ def class_names_in_their_case(function: Callable, argv: list[str]) -> list[str]:
                 if not inspect.isabstract(c):
                     names.setdefault(c.__name__.lower(), set()).add(c.__name__)
             spellings[f"--{name}"] = {lower: found.pop() for lower, found in names.items() if len(found) == 1}
+            spellings[f"--{name}.help"] = spellings[f"--{name}"]
     out = []
     for i, word in enumerate(argv):
         option, equals, value = word.partition("=")
