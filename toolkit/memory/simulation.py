@@ -213,7 +213,7 @@ def build(config, plan, finetune, lora, mesh, frozen: bool = False):
     decay = decay_names(model)
     shard_model(model, mesh, plan, Block)  # what ShardedStrategy.setup_module does in training
     if frozen:
-        from toolkit.training.model_setup import reshard_after_every_forward
+        from toolkit.parallel.fsdp import reshard_after_every_forward
 
         reshard_after_every_forward(model)
         model.eval()

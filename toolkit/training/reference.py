@@ -31,10 +31,14 @@ REFERENCE_FILE = "reference_logps.safetensors"
 
 
 class Reference:
+    """Where a batch's reference log-probabilities come from (`model`: the trained model, as the loop calls it)."""
+
     def log_probs(self, model, batch: dict[str, Any]) -> torch.Tensor:
+        """(2B,) float32: the chosen rows', then the rejected rows' summed log-probabilities."""
         raise NotImplementedError
 
     def describe(self) -> str:
+        """What the reference is, for the log."""
         raise NotImplementedError
 
 

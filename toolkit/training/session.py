@@ -238,10 +238,11 @@ class Session:
         that checked its shapes before launch), used instead of building it again.
         """
         from toolkit.models.gpt import GPT
+        from toolkit.parallel.fsdp import reshard_after_every_forward
         from toolkit.parallel.precision import apply_precision_policy
         from toolkit.training.fabric import is_fsdp
         from toolkit.training.model_setup import (
-            host_memory_growth, materialize, reshard_after_every_forward, setup_model, start_host_memory_window,
+            host_memory_growth, materialize, setup_model, start_host_memory_window,
         )
 
         memory_start = start_host_memory_window()
