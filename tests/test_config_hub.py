@@ -29,6 +29,8 @@ EXPECTED = {
     "pretrain/pythia-160m.yaml",
     *(f"finetune/{model}/{kind}.yaml" for model in FINETUNE_MODELS for kind in ("full", "lora", "qlora")),
     "finetune/qwen2.5-0.5b/chat_lora.yaml",
+    "finetune/qwen2.5-0.5b/dpo_lora.yaml",
+    "finetune/llama-3.1-70b/dpo_qlora.yaml",
 }
 # Placeholder positional arguments for a YAML that leaves them to the command line.
 POSITIONAL = {"pretrain": ["model_name", "debug"], "finetune_full": ["checkpoint_dir", "checkpoints/x"],
@@ -41,7 +43,7 @@ def entry_point(relative: str) -> str:
         return "pretrain"
     if parts[0] == "finetune" and len(parts) == 3:
         return {"full.yaml": "finetune_full", "lora.yaml": "finetune_lora", "qlora.yaml": "finetune_lora",
-                "chat_lora.yaml": "finetune_lora"}[parts[2]]
+                "chat_lora.yaml": "finetune_lora", "dpo_lora.yaml": "finetune_lora", "dpo_qlora.yaml": "finetune_lora"}[parts[2]]
     raise AssertionError(f"config_hub/{relative}: no entry point for this location; add it to entry_point()")
 
 
@@ -90,15 +92,20 @@ def test_recipe_parses_and_is_consistent(relative):
         assert "checkpoint_dir" in raw, "fine-tuning recipes name the checkpoint `toolkit download` writes"
         assert checkpoint == f"checkpoints/{config.hf_repo_id}", checkpoint
         data = args["data"]
+        preference = Path(relative).name.startswith("dpo_")
         if relative.endswith("chat_lora.yaml"):  # conversations in the model's chat template
             assert type(data).__name__ == "Chat" and str(data.json_path) == "data/chat/conversations.jsonl"
             assert data.prompt_style is None  # refused by Chat: the template lays conversations out
+        elif preference:  # preference pairs under DPO, against the base with its adapters switched off
+            assert type(data).__name__ == "Preference" and str(data.json_path) == "data/preference/pairs.jsonl"
+            assert type(args["objective"]).__name__ == "DPO" and not args["objective"].precompute_reference
         else:
             assert type(data).__name__ == "Alpaca" and str(data.json_path) == "data/alpaca/alpaca_data_cleaned.json"
         qlora = relative.endswith("qlora.yaml")
         assert (args.get("quantize") is not None) == qlora
         if qlora:
-            assert args["quantize"] == "bnb.nf4"
+            # One device with bitsandbytes; the 70B's DPO recipe shards torchao's NF4 over two.
+            assert args["quantize"] == ("nf4" if preference else "bnb.nf4")
             assert "head" not in args["lora"].targets  # refused with --quantize
         if name == "finetune_lora" and config.family == "gpt_neox":
             # Hugging Face fuses GPT-NeoX's query/key/value: adapters on them have no peft export,

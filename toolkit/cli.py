@@ -83,6 +83,45 @@ def build_parser(name: str, function: Callable, prog: Optional[str] = None):
     return parser
 
 
+def class_names_in_their_case(function: Callable, argv: list[str]) -> list[str]:
+    """`argv` with each class chosen by name on the command line (`--data alpaca`, `--objective dpo`)
+    spelt as the class is (Alpaca, DPO): a name may be written in any case. A name that is not one
+    of the option's classes, or that two of them share in some case, is left as it was (for
+    jsonargparse to explain)."""
+    import inspect
+    import typing
+
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:  # an annotation that cannot be resolved here: jsonargparse will say so
+        return argv
+    spellings: dict[str, dict[str, str]] = {}
+    for name, hint in hints.items():
+        for cls in typing.get_args(hint) or (hint,):
+            if not inspect.isclass(cls) or not cls.__subclasses__():
+                continue
+            classes, todo = [], [cls]
+            while todo:
+                current = todo.pop()
+                classes.append(current)
+                todo.extend(current.__subclasses__())
+            names: dict[str, set[str]] = {}
+            for c in classes:
+                if not inspect.isabstract(c):
+                    names.setdefault(c.__name__.lower(), set()).add(c.__name__)
+            spellings[f"--{name}"] = {lower: found.pop() for lower, found in names.items() if len(found) == 1}
+            spellings[f"--{name}.help"] = spellings[f"--{name}"]
+    out = []
+    for i, word in enumerate(argv):
+        option, equals, value = word.partition("=")
+        if equals and option in spellings:
+            word = option + "=" + spellings[option].get(value.lower(), value)
+        elif i and argv[i - 1] in spellings and not word.startswith("-"):
+            word = spellings[argv[i - 1]].get(word.lower(), word)
+        out.append(word)
+    return out
+
+
 def _explain_parse_error(parser, argv: list[str], error: Exception) -> str:
     """One line: what was wrong; for a misspelled option, that option and the closest valid names."""
     message = str(error)
@@ -220,6 +259,7 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
     """
     _show_toolkit_logs()
     parser = build_parser(prog, function, prog=prog)
+    argv = class_names_in_their_case(function, argv)
     try:
         cfg = parser.parse_args(argv)
     except SystemExit as exit_:  # --help

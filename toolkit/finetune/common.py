@@ -60,14 +60,17 @@ def run_finetune(
     `frozen_base`: the weights of `checkpoint_dir` stay frozen (LoRA): training checkpoints hold only
     what trains, and a resume is refused if `checkpoint_dir` is not the base they were trained on.
     `prepare_on_meta`: `prepare_model` works on the meta model (nf4 quantizes each weight as it is read).
-    `objective`: what the loop minimises (`toolkit.training.objectives`); None is `CausalLM()`.
+    `objective`: what the loop minimises (`toolkit.training.objectives`, `toolkit.training.preference`);
+    None is `SFT()`. Its `prepare` runs once the model is built, before the loop (a preference loss
+    chooses its reference there: the base with the adapters off when `frozen_base`, else a frozen
+    copy of `checkpoint_dir`, or log-probabilities precomputed with either).
     """
     from toolkit.model_dir import export_dtype as resolve_export_dtype
     from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
     from toolkit.parallel.plan import plan_run
     from toolkit.tokenizer import Tokenizer
-    from toolkit.training.objectives import CausalLM
+    from toolkit.training.objectives import SFT, ObjectiveSetup
     from toolkit.training.session import Session
     from toolkit.training.trackers import plain
 
@@ -92,9 +95,11 @@ def run_finetune(
         train = dataclasses.replace(train, epochs=1)
 
     hparams = dict(hparams or {}, train=plain(train))  # with the epochs default resolved
+    objective = objective if objective is not None else SFT()
     with Session.start(
         kind=kind, out_dir=out_dir, config=config, train=train, eval=eval, log=log, run_plan=run_plan, seed=seed,
         resume=resume, hparams=hparams, lora=lora, frozen_base=checkpoint_dir if frozen_base else None,
+        objective=objective,
     ) as session:
         session.export_dtype = dtype
         fabric = session.fabric
@@ -122,12 +127,28 @@ def run_finetune(
         model = session.build_model(weights=checkpoint_dir, prepare=prepare, prepare_on_meta=prepare_on_meta,
                                     meta_model=meta_model)
         optimizer = session.build_optimizer(model)
+        with session.remove_output_on_error():
+            objective.prepare(ObjectiveSetup(
+                fabric=fabric, model=model, train_loader=train_loader, val_loader=val_loader, out_dir=session.out_dir,
+                precision=session.precision, micro_batch_size=train.micro_batch_size, frozen_base=frozen_base,
+                build_frozen_copy=lambda: session.build_model(weights=checkpoint_dir, frozen=True),
+                base_fingerprint=_fingerprint(session, checkpoint_dir),
+            ))
         limits = [s for s in (train.max_steps, train.epochs and train.epochs * steps_per_epoch) if s]
         total_steps = min(limits) if limits else None
         session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=None,
-                    objective=objective if objective is not None else CausalLM())
+                    objective=objective)
         if export is not None:
             export(session, model)
         else:
             session.export_final(model)
         return session, model
+
+
+def _fingerprint(session, checkpoint_dir: Path) -> str:
+    """The starting checkpoint's fingerprint: the frozen base's, already taken, or taken now (1 MiB read)."""
+    if session.frozen_base is not None:
+        return session.frozen_base["fingerprint"]
+    from toolkit.model_dir import checkpoint_fingerprint
+
+    return checkpoint_fingerprint(checkpoint_dir)

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Literal, Optional, Union
 
 from toolkit.data.instruct import InstructData
+from toolkit.training.objectives import Objective
+from toolkit.training.preference import PreferenceObjective  # noqa: F401  (its losses are --objective choices)
 from toolkit.finetune.common import FINETUNE_EVAL, FINETUNE_TRAIN, run_finetune
 from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
 
@@ -14,6 +16,7 @@ def finetune_full(
     checkpoint_dir: Path,
     out_dir: Path = Path("out/finetune/full"),
     data: Optional[InstructData] = None,
+    objective: Optional[Objective] = None,
     train: TrainArgs = FINETUNE_TRAIN,
     eval: EvalArgs = FINETUNE_EVAL,
     log: LogArgs = LogArgs(),
@@ -33,6 +36,11 @@ def finetune_full(
         out_dir: Where logs, training checkpoints and the fine-tuned model (`<out_dir>/final`) go.
         data: Instruction data: `Alpaca`, `JSON` (records with configurable field names), or `Chat`
             (multi-turn conversations in the model's chat template).
+        objective: What to minimise: sft (the default: the response tokens' cross-entropy) on
+            instruction data; on preference pairs (--data Preference or HFPreference) dpo or ipo
+            (against a reference model: a frozen copy of the checkpoint, sharded like the model; or --objective.precompute_reference true), or the
+            reference-free simpo and orpo. Their options: --objective.beta and so on (see
+            tutorials/preference.md).
         train: Optimisation and stopping (default: one epoch).
         eval: Validation cadence.
         log: Logging cadence and destinations.
@@ -60,6 +68,6 @@ def finetune_full(
         raise UserError("No training data given: pass --data Alpaca --data.json_path <file.json> (or --data JSON ...).")
     _, model = run_finetune(
         "finetune_full", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
-        precision, seed, resume, export_dtype=export_dtype, hparams=hparams,
+        precision, seed, resume, export_dtype=export_dtype, hparams=hparams, objective=objective,
     )
     return model

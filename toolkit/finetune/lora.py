@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Optional, Union
 
 from toolkit.data.instruct import InstructData
+from toolkit.training.objectives import Objective
+from toolkit.training.preference import PreferenceObjective  # noqa: F401  (its losses are --objective choices)
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
 from toolkit.models.adapters import LoRAArgs
@@ -123,6 +125,7 @@ def finetune_lora(
     checkpoint_dir: Path,
     out_dir: Path = Path("out/finetune/lora"),
     data: Optional[InstructData] = None,
+    objective: Optional[Objective] = None,
     lora: LoRAArgs = LoRAArgs(),
     quantize: Optional[QuantizeName] = None,
     train: TrainArgs = LORA_TRAIN,
@@ -142,6 +145,11 @@ def finetune_lora(
         out_dir: Where logs, training checkpoints and the adapter (`<out_dir>/final`) go.
         data: Instruction data: `Alpaca`, `JSON` (records with configurable field names), or `Chat`
             (multi-turn conversations in the model's chat template).
+        objective: What to minimise: sft (the default: the response tokens' cross-entropy) on
+            instruction data; on preference pairs (--data Preference or HFPreference) dpo or ipo
+            (against a reference model: the base with the adapters switched off; or --objective.precompute_reference true), or the
+            reference-free simpo and orpo. Their options: --objective.beta and so on (see
+            tutorials/preference.md).
         lora: Adapter rank, alpha, dropout and targets.
         quantize: Store the frozen base in 4 bits (QLoRA): nf4 (torchao's NF4, sharded by FSDP2 on
             several devices), or with bitsandbytes, replicated on every device: bnb.nf4, bnb.fp4
@@ -202,7 +210,7 @@ def finetune_lora(
         precision, seed, resume, prepare_model=prepare, frozen_base=True, export=export,
         # nf4 quantizes the meta model's weights one at a time as they are read, on one device too
         prepare_on_meta=quantize == "nf4",
-        check_args=check_args, hparams=hparams, lora=lora, quantize=quantize,
+        check_args=check_args, hparams=hparams, lora=lora, quantize=quantize, objective=objective,
     )
     return model
 

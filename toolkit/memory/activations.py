@@ -91,6 +91,7 @@ class _Head:
     """What the loss sees (for its transients, `loss_transients`)."""
 
     fused: bool  # the toolkit's head and its fused loss (else peft's LoRA head and the plain loss)
+    per_token: bool  # each label's log-probability (`linear_label_log_probs`), not the summed loss
     hidden_bytes: int  # bytes per element of the head's input
     hidden_grad: bool
     compute_bytes: int  # the products' dtype: autocast's, else the weight's
@@ -130,7 +131,7 @@ def record(opts: "Options", gathered: bool, micro_batch: int) -> Recording:
     `gathered`: the weights as FSDP gathers them (in the compute dtype under "*-mixed"), else as stored."""
     mode = opts.mode()
     key = (repr(opts.config), opts.precision, opts.lora_modules, opts.lora_r, opts.lora_dropout > 0, opts.quantize,
-           opts.max_seq_length, mode.cuda, gathered and opts.autocast, micro_batch)  # fmt: skip
+           opts.max_seq_length, mode.cuda, gathered and opts.autocast, opts.pairs, micro_batch)  # fmt: skip
     found = _RECORDINGS.get(key)
     if found is None:
         if len(_RECORDINGS) > 64:
@@ -208,12 +209,12 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
             recorder.seen, recorder.keep = set(), []  # freed storages' keys may come back
             x = torch.zeros(1, rows, h.shape[-1], dtype=h.dtype).requires_grad_(h.requires_grad)
             with recorder, torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t), autocast:
-                model.head_loss(x, torch.zeros(1, rows, dtype=torch.long))
+                model.head_loss(x, torch.zeros(1, rows, dtype=torch.long), per_token=opts.pairs)
             loss_saved.append(recorder.outside)
             loss_copies, hidden_saved = recorder.outside_copies, recorder.key(x) in recorder.seen
     weight, bias = recorder.head_weights
     head = _Head(
-        fused=isinstance(head_module, OutputHead), hidden_bytes=h.element_size(), hidden_grad=h.requires_grad,
+        fused=isinstance(head_module, OutputHead), per_token=opts.pairs, hidden_bytes=h.element_size(), hidden_grad=h.requires_grad,
         compute_bytes=compute.itemsize if mode.autocast else weight.element_size(),
         weight_bytes=weight.element_size(), weight_grad=weight.requires_grad,
         bias_bytes=0 if bias is None else bias.element_size(), bias_grad=bias is not None and bias.requires_grad,
@@ -576,6 +577,8 @@ def loss_transients(head: _Head, mode: Mode, n: int, E: int, V: int) -> tuple[in
     if not head.fused:
         forward = n * V * (head.logits_bytes + (4 if head.logits_bytes != 4 else 0))
         return forward, 2 * n * V * 4 if head.logits_grad else 0, 0
+    if head.per_token:
+        return _per_token_transients(head, mode, n, E, V)
     cdt = head.compute_bytes
     need_h, need_w, need_b = head.hidden_grad, head.weight_grad, head.bias_grad
     if not (need_h or need_w or need_b):
@@ -619,3 +622,40 @@ def loss_transients(head: _Head, mode: Mode, n: int, E: int, V: int) -> tuple[in
     weight = scaled(V * E, E, head.weight_bytes) if need_w else 0
     bias_grad = scaled(V, 1, head.bias_bytes) if need_b else 0
     return forward, hidden + max(hidden_product, weight + bias_grad), kept
+
+
+def _per_token_transients(head: _Head, mode: Mode, n: int, E: int, V: int) -> tuple[int, int, int]:
+    """`loss_transients` of the fused per-token head (`linear_label_log_probs`, preference objectives).
+
+    It saves its input and labels (recorded) and nothing of the head's size. The forward pass holds
+    the chunk buffers (logits, their float32 softmax), the casts of input and weight to the
+    products' dtype, and the float32 log-probabilities (a flat copy and the output). The backward
+    pass computes each chunk's softmax again in the same buffers, its gradient cast to the products'
+    dtype, the hidden's gradient in that dtype and the weight's in float32 (added up a piece of
+    vocabulary rows at a time in 16 bits); while the buffers are still there it casts both to
+    their parameters' dtypes. A real CPU run keeps the three chunk buffers between calls."""
+    cdt = head.compute_bytes
+    chunk = max(1, LOSS_CHUNK_BYTES // (4 * V))
+    chunk = -(-n // -(-n // chunk))
+    rows = chunk * V
+    in_place = cdt == 4 and not mode.cuda
+    logits, probs = rows * cdt, 0 if in_place else rows * 4
+    widened = rows * 4 if cdt != 4 and mode.cuda and not mode.float16 else 0
+    casts = (n * E * cdt if head.hidden_bytes != cdt else 0) + (V * E * cdt if head.weight_bytes != cdt else 0)
+    need_h, need_w = head.hidden_grad, head.weight_grad
+    grads = need_h or need_w or head.bias_grad
+    grad_in_dtype = rows * cdt if cdt != 4 and grads else 0  # a chunk's gradient in the products' dtype
+    kept = logits + probs + grad_in_dtype if mode.real_cpu else 0
+    buffers = 0 if mode.real_cpu else logits + probs
+    forward = casts + buffers + widened + 2 * n * 4
+    if not grads:
+        return forward, 0, kept
+    grad_in_dtype = 0 if mode.real_cpu else grad_in_dtype
+    product = min(V, max(1, LOSS_CHUNK_BYTES // (4 * E))) * E * cdt if need_w and cdt != 4 else 0
+    grad_h = n * E * cdt if need_h else 0
+    grad_w = V * E * 4 if need_w else 0
+    cast_h = n * E * head.hidden_bytes if need_h and head.hidden_bytes != cdt else 0
+    cast_w = V * E * head.weight_bytes if need_w and head.weight_bytes != 4 else 0
+    during = casts + buffers + max(widened, grad_in_dtype + product) + grad_h + grad_w
+    after = casts + buffers + grad_in_dtype + grad_h + grad_w + cast_h + cast_w
+    return forward, max(during, after), kept

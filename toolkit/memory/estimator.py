@@ -51,6 +51,11 @@ from toolkit.memory.parameters import (
     quantized_names,
 )
 from toolkit.models.config import CONFIG_FILENAME, Config
+
+# The preference objectives (`toolkit.training.preference`, which this package does not import) and
+# whether each keeps a reference model (its `uses_reference`; tests/test_preference_memory.py holds them equal).
+PREFERENCE_REFERENCE = {"dpo": True, "ipo": True, "simpo": False, "orpo": False}
+ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
 from toolkit.models.adapters import TARGETS as LORA_TARGETS
 from toolkit.models.adapters import LoRAArgs
 from toolkit.parallel.plan import QUANTIZED_BASE_NOT_SHARDED, effective_sharding, plan_quantized_base
@@ -86,32 +91,49 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         out["gradients"] = ranks[0]["gradients"]
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
         out["step_scratch"] = out["optimizer_state"] // 2
+    # The reference model of full fine-tuning under DPO / IPO: every weight again, frozen (the
+    # compute dtype), sharded like the trained model; its forward pass runs under no_grad.
+    out["reference_model"] = reference_copy_bytes(opts, column, specs) if opts.frozen_copy else 0
     out["host_offload"] = 0
     if column.kind == "fsdp" and opts.cpu_offload:
         # CPUOffloadPolicy: the shards, their gradients and AdamW state are host memory, and the
         # step runs there. Each unit's shards are copied to the device for its all-gather (the
         # all-gather inputs of `fsdp_moments`) and its reduced gradients copied back.
         out["host_offload"] = out["parameters"] + out["gradients"] + out["optimizer_state"] + out["step_scratch"]
-        for key in ("parameters", "gradients", "optimizer_state", "step_scratch"):
+        out["host_offload"] += out["reference_model"]
+        for key in ("parameters", "gradients", "optimizer_state", "step_scratch", "reference_model"):
             out[key] = 0
-    act = micro_batch_activations(opts, column, micro_batch_size, specs, quantized)
+    # A preference objective's micro-batch of pairs is twice as many rows (chosen and rejected).
+    act = micro_batch_activations(opts, column, micro_batch_size * opts.rows_per_sample, specs, quantized)
     out["activations"] = act.stored
     out["activations_checkpointed"] = act.checkpointed
     out["logits_and_loss"] = act.logits
     out["weight_copies"] = act.weight_copies
     # the most the strategy holds at one moment (gradients on their way to be reduced included)
     out["buffers"] = max(sum(m.values()) for m in strategy_moments(specs, column, opts).values()) + act.dequant_scratch
-    persistent = out["parameters"] + out["gradients"] + out["optimizer_state"]
+    persistent = out["parameters"] + out["gradients"] + out["optimizer_state"] + out["reference_model"]
     for key, checkpointed in (("total", False), ("total_checkpointed", True)):
         moments = step_moments(opts, column, act, checkpointed, specs, out["step_scratch"])
         out[key] = persistent + max(sum(m.values()) for m in moments.values())
     return out
 
 
+def reference_copy_bytes(opts: Options, column: Column, specs: list[ParamSpec]) -> int:
+    """Bytes on one device of a frozen copy of the model's weights (no adapters), sharded as the
+    trained model is: what `Session.build_model(frozen=True)` builds beside it."""
+    from dataclasses import replace
+
+    frozen = [replace(s, trainable=False) for s in parameter_specs(opts.config)]
+    if column.kind != "fsdp":
+        return sum(s.numel * opts.frozen_bytes for s in frozen)
+    plain = replace(opts, quantize=None)  # the copy is never quantized (full fine-tuning)
+    return fsdp_rank_memory(frozen, column, plain)[0]["parameters"]
+
+
 def peak_moment(opts: Options, column: Column, micro_batch_size: int, checkpointed: bool) -> tuple[str, Moment]:
     """The moment of `step_moments` at which the step peaks, and what is alive then by category."""
     specs = parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
-    act = micro_batch_activations(opts, column, micro_batch_size, specs, quantized_names(opts, specs))
+    act = micro_batch_activations(opts, column, micro_batch_size * opts.rows_per_sample, specs, quantized_names(opts, specs))
     scratch = column_memory(opts, column, micro_batch_size)["step_scratch"]
     moments = step_moments(opts, column, act, checkpointed, specs, scratch)
     return max(moments.items(), key=lambda item: sum(item[1].values()))
@@ -119,7 +141,7 @@ def peak_moment(opts: Options, column: Column, micro_batch_size: int, checkpoint
 
 def micro_batch_activations(opts: Options, column: Column, micro_batch_size: int, specs: list[ParamSpec],
                             quantized: set[str]) -> Activations:  # fmt: skip
-    """What a micro-batch's forward pass leaves for the backward pass on one device
+    """What a micro-batch of `micro_batch_size` rows leaves for the backward pass on one device
     (`toolkit.memory.activations`), with the weights as the column's strategy shows them to the
     forward pass (`Options.gathered_bytes`), and the largest quantized weight dequantized."""
     largest = max((s.numel for s in specs if s.name in quantized), default=0)
@@ -155,6 +177,8 @@ def estimate(
     model_overrides: Optional[dict[str, Any]] = None,
     simulate: bool = False,
     cpu_offload: bool = False,
+    objective: ObjectiveName = "sft",
+    precompute_reference: bool = False,
 ) -> dict[str, Any]:
     """Estimate the memory per device of a training step, for each distributed strategy.
 
@@ -187,11 +211,16 @@ def estimate(
             sharding given (default HYBRID_SHARD); not for QLoRA (quantized weights need real data).
         cpu_offload: FSDP's CPU offload (--distributed.cpu_offload): the shards, gradients and AdamW
             state of each device live in host memory (shown apart); FSDP columns only.
+        objective: sft, or a preference loss (dpo, ipo, simpo, orpo; fine-tuning only): its
+            micro-batch of pairs is twice as many rows, and full fine-tuning under dpo or ipo keeps
+            a frozen copy of the model as its reference (LoRA's reference is its own base).
+        precompute_reference: dpo, ipo: the reference's log-probabilities computed before training,
+            so that no reference model is alive while training (--objective.precompute_reference).
     """
     opts, columns, notes, chosen_ckpt = _resolve(
         model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
         lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
-        cpu_offload,
+        cpu_offload, objective, precompute_reference,
     )  # fmt: skip
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
@@ -209,6 +238,7 @@ def estimate(
         "lora_dropout": opts.lora_dropout,
         "activation_checkpointing": activation_checkpointing,
         "cpu_offload": opts.cpu_offload,
+        "objective": objective,
         "columns": [col.name for col in columns],
         "strategies": {col.name: column_memory(opts, col, micro_batch_size) for col in columns},
         "notes": notes,
@@ -246,7 +276,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
         lora = LoRAArgs(r=lora_r, alpha=2 * lora_r, dropout=lora_dropout, targets=tuple(lora_targets))
     result = simulate(
         opts.config, devices, num_nodes, micro_batch_size, opts.max_seq_length, opts.precision,
-        sharding or "HYBRID_SHARD", opts.finetune, lora, checkpointing,
+        sharding or "HYBRID_SHARD", opts.finetune, lora, checkpointing, pairs=opts.pairs, frozen_copy=opts.frozen_copy,
     )
     print()
     print(result.table())
@@ -256,7 +286,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
 def _resolve(
     model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
     lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
-    cpu_offload=False,
+    cpu_offload=False, objective="sft", precompute_reference=False,
 ):  # fmt: skip
     """Validate the arguments (UserError) and decide the columns to show."""
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
@@ -314,6 +344,11 @@ def _resolve(
         )
     if cpu_offload not in (True, False):
         raise UserError(f"cpu_offload must be true or false, got {cpu_offload!r}.")
+    check_choice("objective", objective, tuple(PREFERENCE_REFERENCE) + ("sft",))
+    if objective != "sft" and finetune is None:
+        raise UserError(f"objective {objective} is a fine-tuning objective: pass finetune lora or full.")
+    if precompute_reference and not PREFERENCE_REFERENCE.get(objective, False):
+        raise UserError(f"precompute_reference applies to dpo and ipo (a reference model); {objective} has none.")
 
     notes: list[str] = []
     world = devices * num_nodes
@@ -373,8 +408,17 @@ def _resolve(
     if cpu_offload and not any(col.kind == "fsdp" for col in columns):
         notes.append("cpu_offload applies to FSDP only (more than one device, not DDP): ignored.")
     columns.sort(key=lambda col: COLUMN_ORDER.index(col.name))
+    frozen_copy = finetune == "full" and PREFERENCE_REFERENCE.get(objective, False) and not precompute_reference
+    if objective != "sft":
+        reference = ("a frozen copy of the model, sharded like it (the 'reference model' row)" if frozen_copy
+                     else "the base with the adapters switched off (no copy)" if finetune == "lora" and PREFERENCE_REFERENCE[objective]
+                     else "log-probabilities computed before training (no model)" if precompute_reference
+                     else "none: the loss is reference-free")
+        notes.append(f"{objective}: a micro-batch of {micro_batch_size} pair(s) is {2 * micro_batch_size} rows (chosen "
+                     f"and rejected) in one forward pass; reference: {reference}.")
     opts = Options(config, name, finetune, lora_modules, lora_r, quantize, max_seq_length,
-                   lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0, cpu_offload=cpu_offload)  # fmt: skip
+                   lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0, cpu_offload=cpu_offload,
+                   pairs=objective != "sft", frozen_copy=frozen_copy)  # fmt: skip
     return opts, columns, notes, activation_checkpointing
 
 
@@ -517,6 +561,7 @@ _ROWS = [
     ("weight_copies", "autocast weight copies", None),
     ("buffers", "FSDP/DDP/quantization buffers", None),
     ("step_scratch", "optimizer step scratch", None),
+    ("reference_model", "reference model (frozen copy)", None),
     ("total", "peak", False),
     ("total_checkpointed", "peak, checkpointed", True),
 ]
@@ -527,18 +572,23 @@ def format_table(result: dict[str, Any]) -> str:
     figures = result["strategies"]
     ckpt = result["activation_checkpointing"]
     rows = [(key, label) for key, label, when in _ROWS if when is None or ckpt is None or when == ckpt]
+    rows = [(key, label) for key, label in rows if key != "reference_model" or any(figures[c][key] for c in cols)]
     biggest = max(figures[c][k] for c in cols for k, _ in rows)
     unit, scale = ("GiB", GiB) if biggest >= GiB else ("MiB", 1024**2)
     width = max(len(label) for _, label in rows) + 2
     cell = max(11, *(len(c) + 2 for c in cols))
-    tokens = result["micro_batch_size"] * result["max_seq_length"]
+    rows_per_sample = 1 if result.get("objective", "sft") == "sft" else 2
+    tokens = result["micro_batch_size"] * rows_per_sample * result["max_seq_length"]
     what = {None: "pretraining", "full": "full fine-tuning", "lora": "LoRA"}[result["finetune"]]
     if result["quantize"]:
         what = f"QLoRA ({result['quantize']})"
+    if rows_per_sample == 2:
+        what += f", {result['objective'].upper()} on pairs"
     lines = [
         f"{result['model']}: {result['parameters']:,} parameters ({result['trainable_parameters']:,} trainable), "
         f"{what}, {result['precision']}",
-        f"micro batch {result['micro_batch_size']} x {result['max_seq_length']} tokens = {tokens:,} tokens per device, "
+        f"micro batch {result['micro_batch_size']}{' pair(s) x 2 rows' if rows_per_sample == 2 else ''} x "
+        f"{result['max_seq_length']} tokens = {tokens:,} tokens per device, "
         f"{result['devices']} device(s) x {result['num_nodes']} node(s). Memory per device, {unit}:",
         "",
         "".ljust(width) + "".join(c.rjust(cell) for c in cols),

@@ -52,6 +52,17 @@ class Options:
     device: Literal["cuda", "cpu", "fake"] = "cuda"
     lora_dropout: float = 0.0
     cpu_offload: bool = False  # FSDP's CPUOffloadPolicy: shards, gradients and AdamW state in host memory
+    # A preference objective (DPO and the like): each sample is a pair, two rows (chosen, rejected)
+    # in one forward pass, and the head gives each token's log-probability (`GPT.forward(per_token=True)`).
+    pairs: bool = False
+    # Full fine-tuning against a live reference (DPO, IPO): a frozen copy of the model, stored in
+    # the compute dtype and sharded like the trained one. LoRA's reference is its own base with the
+    # adapters off, reference-free losses and precomputed references need none.
+    frozen_copy: bool = False
+
+    @property
+    def rows_per_sample(self) -> int:
+        return 2 if self.pairs else 1
 
     @property
     def compute_bytes(self) -> int:

@@ -19,6 +19,7 @@ def check_fits(
     device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
     precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
     lora: Any = None, quantize: Optional[str] = None, headroom: float = 0.95, cpu_offload: bool = False,
+    pairs: bool = False, frozen_copy: bool = False,
 ) -> str:
     """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
     `device_bytes`; return the line saying it fits otherwise.
@@ -40,6 +41,9 @@ def check_fits(
     base is the analytic one in any case: its bytes (per rank for an nf4 base, which FSDP shards;
     the whole bnb.* base, which every device holds) and one dequantized weight at a time, held to
     real bitsandbytes layers and torchao's NF4 in tests/test_estimate.py.
+
+    `pairs`, `frozen_copy`: a preference objective's micro-batch of pairs (two rows each) and a
+    frozen copy of the model as its reference (`toolkit.memory.options.Options`).
     """
     lora_modules: tuple[str, ...] = ()
     lora_dropout = 0.0
@@ -54,7 +58,8 @@ def check_fits(
 
     def options(offload: bool) -> Options:
         return Options(config, precision, finetune, lora_modules, lora.r if lora_modules else 8, quantize,
-                       max_seq_length, lora_dropout=lora_dropout, cpu_offload=offload and sharded)  # fmt: skip
+                       max_seq_length, lora_dropout=lora_dropout, cpu_offload=offload and sharded, pairs=pairs,
+                       frozen_copy=frozen_copy)  # fmt: skip
 
     budget = int(device_bytes * headroom)
 
@@ -101,14 +106,16 @@ def check_fits(
     raise UserError(f"{line}: does not fit. {advice}; or skip this check with --distributed.preflight false.")
 
 
-def check_run_fits(device_bytes: int, config: Any, run_plan: Any, finetune: Optional[str] = None, lora: Any = None) -> str:
+def check_run_fits(device_bytes: int, config: Any, run_plan: Any, finetune: Optional[str] = None, lora: Any = None,
+                   pairs: bool = False, frozen_copy: bool = False) -> str:
     """`check_fits` for a run's plan (`toolkit.parallel.plan.RunPlan`): the one call training makes.
     The plan says the devices, precision, strategy and sharding, checkpointing, CPU offload, batch
-    and the quantized base; `finetune` and `lora` say what trains."""
+    and the quantized base; `finetune` and `lora` say what trains, `pairs` and `frozen_copy` what the
+    objective adds (`Objective.memory_profile`)."""
     strategy, batches = run_plan.strategy, run_plan.batches
     sharding = strategy.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
     return check_fits(
         device_bytes, config, strategy.devices, strategy.num_nodes, batches.micro_batch_size, batches.max_seq_length,
         strategy.precision, sharding, strategy.activation_checkpointing, finetune=finetune, lora=lora,
-        quantize=run_plan.quantize, cpu_offload=strategy.cpu_offload,
+        quantize=run_plan.quantize, cpu_offload=strategy.cpu_offload, pairs=pairs, frozen_copy=frozen_copy,
     )

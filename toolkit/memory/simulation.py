@@ -50,6 +50,7 @@ CATEGORIES = {
     "Sharded Param": "sharded parameters",
     "Sharded Grad": "sharded gradients",
     "OptState": "optimizer state",
+    "Reference Param": "reference model shards",
     "Unsharded Param": est.GATHERED,
     "Unsharded Grad": est.UNSHARDED_GRADS,
     "All Gather": est.ALL_GATHER,
@@ -114,6 +115,8 @@ def simulate(
     micro_batches: int = 2,
     forward: bool = True,
     train: Optional[TrainArgs] = None,
+    pairs: bool = False,
+    frozen_copy: bool = False,
 ) -> Simulation:
     """One optimizer step of training `config` on devices x num_nodes fake ranks (rank 0's view).
 
@@ -123,6 +126,12 @@ def simulate(
     batch is larger than one micro-batch per rank). `forward=False` only shards the model and
     creates the optimizer state (seconds, for the persistent figures). `train` gives the
     optimizer's hyperparameters and clipping (default TrainArgs()).
+
+    `pairs`: a preference objective's step: each micro-batch is `micro_batch_size` pairs, twice
+    as many rows, whose per-token log-probabilities (`per_token=True`) are summed into the loss
+    after the reference's forward pass under no_grad: LoRA's own base with the adapters switched
+    off, or with `frozen_copy` a frozen copy of the model built and sharded like it (full
+    fine-tuning, `Session.build_model(frozen=True)`); reference-free or precomputed: none.
     """
     import torch.distributed as dist
 
@@ -154,10 +163,14 @@ def simulate(
 
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
         model, decay = build(config, plan, finetune, lora, mesh)
-        result = _run(model, decay, plan, train, micro_batch_size, max_seq_length, micro_batches, forward)
+        copy = build(config, plan, None, None, mesh, frozen=True)[0] if frozen_copy else None
+        result = _run(model, decay, plan, train, micro_batch_size * (2 if pairs else 1), max_seq_length, micro_batches,
+                      forward, pairs, copy, adapters_off=pairs and finetune == "lora")
     finally:
         dist.destroy_process_group()
-    peak, persistent, comm, sent, attempts = result
+    peak, persistent, comm, sent, attempts, copy_bytes = result
+    if copy_bytes:  # alive through the whole step, made before the tracker started: added as they are
+        peak = dict(peak, **{"Reference Param": copy_bytes, "Total": peak.get("Total", 0) + copy_bytes})
     if attempts > 1:
         notes.append(f"the step was tracked {attempts} times: FSDPMemTracker's count of the first was implausible (`_plausible`)")
     return Simulation(
@@ -175,9 +188,10 @@ def fsdp_plan(devices: int, num_nodes: int, precision: str, sharding: str, activ
     return plan_strategy(devices, num_nodes, precision, dist_args, accelerator="cpu")
 
 
-def build(config, plan, finetune, lora, mesh):
+def build(config, plan, finetune, lora, mesh, frozen: bool = False):
     """The meta model as `Session.build_model` prepares it, sharded as training shards it; and the
-    names of the weights that decay."""
+    names of the weights that decay. `frozen`: no weight trains, and each unit frees its gathered
+    weights after its forward pass (a reference model)."""
     import torch
 
     from toolkit.models.gpt import GPT, Block
@@ -193,9 +207,16 @@ def build(config, plan, finetune, lora, mesh):
         from toolkit.models.adapters import LoRAArgs
 
         model = get_peft_model(model, (lora or LoRAArgs()).peft_config())  # as finetune_lora's `prepare`
+    if frozen:
+        model.requires_grad_(False)
     apply_precision_policy(model, plan.precision)
     decay = decay_names(model)
     shard_model(model, mesh, plan, Block)  # what ShardedStrategy.setup_module does in training
+    if frozen:
+        from toolkit.parallel.fsdp import reshard_after_every_forward
+
+        reshard_after_every_forward(model)
+        model.eval()
     return model, decay
 
 
@@ -206,7 +227,9 @@ def adamw(model, decay: set[str], train: TrainArgs):
     return make_adamw(model, decay, train, foreach=True)
 
 
-def _run(model, decay, plan, train, micro_batch_size, max_seq_length, micro_batches, forward):
+def _run(model, decay, plan, train, rows, max_seq_length, micro_batches, forward, pairs=False, copy=None,
+         adapters_off=False):
+    """The tracked step on fake tensors, and the bytes of the frozen copy's shards (0: none)."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -214,18 +237,42 @@ def _run(model, decay, plan, train, micro_batch_size, max_seq_length, micro_batc
 
     with FakeTensorMode(allow_non_fake_inputs=True), loss_as_on_a_gpu():
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
+        reference = None
+        if copy is not None:
+            copy.to_empty(device="cpu")
+            reference = lambda x, y: copy(x, labels=y, per_token=True)  # noqa: E731
+        elif adapters_off:  # as `toolkit.training.reference.AdaptersOff` runs it
+            from toolkit.models.adapters import adapters_switched_off
+            from toolkit.parallel.fsdp import release_gathered
+
+            def reference(x, y):
+                with adapters_switched_off(model):
+                    model(x, labels=y, per_token=True)
+                release_gathered(model)
         optimizer = adamw(model, decay, train)
-        x = torch.zeros(micro_batch_size, max_seq_length, dtype=torch.long)
-        return tracked_step(model, optimizer, plan, train, x, x.clone(), micro_batches, forward)
+        x = torch.zeros(rows, max_seq_length, dtype=torch.long)
+        copy_bytes = _persistent(copy, None)["Sharded Param"] if copy is not None else 0
+        return (*tracked_step(model, optimizer, plan, train, x, x.clone(), micro_batches, forward, pairs, reference), copy_bytes)
 
 
-def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: int, forward: bool = True):
+def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: int, forward: bool = True,
+                 pairs: bool = False, reference=None):
     """One untracked step, then one optimizer step under the memory tracker (on fake tensors in
     `simulate`; on real ones in tests/scripts/simulate_real.py, which proves the simulation).
+    `pairs`: the loss is the sum of per-token log-probabilities, after the reference's forward pass
+    `reference(x, y)` (None: none) under no_grad.
     Returns (peak by category, persistent by category, collectives, bytes sent, attempts)."""
     import torch
 
     from toolkit.parallel.fsdp import cross_replica_reduce_deferred
+
+    def loss_of(x, y):
+        if not pairs:
+            return model(x, labels=y)
+        if reference is not None:
+            with torch.no_grad():
+                reference(x, y)
+        return model(x, labels=y, per_token=True).sum()
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
     # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
@@ -246,7 +293,7 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
             group["foreach"] = value
         return {}, _persistent(model, optimizer), {}, 0, 1
     with autocast:
-        loss = model(x, labels=y)
+        loss = loss_of(x, y)
     loss.backward()
     if train.max_norm is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
@@ -260,7 +307,7 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
                 tracker.reset_mod_stats()  # per-module stats only; the peak is kept
                 with cross_replica_reduce_deferred(model, i < micro_batches - 1):
                     with autocast:
-                        loss = model(x, labels=y)
+                        loss = loss_of(x, y)
                     (loss * 0.5).backward()  # the loop scales by world_size / target tokens
             if train.max_norm is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
@@ -306,7 +353,7 @@ def _persistent(model, optimizer) -> dict[str, int]:
         return sum(_local(t).untyped_storage().nbytes() for t in tensors)
 
     params = list(model.parameters())
-    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)]
+    states = [t for state in optimizer.state.values() for t in state.values() if torch.is_tensor(t)] if optimizer else []
     return {
         "Sharded Param": storages(params),
         "Sharded Grad": storages(p.grad for p in params if p.grad is not None),

@@ -1,11 +1,14 @@
-"""LoRA adapters on the toolkit's model: which modules each user-facing target covers, and the
-settings peft builds its LoRA layers from. Shared by finetune_lora, merging and the memory estimate.
+"""LoRA adapters on the toolkit's model: which modules each user-facing target covers, the
+settings peft builds its LoRA layers from, and the model with its adapters switched off (a
+preference loss's reference). Shared by finetune_lora, merging, the preference reference and the
+memory estimate.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 from toolkit.errors import UserError, did_you_mean
 
@@ -50,3 +53,27 @@ class LoRAArgs:
 
         return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
                           target_modules=module_names or self.module_names(), bias="none")
+
+
+@contextmanager
+def adapters_switched_off(model) -> Iterator[None]:
+    """`model` (a peft model, also inside Fabric's wrapper or sharded by FSDP2) computes with every
+    adapter switched off, as its frozen base, inside the block.
+
+    peft's `disable_adapter` also marks the adapters as needing no gradient while they are off
+    (peft 0.21, `BaseTunerLayer.enable_adapters`). FSDP2 takes each unit's gradient-reduction dtype
+    from the parameters that need a gradient when the model first runs (torch 2.13,
+    `FSDPParamGroup._init_mp_dtypes`): a first forward pass with the adapters off (a reference pass,
+    or validation before training) made it reduce the adapters' bf16 gradients without casting them
+    to their float32 shards, and the backward pass failed. So the parameters that trained before
+    are marked so again inside the block (under no_grad, nothing else changes)."""
+    from peft import PeftModel
+
+    peft_model = next((m for m in model.modules() if isinstance(m, PeftModel)), None)
+    if peft_model is None:
+        raise RuntimeError("the model has no LoRA adapters to switch off")
+    trained = [p for p in model.parameters() if p.requires_grad]
+    with peft_model.disable_adapter():
+        for p in trained:
+            p.requires_grad_(True)
+        yield

@@ -125,7 +125,7 @@ def linear_label_log_probs(
     """
     shape = labels.shape
     hidden, labels, dtype, chunk_rows, skip_ignored = _prepare(hidden, weight, labels, chunk_rows, skip_ignored)
-    return _LinearLabelLogProbs.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, softcap).view(shape)
+    return _LinearLabelLogProbs.apply(hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, softcap, shape)
 
 
 def _prepare(hidden, weight, labels, chunk_rows, skip_ignored):
@@ -315,7 +315,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
 
 class _LinearLabelLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, softcap):
+    def forward(ctx, hidden, weight, bias, labels, dtype, chunk_rows, skip_ignored, softcap, shape):
         device = hidden.device
         rows, mask = _select_rows(labels, skip_ignored)
         with torch.autocast(device.type, enabled=False):
@@ -325,11 +325,16 @@ class _LinearLabelLogProbs(torch.autograd.Function):
                 picked[start:end] = chunks.softmax(start, end)[1]
             if mask is not None:
                 picked = picked.masked_fill(~mask, 0.0)
+            # Made in the labels' shape and filled through a flat view: a view returned from here
+            # would be a view to FSDP, which warns that an in-place op on it would skip its hooks.
+            out = picked.new_zeros(shape)
             if rows is not None:
-                picked = picked.new_zeros(labels.shape).index_copy_(0, rows, picked)
+                out.view(-1).index_copy_(0, rows, picked)
+            else:
+                out.view(-1).copy_(picked)
         ctx.dtype, ctx.chunk_rows, ctx.softcap = dtype, chunk_rows, softcap
         ctx.save_for_backward(hidden, weight, bias, labels, rows, mask)
-        return picked
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -339,7 +344,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         with torch.autocast(device.type, enabled=False):
             chunks = _chunked(hidden, weight, bias, labels, rows, mask, ctx.dtype, ctx.chunk_rows, ctx.softcap)
             n, E = chunks.h.shape
-            g = grad_out.float()  # (N,): d(out)/d(log p(label)) of each row
+            g = grad_out.reshape(-1).float()  # (N,): d(out)/d(log p(label)) of each row
             if mask is not None:
                 g = g * mask
             if rows is not None:
@@ -365,7 +370,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
                 d_hidden = d_hidden.new_zeros(hidden.shape).index_copy_(0, rows, d_hidden)
             d_weight = None if grad_w is None else grad_w.to(weight.dtype)
             d_bias = None if grad_b is None else grad_b.to(bias.dtype)
-        return d_hidden, d_weight, d_bias, None, None, None, None, None
+        return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
 def _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows, softcap=None) -> _Chunks:

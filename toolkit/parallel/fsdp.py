@@ -208,3 +208,35 @@ def cross_replica_reduce_deferred(module: nn.Module, deferred: bool) -> Iterator
     finally:
         for unit in units:
             unit.set_requires_all_reduce(True, recurse=False)
+
+
+def release_gathered(module: nn.Module) -> None:
+    """Free every unit's gathered weights (FSDP2; nothing on one device), e.g. after a forward pass
+    under no_grad.
+
+    Some units stay gathered from their forward pass until their backward pass reshards them (the
+    final norm and head, the root, every unit under SHARD_GRAD_OP). A forward pass that has no
+    backward pass (a preference loss's reference pass through the trained model, with its adapters
+    switched off) would leave them gathered through the training forward pass that follows: the
+    head, whole on every rank, beside every block's activations, or under SHARD_GRAD_OP the whole
+    model. The next forward pass gathers them again."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in module.modules():
+        if isinstance(unit, FSDPModule):
+            unit.reshard()
+
+
+def reshard_after_every_forward(module: Any) -> None:
+    """Under FSDP2, free each unit's gathered weights right after its forward pass (else nothing).
+
+    Training keeps some units gathered from their forward pass to their backward pass, which
+    reshards them: the final norm and head, the root (which holds a tied embedding and head), every
+    unit under SHARD_GRAD_OP. A model that only runs forward passes (a frozen reference model) has
+    no backward pass, and would hold those weights gathered, whole on every rank, for good.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = module.module if hasattr(module, "module") else module
+    if isinstance(inner, FSDPModule):
+        inner.set_reshard_after_forward(True)  # recurses into every unit

@@ -84,21 +84,6 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
     return module
 
 
-def reshard_after_every_forward(module: Any) -> None:
-    """Under FSDP2, free each unit's gathered weights right after its forward pass (else nothing).
-
-    Training keeps some units gathered from their forward pass to their backward pass, which
-    reshards them: the final norm and head, the root (which holds a tied embedding and head), every
-    unit under SHARD_GRAD_OP. A model that only runs forward passes (a frozen reference model) has
-    no backward pass, and would hold those weights gathered, whole on every rank, for good.
-    """
-    from torch.distributed.fsdp import FSDPModule
-
-    inner = module.module if hasattr(module, "module") else module
-    if isinstance(inner, FSDPModule):
-        inner.set_reshard_after_forward(True)  # recurses into every unit
-
-
 def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: ReadRows) -> None:
     """Quantize this rank's rows of an NF4 weight into its shard `local` (toolkit.parallel.nf4).
 

@@ -19,17 +19,22 @@ keys itself; it only adds up what the objective returns:
   loss is a mean token cross-entropy (`reports_perplexity`).
 
 Adding an objective: subclass `Objective`, implement `normaliser` and `loss` (and `real_tokens`
-if batches are padded or hold no `input_ids`), and pass an instance to `Session.fit`
-(or `fit`). See tutorials/objectives.md.
+if batches are padded or hold no `input_ids`; `prepare` if it sets something up once before
+training, such as a preference loss's reference model), and pass an instance to `Session.fit`
+(or `fit`). See tutorials/objectives.md. The preference objectives (DPO, IPO, SimPO, ORPO) are in
+`toolkit.training.preference`.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Optional
 
 import torch
 
+from toolkit.errors import UserError
 from toolkit.models import IGNORE_INDEX
 
 
@@ -44,7 +49,26 @@ class ObjectiveOutput:
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-class Objective:
+@dataclass
+class ObjectiveSetup:
+    """What a fine-tuning entry point gives `Objective.prepare`, once, before training."""
+
+    fabric: Any
+    model: Any  # the trained model as Fabric set it up (sharded under FSDP), still at its starting weights
+    train_loader: Any
+    val_loader: Any  # None: no validation
+    out_dir: Path
+    precision: str  # the run's Fabric precision
+    micro_batch_size: int
+    # The trained weights are adapters over a frozen base (LoRA): the model with its adapters
+    # switched off is the starting model.
+    frozen_base: bool
+    # Another copy of the starting weights, frozen and sharded like `model` (`Session.build_model(frozen=True)`).
+    build_frozen_copy: Callable[[], Any]
+    base_fingerprint: str  # identifies the starting checkpoint (`toolkit.model_dir.checkpoint_fingerprint`)
+
+
+class Objective(ABC):
     """Base class of the objectives the loop trains and validates with.
 
     Subclasses implement `normaliser(batch)`, computed from the batch alone (the loop needs the
@@ -56,16 +80,16 @@ class Objective:
     # The loss is a mean token cross-entropy: validation also reports exp(loss) as val/ppl.
     reports_perplexity: ClassVar[bool] = False
 
+    @abstractmethod
     def normaliser(self, batch: dict[str, Any]) -> torch.Tensor:
         """The units this micro-batch's loss is summed over (0-dim, on the batch's device).
 
         A count known on the host is made with `torch.full` on the device, not `torch.tensor`
         (a copy from host memory, which waits for the GPU's queued work)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def loss(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(loss summed over the units, metrics summed over them) for one micro-batch."""
-        raise NotImplementedError
 
     def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         """Input tokens the step computes on, padding left out (0-dim long): throughput, tokens_seen
@@ -73,11 +97,24 @@ class Objective:
         ids = batch["input_ids"]
         return torch.full((), ids.numel(), dtype=torch.long, device=ids.device)
 
+    def memory_profile(self, frozen_base: bool) -> dict[str, bool]:
+        """What this objective adds to a training step's memory, as `toolkit.memory.check_run_fits`
+        takes it: {"pairs": each sample is two rows with per-token log-probabilities, "frozen_copy":
+        a frozen copy of the model lives beside it}. `frozen_base`: the run trains adapters (LoRA).
+        Nothing here."""
+        return {}
+
+    def prepare(self, setup: ObjectiveSetup) -> None:
+        """Set up what the objective needs beside the trained model, once, before the loop starts (and
+        before a resumed run loads its checkpoint): check that the data fits it, build or compute a
+        reference. Every rank calls it; collectives are allowed. Nothing to do here."""
+
     def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
         loss_sum, metrics = self.loss(model, batch)
         return ObjectiveOutput(loss_sum=loss_sum, normaliser=self.normaliser(batch), metrics=metrics)
 
 
+@dataclass
 class CausalLM(Objective):
     """Next-token cross-entropy, normalised by target tokens (labels that are not IGNORE_INDEX).
 
@@ -98,6 +135,28 @@ class CausalLM(Objective):
 
     def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         return tokens_before_padding(batch["labels"])
+
+    def prepare(self, setup: ObjectiveSetup) -> None:
+        batch = peek_batch(setup.train_loader)
+        if batch is not None and "pair_ids" in batch:
+            raise UserError(
+                "The data gives preference pairs (chosen and rejected responses), which supervised fine-tuning would "
+                "train on alike: choose a preference objective (--objective dpo, ipo, simpo or orpo), or instruction data."
+            )
+
+
+@dataclass
+class SFT(CausalLM):
+    """Supervised fine-tuning (`--objective sft`, the fine-tuning default): `CausalLM` on the responses."""
+
+
+def peek_batch(loader: Any) -> Optional[dict[str, Any]]:
+    """The batch of the loader's first sample, without moving the loader; None for a loader that
+    cannot make one (the instruction and preference loaders can: they hold `samples` and `pad_id`)."""
+    samples = getattr(loader, "samples", None)
+    if samples is None or not hasattr(samples, "collate") or not len(samples):
+        return None
+    return samples.collate([0], getattr(loader, "pad_id", 0))
 
 
 def tokens_before_padding(labels: torch.Tensor) -> torch.Tensor:

@@ -89,7 +89,7 @@ class Session:
     def start(
         cls, kind: str, out_dir: Path, config: Config, train: TrainArgs, eval: EvalArgs, log: LogArgs,
         run_plan: RunPlan, seed: int, resume: Union[bool, str, Path], hparams: Optional[dict] = None,
-        lora: Any = None, frozen_base: Optional[Path] = None,
+        lora: Any = None, frozen_base: Optional[Path] = None, objective: Optional[Objective] = None,
     ) -> "Session":
         """Validate what can be validated before any process starts, then launch Fabric.
 
@@ -101,7 +101,8 @@ class Session:
         adapters, for the memory pre-flight (`check_fits_device`).
         `frozen_base`: the checkpoint whose weights the run keeps frozen (LoRA); its training
         checkpoints then hold only what trains, and a resume onto another base is refused here,
-        before anything is read or written.
+        before anything is read or written. `objective`: what the run minimises, for the pre-flight
+        (`Objective.memory_profile`: a preference loss's pairs and reference model).
         """
         from toolkit.models.gpt import Block
 
@@ -113,7 +114,8 @@ class Session:
             raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
         strategy, plan = run_plan.strategy, run_plan.batches
         if run_plan.preflight and strategy.accelerator == "cuda" and torch.cuda.is_available():
-            check_fits_device(kind, config, run_plan, lora)
+            profile = objective.memory_profile(frozen_base is not None) if objective is not None else {}
+            check_fits_device(kind, config, run_plan, lora, **profile)
         created_out_dir = not out_dir.exists()
         # A start that resumes from a checkpoint of out_dir continues its W&B / MLflow runs.
         continue_runs = resume not in (False, "false", "False") and (
@@ -236,10 +238,11 @@ class Session:
         that checked its shapes before launch), used instead of building it again.
         """
         from toolkit.models.gpt import GPT
+        from toolkit.parallel.fsdp import reshard_after_every_forward
         from toolkit.parallel.precision import apply_precision_policy
         from toolkit.training.fabric import is_fsdp
         from toolkit.training.model_setup import (
-            host_memory_growth, materialize, reshard_after_every_forward, setup_model, start_host_memory_window,
+            host_memory_growth, materialize, setup_model, start_host_memory_window,
         )
 
         memory_start = start_host_memory_window()
@@ -470,16 +473,19 @@ def rank_seed(seed: int, rank: int) -> int:
     return (seed + rank * 1_000_003) % 2**32
 
 
-def check_fits_device(kind: str, config: Config, run_plan: RunPlan, lora: Any = None) -> None:
+def check_fits_device(kind: str, config: Config, run_plan: RunPlan, lora: Any = None, pairs: bool = False,
+                      frozen_copy: bool = False) -> None:
     """Stop before any weight is read when a step will not fit in GPU 0's memory (see
-    `toolkit.memory.check_fits`). finetune_lora passes its adapters (`lora`); the plan says
-    everything else (sharding, checkpointing, CPU offload, the quantized base)."""
+    `toolkit.memory.check_fits`). finetune_lora passes its adapters (`lora`), a preference objective
+    its pairs and reference (`Objective.memory_profile`); the plan says everything else (sharding,
+    checkpointing, CPU offload, the quantized base)."""
     if kind not in ("pretrain", "finetune_full", "finetune_lora"):
         return
     from toolkit.memory import check_run_fits
 
     finetune = {"pretrain": None, "finetune_lora": "lora"}.get(kind, "full")
-    line = check_run_fits(torch.cuda.get_device_properties(0).total_memory, config, run_plan, finetune, lora)
+    line = check_run_fits(torch.cuda.get_device_properties(0).total_memory, config, run_plan, finetune, lora,
+                          pairs=pairs, frozen_copy=frozen_copy)
     # Before launch every process of the run gets here (Fabric re-runs the command per local rank,
     # torchrun starts them all): the line that it fits is printed by the first one only.
     if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":

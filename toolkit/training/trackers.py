@@ -217,7 +217,7 @@ def run_config(function: Callable, arguments: dict[str, Any]) -> dict[str, Any]:
 def plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init and not f.name.startswith("_")}
-        return {"class": type(value).__name__, **fields} if _is_data_module(value) else fields
+        return {"class": type(value).__name__, **fields} if _is_chosen_class(value) else fields
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
@@ -227,5 +227,6 @@ def plain(value: Any) -> Any:
     return str(value)
 
 
-def _is_data_module(value: Any) -> bool:
-    return type(value).__module__.startswith("toolkit.data")
+def _is_chosen_class(value: Any) -> bool:
+    """A data module or an objective: one of several classes, chosen by name (`--data Alpaca`)."""
+    return type(value).__module__.startswith(("toolkit.data", "toolkit.training.objectives", "toolkit.training.preference"))
