@@ -230,6 +230,76 @@ def fused_loss(ctx: Context) -> dict:
     return figures
 
 
+@check("attention_kernels", budget=60)
+def attention_kernels(ctx: Context) -> dict:
+    """A sliding-window, softcapped attention layer's forward + backward through each kernel the
+    model can pick (`toolkit.models.attention.attend`): flex_attention (the CUDA choice; compiled,
+    block-sparse), the chunked paths (the CPU choice) and a dense (T, T)-mask reference; outputs and
+    q/k/v gradients against the reference, time and peak memory of each. The dry run has no flex
+    (torch has no flex_attention backward on the CPU)."""
+    import time
+
+    import torch
+
+    from toolkit.models.attention import attend, attention_backend, key_mask
+
+    B, H, G, T, D, window, cap = ctx.pick((1, 8, 2, 8192, 128, 1024, 50.0), (1, 4, 2, 96, 16, 24, 5.0))
+    dtype = torch.bfloat16 if ctx.device == "cuda" else torch.float32
+    figures: dict = {"shape": {"B": B, "H": H, "G": G, "T": T, "D": D, "window": window, "softcap": cap},
+                     "dtype": str(dtype).replace("torch.", ""), "device": ctx.device}
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(B, n, T, D, generator=generator).to(ctx.device, dtype) for n in (H, G, G)]
+
+    def dense(q, k, v):
+        scores = (q.float() @ k.float().repeat_interleave(H // G, 1).transpose(-1, -2)) / D**0.5
+        scores = cap * torch.tanh(scores / cap)
+        scores = scores.masked_fill(~key_mask(0, T, 0, T, q.device, window), float("-inf"))
+        return (scores.softmax(-1) @ v.float().repeat_interleave(H // G, 1)).to(q.dtype)
+
+    def run(kind):
+        q, k, v = (t.clone().requires_grad_(True) for t in inputs)
+        grad = torch.ones(B, H, T, D, device=ctx.device, dtype=dtype)
+        timings = []
+        for _ in range(1 if ctx.dry else 3):  # the first flex call compiles: the last is the timing
+            for t in (q, k, v):
+                t.grad = None
+            with PeakMemory(ctx.device) as peak:
+                if ctx.device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                if kind == "dense":
+                    out = dense(q, k, v)
+                else:
+                    with attention_backend(kind):
+                        out = attend(q, k, v, window=window, softcap=cap)
+                out.backward(grad)
+                if ctx.device == "cuda":
+                    torch.cuda.synchronize()
+                timings.append(time.perf_counter() - start)
+        return out.detach().float(), [t.grad.float() for t in (q, k, v)], timings, peak.figures
+
+    kinds = ("dense", "chunked") if ctx.device != "cuda" else ("dense", "chunked", "flex")
+    results = {kind: run(kind) for kind in kinds}
+    reference = results["dense"]
+    tolerance = 5e-2 if dtype == torch.bfloat16 else 1e-4  # relative to the largest reference value
+
+    def rel(a, b) -> float:
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    for kind, (out, grads, timings, peak) in results.items():
+        entry = {"seconds_first": timings[0], "seconds": timings[-1], "peak_bytes": peak["peak_bytes"],
+                 "peak_source": peak["source"]}
+        if kind != "dense":
+            entry["out_rel_diff"] = rel(out, reference[0])
+            entry["grad_rel_diff"] = max(rel(g, r) for g, r in zip(grads, reference[1]))
+            entry["agrees"] = entry["out_rel_diff"] <= tolerance and entry["grad_rel_diff"] <= tolerance
+        figures[kind] = entry
+    figures["tolerance"] = tolerance
+    if not all(figures[kind]["agrees"] for kind in kinds if kind != "dense"):
+        raise CheckFailed("an attention kernel differs from the dense reference beyond tolerance", figures)
+    return figures
+
+
 @check("fp16_mixed", budget=40)
 def fp16_mixed(ctx: Context) -> dict:
     """A few optimizer steps of a small model under "16-mixed" (the GradScaler path) on one batch."""

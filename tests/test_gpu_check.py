@@ -15,6 +15,7 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 # Figures each check must report (beside others), so that the GPU run's JSON has what it is read for.
 EXPECTED = {
     "fused_loss": {"rows", "bfloat16", "float32"},
+    "attention_kernels": {"shape", "dense", "chunked", "tolerance"},
     "fp16_mixed": {"precision", "losses", "finite", "falls", "scaler"},
     "nccl_paths": {"backend", "export_identical", "rng_round_trip", "rng_from_more_gpus"},
     "cpu_offload_nf4": {"one_rank_group", "nf4_two_ranks", "nf4_one_rank"},
