@@ -1,12 +1,15 @@
 """Sliding-window and softcapped attention: forward + backward time and peak memory, one layer.
 
     OMP_NUM_THREADS=1 python benchmarks/attention_window.py                 # T=8192, window 1024
-    OMP_NUM_THREADS=1 python benchmarks/attention_window.py --tokens 2048 --window 256 --repeats 2
+    OMP_NUM_THREADS=1 python benchmarks/attention_window.py --tokens 2048 --window 256 --rounds 1
 
 One attention call, q (1, H, T, D) against k, v (1, G, T, D), float32, on the CPU, forward and
 backward (the sum of the output as the loss). Each variant runs in a process of its own: one
-warm-up call, then --repeats timed calls (the median is shown); peak memory is the growth of the
-process's peak RSS over what it held once the inputs existed (the warm-up call reaches the peak).
+warm-up call, then --repeats timed calls; --rounds such processes per variant, every variant once
+per round (in alternating order), so that the shared machine's drift spreads over all; the median
+over all timed calls is shown with its range. Peak memory is the growth of the process's peak RSS
+over what it held once the inputs existed (the warm-up call reaches the peak), the largest of the
+rounds.
 
 Variants, all against the same inputs:
 - causal           full causal attention, SDPA is_causal: what a window has to beat;
@@ -135,7 +138,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=2)
     parser.add_argument("--kv_heads", type=int, default=1)
     parser.add_argument("--head_size", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per process, after one warm-up")
+    parser.add_argument("--rounds", type=int, default=3, help="processes per variant, the variants taking turns")
     parser.add_argument("--only", default="", help="comma-separated variants (default: all)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -148,28 +152,34 @@ def main() -> None:
     print(f"torch {torch.__version__}, threads {os.environ.get('OMP_NUM_THREADS', 'default')}, "
           f"T={args.tokens}, window={args.window}, heads {args.heads} (kv {args.kv_heads}) x {args.head_size}, "
           f"float32; load average %.2f %.2f %.2f" % os.getloadavg(), flush=True)
-    rows = []
-    for name in (args.only.split(",") if args.only else VARIANTS):
-        cmd = [sys.executable, __file__, "--child", name, "--tokens", str(args.tokens), "--window", str(args.window),
-               "--heads", str(args.heads), "--kv_heads", str(args.kv_heads), "--head_size", str(args.head_size),
-               "--repeats", str(args.repeats)]
-        out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
-        if line is None:
-            print(f"{name}: failed\n{out.stderr[-2000:]}", flush=True)
-            continue
-        row = json.loads(line[len("RESULT "):])
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    names = args.only.split(",") if args.only else VARIANTS
+    runs: dict[str, list[dict]] = {name: [] for name in names}
+    for round_ in range(args.rounds):  # every variant once per round: the machine's drift spreads over all
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            cmd = [sys.executable, __file__, "--child", name, "--tokens", str(args.tokens), "--window", str(args.window),
+                   "--heads", str(args.heads), "--kv_heads", str(args.kv_heads), "--head_size", str(args.head_size),
+                   "--repeats", str(args.repeats)]
+            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+            line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
+            if line is None:
+                print(f"{name}: failed\n{out.stderr[-2000:]}", flush=True)
+                continue
+            runs[name].append(json.loads(line[len("RESULT "):]))
+            print(f"round {round_ + 1}: " + json.dumps(runs[name][-1]), flush=True)
+    rows = [dict(r[0], ms=statistics.median(x["ms"] for x in r), peak_mib=max(x["peak_mib"] for x in r),
+                 spread=(min(x["ms"] for x in r), max(x["ms"] for x in r))) for r in runs.values() if r]
     print("load average %.2f %.2f %.2f" % os.getloadavg())
     causal = next((r["ms"] for r in rows if r["name"] == "causal"), None)
-    print("\n| variant | forward + backward | vs causal | peak memory growth | first call | max abs error |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"\nmedian of {args.rounds} rounds ({args.repeats} timed call(s) each after a warm-up)")
+    print("| variant | forward + backward | min - max | vs causal | peak memory growth | first call | max abs error |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         what = "forward only" if r["forward_only"] else ""
         ratio = f"{r['ms'] / causal:.2f}x" if causal and not r["forward_only"] else ""
         err = "" if r["max_error"] is None else f"{r['max_error']:.1e}"
-        print(f"| {r['name']} | {r['ms']:.0f} ms {what} | {ratio} | {r['peak_mib']:.0f} MiB | {r['first_ms']:.0f} ms | {err} |")
+        low, high = r["spread"]
+        print(f"| {r['name']} | {r['ms']:.0f} ms {what} | {low:.0f} - {high:.0f} | {ratio} | {r['peak_mib']:.0f} MiB | "
+              f"{r['first_ms']:.0f} ms | {err} |")
 
 
 if __name__ == "__main__":

@@ -288,8 +288,9 @@ def pretrain_command(args, tool: str, total_steps: int, tag: str) -> tuple[list[
     m, g, seq = args.micro_batch, args.global_batch, args.seq
     out = fresh_dir(args, f"{tool}-pretrain-{tag}")
     if tool == "litgpt":
+        model = ["--config", str(args.litgpt_model_config)] if args.litgpt_model_config else [args.model]
         return litgpt_command(args) + [
-            "pretrain", args.model, "--out_dir", str(out),
+            "pretrain", *model, "--out_dir", str(out),
             "--data", "TextFiles", "--data.train_data_path", str(text), "--data.val_data_path", str(text),
             "--tokenizer_dir", str(litgpt_tokenizer_dir(args)),
             "--train.micro_batch_size", str(m), "--train.global_batch_size", str(g), "--train.max_seq_length", str(seq),
@@ -307,6 +308,8 @@ def pretrain_command(args, tool: str, total_steps: int, tag: str) -> tuple[list[
         "--log.interval", "1", "--log.loggers", "[csv]", "--precision", args.precision, "--devices", "1",
     ]
     cmd += ["--train.compile", args.compile]
+    if args.model_overrides:
+        cmd += ["--model_overrides", args.model_overrides]
     return cmd, out, TOOLKIT_STEP
 
 
@@ -341,6 +344,8 @@ def lora_command(args, tool: str, total_steps: int, tag: str, checkpoint: Path) 
         "--seed", str(args.seed),
     ]
     cmd += ["--train.compile", args.compile]
+    if args.model_overrides:
+        cmd += ["--model_overrides", args.model_overrides]
     return cmd, out, TOOLKIT_STEP
 
 
@@ -694,6 +699,11 @@ def parse_args(argv: list[str]):
                    help="files: the shared text/instruction files; synthetic: random tokens, toolkit only, in one "
                         "process with the toolkit's loop (no litdata; for GPUs)")
     p.add_argument("--model", "--preset", dest="model", default="pythia-14m")
+    p.add_argument("--model_overrides", default=None,
+                   help="pretrain: the toolkit's --model_overrides (JSON), a shape beside the preset's")
+    p.add_argument("--litgpt_model_config", type=Path, default=None,
+                   help="pretrain: a `litgpt pretrain --config` YAML whose model_config replaces the model name "
+                        "for LitGPT: the same shape as the toolkit's preset with --model_overrides")
     p.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, bf16-true (the same for both tools)")
     p.add_argument("--device", default="cpu", help="synthetic mode only: cpu or cuda")
     p.add_argument("--micro_batch", type=int, default=4)
@@ -738,7 +748,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     results: dict = {
         "command": "python benchmarks/train_throughput.py " + " ".join(argv),
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "machine": machine_info(),
-        "config": {"model": args.model, "precision": args.precision, "micro_batch": args.micro_batch,
+        "config": {"model": args.model, "model_overrides": args.model_overrides,
+                   "litgpt_model_config": str(args.litgpt_model_config or ""), "precision": args.precision,
+                   "micro_batch": args.micro_batch,
                    "global_batch": args.global_batch, "seq": args.seq, "warmup_steps": args.warmup,
                    "repeat": args.repeat, "compile": args.compile, "mask_prompt": args.mask_prompt},
     }

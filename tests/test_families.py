@@ -184,6 +184,9 @@ def _hf_config(name: str, **changes) -> dict:
     ("gemma2", dict(layer_types=["sliding_attention", "chunked_attention"]), "layer_types"),
     ("gemma2", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
     ("gemma3", dict(query_pre_attn_scalar=24.5), "query_pre_attn_scalar"),
+    # the published 4B, 12B and 27B checkpoints: image and text model in one (text_config, vision_tower)
+    ("gemma3", dict(model_type="gemma3", architectures=["Gemma3ForConditionalGeneration"]),
+     "Unsupported architecture 'Gemma3ForConditionalGeneration'"),
     ("gemma3", dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 1e4},
                                      "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10.0}}),
      "rope_parameters.sliding_attention"),

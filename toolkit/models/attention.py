@@ -216,6 +216,11 @@ class _SoftcappedAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):  # float32 throughout, whoever calls backward
+            return _SoftcappedAttention._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
         q, k, v, out, lse, left_padding = ctx.saved_tensors
         scale, softcap, window, rows = ctx.settings
         B, H, T, D = q.shape
