@@ -86,7 +86,7 @@ class GPT(nn.Module):
             if cache is not None:
                 raise ValueError("document_ids (packed samples) are for training; clear the KV cache first")
             positions, segments = document_segments(document_ids)
-            if all(len(row) == 1 for row in segments):
+            if segments.shape[1] == 1:
                 segments = None  # one sample per row: the plain causal path
             cos, sin = self.rope.at(positions, x.device)  # (B, 1, T, rope_n_elem) each
         elif cache is not None and cache.left_padding is not None:
@@ -194,7 +194,7 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int],
-        segments: Optional[list[list[int]]] = None,
+        segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         h = self.norm_1(x)
         attn_out = self.attn(h, cos, sin, input_pos, segments)
