@@ -2,6 +2,7 @@
 
     python benchmarks/packing.py                    # Alpaca and ShareGPT from /work/shared/data
     python benchmarks/packing.py --attention        # the attention paths for packed rows, alone
+    python benchmarks/packing.py --compile          # packed rows through compiled blocks, new layouts
 
 Training data: Alpaca (`instruct/alpaca_en_demo.json`, 999 records, alpaca prompt style) and
 ShareGPT conversations (`instruct/fastchat_dummy_conversation.json`, 500, llama-2 chat template),
@@ -22,6 +23,11 @@ timings can be trusted.
 samples: causal SDPA over the whole row (what unpacked rows cost), SDPA with a block-diagonal
 boolean mask, one causal SDPA call per sample (what `GPT.forward` does with document_ids), and
 flex_attention with a block mask (compiled; forward only: torch 2.13 has no flex backward on CPU).
+
+--compile trains `debug-llama2` (full fine-tuning, float32) on --layouts packed batches of 4 rows
+of 512 tokens, each batch a packing layout not seen before (2 to 9 samples per row, cut at random),
+eager and with compiled blocks (dynamic shapes, as fine-tuning compiles), and reports each step's
+time, the graphs compiled so far and the compile seconds.
 """
 
 from __future__ import annotations
@@ -136,7 +142,7 @@ def bench_attention() -> None:
         doc = (torch.arange(T) // (T // docs))[None].expand(B, T)
         causal = torch.arange(T)[:, None] >= torch.arange(T)[None]
         mask = ((doc[:, :, None] == doc[:, None, :]) & causal)[:, None]  # (B, 1, T, T)
-        segments = [[T // docs] * docs] * B
+        segments = torch.full((B, docs), T // docs)
         block_mask = create_block_mask(lambda b, h, qi, ki: (doc[b, qi] == doc[b, ki]) & (qi >= ki), B, None, T, T,
                                        device="cpu")
         reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).detach()
@@ -154,6 +160,41 @@ def bench_attention() -> None:
         print(f"T={T:5d}: " + " | ".join(f"{k} {v:7.1f} ms" for k, v in row.items()) + f" | max diff {diff:.1e}")
 
 
+def bench_compile(n_layouts: int) -> None:
+    from torch._dynamo.utils import counters
+
+    from toolkit.models.gpt import Block
+    from toolkit.parallel.compile import compile_blocks, compile_seconds
+
+    B, T = 4, 512
+    generator = torch.Generator().manual_seed(0)
+    batches = []
+    for i in range(n_layouts):
+        document_ids = torch.zeros(B, T, dtype=torch.int64)
+        for row in range(B):
+            for cut in torch.randperm(T - 1, generator=generator)[: 1 + (i + row) % 8] + 1:
+                document_ids[row, cut:] += 1
+        batches.append((torch.randint(0, 32000, (B, T), generator=generator), document_ids))
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = GPT(Config.from_name("debug-llama2", block_size=T)).float().train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        if compiled:
+            compile_blocks(model, Block, torch.device("cpu"), dynamic=True, print_fn=print)
+        counters.clear()
+        times = []
+        for ids, document_ids in batches:
+            start = time.perf_counter()
+            model(ids, labels=ids, document_ids=document_ids).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            times.append(time.perf_counter() - start)
+        graphs = counters["stats"]["unique_graphs"]
+        print(f"{'compiled' if compiled else 'eager':8s}: step s " + " ".join(f"{t:.2f}" for t in times)
+              + f" | graphs {graphs}, compiling {compile_seconds():.0f} s, median of the last 4 steps "
+              f"{statistics.median(times[-4:]):.3f} s | {load()}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", nargs="+", default=["alpaca", "sharegpt"], choices=["alpaca", "sharegpt"])
@@ -162,10 +203,14 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=20, help="timed training steps per run")
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--attention", action="store_true", help="time the attention paths only")
+    parser.add_argument("--compile", action="store_true", help="packed batches of new layouts through compiled blocks")
+    parser.add_argument("--layouts", type=int, default=12, help="--compile: batches, each a new packing layout")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {load()}")
     if args.attention:
         bench_attention()
+    elif args.compile:
+        bench_compile(args.layouts)
     else:
         bench_data(args, Tokenizer(SHARED / "tokenizers/llama2"))
     print(f"done | {load()}")

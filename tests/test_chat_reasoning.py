@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ASSETS
-from toolkit.data.chat import Chat, Conversation, assistant_spans
+from toolkit.data.chat import Chat, Conversation, assistant_spans, tokenize_conversations
 from toolkit.data.chat_template import resolve_chat_template
 from toolkit.errors import UserError
 from toolkit.tokenizer import Tokenizer
@@ -60,6 +60,15 @@ SETUPS = {
         added=[],
         config={"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>"},
         turn=r"<\|start_header_id\|>assistant<\|end_header_id\|>\n\n(?P<gen>.*?<\|eot_id\|>)",
+    ),
+    # GLM-4.5's layout (a template written for these tests): no turn is closed; the model stops on the
+    # next turn's tag, which its generation_config.json names among its EOS ids ("stops").
+    "glm4.5-style": dict(
+        special=["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>"],
+        added=["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+               "</arg_value>", "<tool_response>", "</tool_response>"],
+        config={"eos_token": "<|endoftext|>", "pad_token": "<|endoftext|>"},
+        stops=["<|endoftext|>", "<|user|>", "<|observation|>"],
     ),
 }
 
@@ -136,6 +145,9 @@ def _tokenizer_dir(name: str, root: Path) -> Path:
     template = (TEMPLATES / name / "chat_template.jinja").read_text(encoding="utf-8")
     config = {**setup["config"], "tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template}
     (out / "tokenizer_config.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    if "stops" in setup:
+        stops = [tok.token_to_id(t) for t in setup["stops"]]
+        (out / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}), encoding="utf-8")
     return out
 
 
@@ -271,3 +283,73 @@ def test_bad_tool_and_reasoning_fields_are_one_line(tokenizer_dirs, tmp_path, me
     with pytest.raises(UserError, match=problem) as caught:
         Chat(json_path=path, val_split_fraction=0).setup(Tokenizer(tokenizer_dirs["qwen3"]), max_seq_length=128)
     assert "\n" not in str(caught.value) and "line 1" in str(caught.value)
+
+
+GLM = "glm4.5-style"
+GLM_CASES = {
+    "one turn": PLAIN[:2],
+    "two turns": PLAIN,
+    "two turns with reasoning": _reasoning("reasoning_content"),
+    "tool use": TOOL_USE,
+    "ending in a tool call": TOOL_USE[:3],
+}
+
+
+@pytest.mark.parametrize("label", list(GLM_CASES))
+def test_turns_that_end_with_the_next_tag_train_it_and_the_last_turn_trains_the_generation_stop(label, tokenizer_dirs):
+    """GLM-4.5's layout: every assistant turn is trained from its generation prompt (<|assistant|>) through
+    the tag that opens the next turn (<|user|>, or <|observation|> after tool calls); the last turn,
+    which the template leaves open, is followed by the tag the template would write next, one of the
+    EOS ids of generation_config.json, appended and trained. The rest of the ids are transformers'."""
+    from transformers import AutoTokenizer
+
+    messages = GLM_CASES[label]
+    directory = tokenizer_dirs[GLM]
+    hf = AutoTokenizer.from_pretrained(directory)
+    tokenizer = Tokenizer(directory)
+    template = resolve_chat_template(tokenizer)
+    tools = [WEATHER_TOOL] if any(m.get("tool_calls") for m in messages) else None
+    text = hf.apply_chat_template(messages, tools=tools, tokenize=False)
+    encoding = hf(text, add_special_tokens=False)
+    stop = "<|observation|>" if messages[-1].get("tool_calls") else "<|user|>"
+    expected_ids = encoding["input_ids"] + [hf.convert_tokens_to_ids(stop)]
+    # Oracle: the characters after each <|assistant|> up to and including the next role tag (the
+    # appended stop for the last turn), mapped to tokens by transformers.
+    expected_mask = [0] * len(expected_ids)
+    for match in re.finditer(r"<\|assistant\|>(?P<gen>.*?(?:<\|user\|>|<\|observation\|>|$))", text, flags=re.DOTALL):
+        for char in range(*match.span("gen")):
+            token = encoding.char_to_token(char)
+            if token is not None:
+                expected_mask[token] = 1
+    expected_mask[-1] = 1
+
+    ids, spans, unclosed = assistant_spans(Conversation.of(messages, "test", tools), template, tokenizer)
+    assert ids == expected_ids and unclosed == 0
+    assert len(spans) == len([m for m in messages if m["role"] == "assistant"])
+    mask = [0] * len(ids)
+    for start, stop_ in spans:
+        mask[start:stop_] = [1] * (stop_ - start)
+    assert mask == expected_mask, [hf.convert_ids_to_tokens(i) for i, m in zip(ids, mask) if m]
+    # The batch path (the data module's) gives the same sequence and mask.
+    samples, stats = tokenize_conversations([Conversation.of(messages, "test", tools)], tokenizer, template,
+                                            max_seq_length=512, mask_prompt=True)
+    assert samples.tokens_of(0).tolist() == ids and samples.trained_of(0).tolist()[1:] == [bool(m) for m in mask[1:]]
+    assert stats["unclosed_turns"] == 0
+
+
+def test_without_a_generation_config_naming_the_tag_the_old_rules_hold(tokenizer_dirs, tmp_path):
+    """The same template with no generation_config.json: nothing says the model stops on <|user|>, so a
+    single turn is trained with no stop (counted as unclosed, with the warning) and a longer
+    conversation is refused in one line that says what would make it trainable."""
+    import shutil
+
+    directory = tmp_path / "no-generation-config"
+    shutil.copytree(tokenizer_dirs[GLM], directory)
+    (directory / "generation_config.json").unlink()
+    tokenizer = Tokenizer(directory)
+    template = resolve_chat_template(tokenizer)
+    ids, spans, unclosed = assistant_spans(Conversation.of(PLAIN[:2], "test"), template, tokenizer)
+    assert unclosed == 1 and spans[-1][1] == len(ids) and ids[-1] != tokenizer.token_to_id("<|user|>")
+    with pytest.raises(UserError, match="generation_config.json") as caught:
+        assistant_spans(Conversation.of(PLAIN, "test"), template, tokenizer)
+    assert "\n" not in str(caught.value)

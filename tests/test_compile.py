@@ -170,6 +170,57 @@ def test_lora_blocks_stop_recompiling_once_batch_lengths_vary():
     assert train_on([(2, 31), (1, 55), (2, 12), (2, 61), (1, 33), (2, 47)]) == first, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_packed_rows_compile_once_for_every_packing_layout(checkpointing):
+    """Packed rows (document_ids) through compiled blocks: after the first few batches, ten more
+    batches, each a packing layout not seen before (rows, length, samples per row), compile nothing
+    (dynamo's recompile limit is 8); losses and gradients are eager's. With activation checkpointing
+    too, where a graph break inside the checkpointed region would leave the whole block eager."""
+    from torch._dynamo.utils import counters
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+    )
+
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, Block
+    from toolkit.parallel.compile import compile_blocks
+
+    config = Config.from_name("debug-neox")
+    torch.manual_seed(0)
+    eager = GPT(config)
+    compiled = GPT(config)
+    compiled.load_state_dict(eager.state_dict())
+    if checkpointing:
+        apply_activation_checkpointing(compiled, checkpoint_wrapper_fn=checkpoint_wrapper,
+                                       check_fn=lambda m: isinstance(m, Block))
+    assert compile_blocks(compiled, Block, torch.device("cpu"), dynamic=True, print_fn=print) == config.n_layer
+    counters.clear()
+    generator = torch.Generator().manual_seed(1)
+
+    def train_on(layouts):
+        for rows, length, samples in layouts:
+            ids = torch.randint(0, config.vocab_size, (rows, length), generator=generator)
+            document_ids = torch.zeros(rows, length, dtype=torch.int64)
+            for r in range(rows):  # samples[r] samples, cut at random places
+                for cut in torch.randperm(length - 1, generator=generator)[: samples[r] - 1] + 1:
+                    document_ids[r, cut:] += 1
+            grads = []
+            for model in (eager, compiled):
+                model.zero_grad(set_to_none=True)
+                loss = model(ids, labels=ids, document_ids=document_ids)
+                loss.backward()
+                grads.append([loss.detach()] + [p.grad for p in model.parameters()])  # the same order in both
+            for i, (got, want) in enumerate(zip(grads[1], grads[0])):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"loss and gradients, item {i}")
+        return counters["stats"]["unique_graphs"]
+
+    first = train_on([(2, 24, (2, 3)), (3, 31, (4, 1, 2))])
+    assert 1 <= first <= 8, dict(counters["stats"])
+    new_layouts = [(2 + i % 3, 20 + 5 * i, tuple(2 + (i + r) % 6 for r in range(2 + i % 3))) for i in range(10)]
+    assert train_on(new_layouts) == first, dict(counters["stats"])
+
+
 def test_auto_compiles_only_where_it_was_measured_faster():
     from toolkit.parallel.compile import AUTO_MIN_STEPS, should_compile
 

@@ -45,18 +45,28 @@ def _pretrain(out_dir: Path, train_path: Path, devices: int, *extra: str) -> lis
 
 @pytest.mark.parametrize("devices", [2, 4])
 def test_bad_data_on_rank_zero_stops_every_rank_with_one_line(tmp_path, devices):
-    """Rank 0 prepares the data alone; a broken JSONL line must reach every rank, not strand them."""
+    """Rank 0 prepares the data alone; a broken JSONL line must reach every rank, not strand them.
+
+    Each rank also reports how many process groups are alive once the command has returned (through
+    tests/scripts/run_and_count_process_groups.py): none, as after a run that succeeds. One left to
+    the interpreter's finalization can end the process in SIGABRT after its work
+    (`toolkit.training.failures.release_process_group`)."""
     data = tmp_path / "corpus.jsonl"
     data.write_text('{"text": "a good line"}\n{"text": broken\n')
     out_dir = tmp_path / "out"
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    result = subprocess.run(_pretrain(out_dir, data, devices, "--train.max_steps", "2"), capture_output=True,
-                            text=True, env=env, timeout=30 + 15 * devices)  # start-up of N processes on 2 busy cores
+    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=str(REPO))
+    script = REPO / "tests" / "scripts" / "run_and_count_process_groups.py"
+    command = [sys.executable, str(script), *_pretrain(out_dir, data, devices, "--train.max_steps", "2")[3:]]
+    result = subprocess.run(command, capture_output=True, text=True, env=env,
+                            timeout=30 + 15 * devices)  # start-up of N processes on 2 busy cores
     line = f"toolkit pretrain: error: {data}:2 is not valid JSON (Expecting value); each line must be one JSON object"
     assert result.returncode != 0
     assert result.stderr.count(line) == devices, result.stderr[-3000:]  # every rank, the same line
     assert "Traceback" not in result.stderr + result.stdout
     assert not out_dir.exists()  # the run's folder, created at start, is removed again
+    reports = sorted(r for r in result.stdout.splitlines() if r.startswith("rank "))
+    assert [r.split(":")[0] for r in reports] == [f"rank {i}" for i in range(devices)], result.stdout[-2000:]
+    assert all(": 0 process groups," in r for r in reports), reports
 
 
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0"])

@@ -373,3 +373,33 @@ def test_batch_larger_than_data(tmp_path, tok, corpora):
     data.prepare(tok, BLOCK, tmp_path)
     with pytest.raises(UserError, match="no full batch"):
         data.train_dataloader(micro_batch_size=100_000, block_size=BLOCK, seed=0)
+
+
+def test_a_full_disk_while_tokenizing_is_one_line_and_a_failed_exit(tmp_path):
+    """`toolkit pretrain` tokenizing into its cache (real litdata.optimize) where no file may grow past
+    64 KB: RLIMIT_FSIZE in the child with SIGXFSZ ignored, so that the chunk write fails with an
+    OSError as on a full disk. The run exits non-zero with one error line, and leaves no process
+    behind; litdata 0.2.76 alone hung for good (its worker failed writing the last chunk)."""
+    import resource
+
+    from conftest import REPO, launch_env, tiny_pretrain_args
+
+    def small_files() -> None:
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+
+    out = tmp_path / "out"
+    process = subprocess.Popen([sys.executable, "-m", "toolkit", *tiny_pretrain_args(out, 2)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=launch_env(), cwd=REPO, preexec_fn=small_files,
+                               start_new_session=True)
+    try:
+        _, err = process.communicate(timeout=240)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 1, err[-3000:]
+    errors = [line for line in err.splitlines() if "error" in line.lower() or "Traceback" in line]
+    assert len(errors) == 1 and "File too large" in errors[0] and str(out.parent / "data_cache") in errors[0], err[-3000:]
+    with pytest.raises(ProcessLookupError):  # the process group is gone: no worker or helper left waiting
+        os.killpg(process.pid, 0)
+    assert not list((out.parent / "data_cache").glob("*/index.json"))  # nothing half-written was published

@@ -369,3 +369,55 @@ def test_one_device_quantizes_nf4_weights_one_at_a_time(tmp_path):
         for part in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean"):
             assert torch.equal(getattr(params[name], part), getattr(expected, part)), (name, part)
     torch.testing.assert_close(params["embed.weight"], weights["embed.weight"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["bnb.nf4", "bnb.int8"])
+def test_bitsandbytes_weights_are_read_and_quantized_one_at_a_time(tmp_path, mode):
+    """`--quantize bnb.*` prepares the meta model as nf4 does: each block weight is read whole from
+    the checkpoint, quantized and let go before the next one is read, so no process (one of them,
+    or each of N, which all hold the whole quantized base) holds the bf16 base; the bytes are those
+    of quantizing the loaded model. The reader only watches (weak references to what it hands out)."""
+    import weakref
+
+    from safetensors.torch import save_file
+
+    from toolkit.finetune.lora import quantize_linears
+    from toolkit.model_dir import checkpoint_row_reader
+    from toolkit.models.gpt import GPT
+
+    config = Config(name="bnb-tiny", vocab_size=512, block_size=64, n_layer=2, n_embd=128, n_head=2,
+                    n_query_groups=2, intermediate_size=256, attn_qkv_bias=True)  # fmt: skip
+    with torch.device("meta"):
+        model = GPT(config)
+    torch.manual_seed(0)
+    weights = {name: torch.randn(p.shape).to(torch.bfloat16) for name, p in model.named_parameters()}
+    config.save(tmp_path)
+    save_file(weights, str(tmp_path / "model.safetensors"))
+    block_linears = {name for name in weights if name.startswith("blocks.") and "norm" not in name}
+    reader, handed_out = checkpoint_row_reader(tmp_path), []
+
+    def read_rows(name, start=0, stop=None, out=None):
+        held = [n for n, rows in handed_out if rows() is not None]
+        assert not held, f"reading {name} while the bf16 rows of {held} are still held"
+        rows = reader(name, start, stop, out=out)
+        read.append(name)
+        if name.endswith(".weight"):  # a bias is kept as it is, a weight is quantized
+            handed_out.append((name, weakref.ref(rows)))
+        return rows
+
+    read = []
+    quantize_linears(model, mode, "bf16-mixed", read_rows)
+    assert sorted(read) == sorted(block_linears)  # weights and q/k/v biases, nothing else
+    loaded = GPT(config)
+    loaded.load_state_dict(weights)
+    quantize_linears(loaded, mode, "bf16-mixed")
+    expected = dict(loaded.named_parameters())
+    for name, param in model.named_parameters():
+        if name in block_linears:
+            assert not param.is_meta and torch.equal(param.data, expected[name].data), name
+            state = getattr(param, "quant_state", None)
+            if state is not None:
+                assert torch.equal(state.absmax, expected[name].quant_state.absmax), name
+        else:
+            assert param.is_meta, name  # the embedding, norms and head: `materialize` fills them later
+

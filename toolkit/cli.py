@@ -280,6 +280,10 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
         function(**{k: v for k, v in init.items() if k != "config"})
     except UserError as error:
         _say(f"{prog}: error: {error}")
+        # A UserError after the ranks started (bad data found by rank 0, a checkpoint that does not fit)
+        # is raised between collectives, on every rank: release the group as a finished run does.
+        # Not after Ctrl-C or a peer's failure, where a collective may still be under way.
+        _release_process_group()
         return 1
     except KeyboardInterrupt:
         _say(f"{prog}: interrupted")

@@ -136,6 +136,13 @@ class Tokenizer:
         if self.eos_id is None:
             self.eos_id = self._first_known(_EOS_NAMES)
         self.pad_id: Optional[int] = resolve("pad")
+        # Every id generation_config.json names as eos_token_id (GLM-4.5 names three: <|endoftext|>,
+        # and <|user|> and <|observation|>, the tags its assistant turns end with): generation stops on each.
+        listed = generation.get("eos_token_id")
+        listed = listed if isinstance(listed, list) else [listed]
+        self.generation_stop_ids: tuple[int, ...] = tuple(
+            i for i in listed if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < self.vocab_size
+        )
 
         add_bos = config.get("add_bos_token")
         if isinstance(add_bos, bool):

@@ -36,6 +36,14 @@ what the full rendering holds:
   <|im_end|>, <|eot_id|>, <|end|>, <|return|>, </s>. Separators after it are not trained. A template
   that closes turns with no special token gets the turn trained up to its last part (and a warning:
   nothing teaches the model to stop); one that closes only the last turn is refused.
+- Turns that end with the next turn's opening tag (GLM-4.5: an assistant turn ends where `<|user|>` or
+  `<|observation|>` begins, and the conversation's last turn ends with nothing): an earlier turn is
+  trained through that tag, as any closing token. When the model's generation_config.json names the
+  tag among its `eos_token_id`s (generation stops on it), the last assistant turn gets it too: the
+  tag the template writes after such a turn when the conversation goes on (`next_turn_stops`: the
+  user tag after a reply, the tool tag after tool calls) is appended to the sample and trained, so the
+  model learns to stop there. Without such a generation config a single turn is trained with no stop
+  (and the warning above) and a longer conversation is refused.
 
 Trained: tokens start_i .. stop_i-1 of each assistant message; with train_reasoning=False, from the
 end of its reasoning. Everything else (system, user and tool messages, headers) has its labels set
@@ -314,13 +322,56 @@ def assistant_spans(
 ) -> tuple[list[int], list[tuple[int, int]], int]:
     """(ids of the whole conversation, [(start, stop)] trained span per assistant message, turns without a special end).
 
-    One conversation at a time; `tokenize_conversations` does the same over batches.
+    One conversation at a time; `tokenize_conversations` does the same over batches. The ids end with
+    the stop token appended after the last turn where the template writes none (`next_turn_stops`).
     """
     texts = conversation_texts(conversation, template, path)
     stats = SpanStats()
     ids, spans = spans_from_encodings(conversation, texts, _encode(tokenizer, texts), tokenizer.special_ids, path,
-                                      train_reasoning, stats)
+                                      train_reasoning, stats, next_turn_stops(template, tokenizer))
     return ids, spans, stats.unclosed_turns
+
+
+# Probe conversations for `next_turn_stops`: a reply, and a tool call, each followed by a next turn.
+_PROBE_TOOL = {"type": "function", "function": {"name": "probe", "description": "A probe.",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+_PROBES = {
+    "reply": Conversation.of([{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."},
+                              {"role": "user", "content": "Bye."}], "probe"),
+    "tool_calls": Conversation.of(
+        [{"role": "user", "content": "Hello."},
+         {"role": "assistant", "content": "",
+          "tool_calls": [{"type": "function", "function": {"name": "probe", "arguments": {"x": "1"}}}]},
+         {"role": "tool", "content": "2"}], "probe", [_PROBE_TOOL]),
+}
+
+
+def next_turn_stops(template: ChatTemplate, tokenizer: "Tokenizer") -> dict[str, int]:
+    """The stop token to train after a conversation's last assistant turn, for templates that end a
+    turn only with the next turn's opening tag: {"reply": id, "tool_calls": id} (a turn with tool calls
+    is followed by a tool turn). Each is the special token the template writes right after such a
+    turn when the conversation goes on, kept only if the model's generation_config.json names it as
+    an `eos_token_id` (`Tokenizer.generation_stop_ids`): GLM-4.5 gives {"reply": <|user|>,
+    "tool_calls": <|observation|>}. Empty for a template that closes the last turn itself (its own
+    end-of-turn token) and for a model whose generation config does not stop on the tag.
+    """
+    stops = {}
+    if not tokenizer.generation_stop_ids:
+        return stops
+    for kind, probe in _PROBES.items():
+        last = Conversation.of(list(probe.messages[:2]), "probe", list(probe.tools) if probe.tools else None)
+        going_on, ending = SpanStats(), SpanStats()
+        try:
+            texts, last_texts = conversation_texts(probe, template), conversation_texts(last, template)
+            ids, spans = spans_from_encodings(probe, texts, _encode(tokenizer, texts), tokenizer.special_ids,
+                                              stats=going_on)
+            spans_from_encodings(last, last_texts, _encode(tokenizer, last_texts), tokenizer.special_ids, stats=ending)
+        except UserError:  # a template with stricter rules, or one that renders no tool calls
+            continue
+        stop = ids[spans[0][1] - 1]
+        if not going_on.unclosed_turns and ending.unclosed_turns and stop in tokenizer.generation_stop_ids:
+            stops[kind] = stop
+    return stops
 
 
 def conversation_texts(conversation: Conversation, template: ChatTemplate, path: Path | str = "") -> list[Optional[str]]:
@@ -359,11 +410,13 @@ def _encode(tokenizer: "Tokenizer", texts: list[Optional[str]]) -> list:
 def spans_from_encodings(
     conversation: Conversation, texts: list[Optional[str]], encodings: list, special_ids: frozenset[int],
     path: Path | str = "", train_reasoning: bool = True, stats: Optional[SpanStats] = None,
+    trailing_stops: Optional[dict[str, int]] = None,
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """The trained token span of each assistant message inside the whole rendered conversation.
 
     See the module docstring. `encodings[0]` is (ids, offsets) of the full text; then ids of prompt_i
-    and history_i (or None) per assistant message.
+    and history_i (or None) per assistant message. `trailing_stops` (`next_turn_stops`): the token
+    appended to the ids, and trained, after a last assistant turn that the template leaves open.
     """
     stats = stats if stats is not None else SpanStats()
     where = f"{path} {conversation.where}".strip()
@@ -452,6 +505,10 @@ def spans_from_encodings(
             if full[t] in special_ids:
                 end, closed = t + 1, True
                 break
+        kind = "tool_calls" if message.get("tool_calls") else "reply"
+        if not closed and trailing_stops and kind in trailing_stops and i == len(conversation.messages) - 1:
+            full = full + [trailing_stops[kind]]  # what the model writes to stop (module docstring)
+            end, closed = len(full), True
         closed_flags.append(closed)
         first = token_at(reasoning_end - 1) + 1 if (reasoning_end is not None and not train_reasoning) else start
         spans.append((max(first, 1), end))  # token 0 is never a label
@@ -463,7 +520,8 @@ def spans_from_encodings(
         raise UserError(
             f"{where}: the chat template renders an assistant turn differently when it is the last message, so "
             "the end of its other turns cannot be told apart exactly; use a template that keeps earlier turns "
-            "as they are (--data.chat_template)"
+            "as they are (--data.chat_template), or, if the model stops on the tag that opens the next turn, "
+            "name that tag's id in eos_token_id of the tokenizer folder's generation_config.json"
         )
     stats.unclosed_turns += unclosed
     return full, spans
@@ -477,6 +535,7 @@ def encode_conversations(
     in order; rendered and tokenized in batches (`assistant_spans` does one at a time)."""
     special_ids = tokenizer.special_ids
     stats = stats if stats is not None else SpanStats()
+    trailing_stops = next_turn_stops(template, tokenizer)
     chunks = range(0, len(conversations), _CHUNK)
     for start in chunks:
         part = conversations[start : start + _CHUNK]
@@ -485,7 +544,8 @@ def encode_conversations(
         rest = iter(tokenizer.encode_batch([t for group in texts for t in group[1:] if t is not None], bos=False))
         for conversation, group, full_encoding in zip(part, texts, fulls):
             encodings = [full_encoding] + [next(rest) if t is not None else None for t in group[1:]]
-            full, spans = spans_from_encodings(conversation, group, encodings, special_ids, path, train_reasoning, stats)
+            full, spans = spans_from_encodings(conversation, group, encodings, special_ids, path, train_reasoning, stats,
+                                               trailing_stops)
             yield conversation, full, spans
         if len(chunks) > 1:
             log.info("tokenized %s conversations: %d/%d", what, min(start + _CHUNK, len(conversations)), len(conversations))

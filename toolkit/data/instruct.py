@@ -318,8 +318,9 @@ class InstructLoader:
     that does not fill a global batch of micro_batch_size x world_size samples, and (group_by_length)
     sorts buckets of BUCKET_BATCHES global batches by length before cutting them, then shuffles the
     global batches and puts the one holding the longest sample first (an out-of-memory shows at
-    once). Rank r takes slice r of every global batch, so ranks step through similar lengths and all
-    get `len(self)` batches. Iterating again continues: after a full pass, the next epoch.
+    once). Each step's micro-batches are dealt to the ranks a round at a time (`_plan`), so ranks
+    step through similar lengths, none always the longest, and all get `len(self)` batches.
+    Iterating again continues: after a full pass, the next epoch.
 
     `state_dict()` gives {"epoch", "batches_consumed", ...}; `load_state_dict` makes the next
     iteration yield exactly the batches an uninterrupted run would have yielded next (the epoch's
@@ -430,13 +431,17 @@ class InstructLoader:
                 units[[0, longest]] = units[[longest, 0]]
         else:
             units = order.view(-1, unit)
-        # A step's samples are cut into micro-batches in order; rank r accumulates the r-th run of
-        # `accumulation` consecutive micro-batches (sorted units: similar lengths in each).
-        accumulation = unit // (mb * self.world_size)
+        # A step's samples are cut into micro-batches in order (sorted units: similar lengths in each,
+        # longest first). Ranks run their j-th micro-batches in lockstep (FSDP gathers every layer of
+        # each), so micro-step j deals the next `world_size` micro-batches, one per rank: the ranks
+        # wait little for each other. They are dealt in snake order, rank 0 first on even micro-steps
+        # (counted over the epoch) and last on odd ones, so that no rank always gets the longest and
+        # the ranks' totals balance. One process takes them in order, as before.
+        W = self.world_size
         mine = []
         for u in units:
-            micro = u.view(-1, mb)
-            mine.extend(micro[self.rank * accumulation : (self.rank + 1) * accumulation])
+            for micro_step in u.view(-1, W, mb):  # (W, mb) each, accumulation of them
+                mine.append(micro_step[self.rank if len(mine) % 2 == 0 else W - 1 - self.rank])
         return mine
 
     # ------------------------------------------------------------------ iteration

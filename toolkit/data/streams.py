@@ -491,6 +491,9 @@ def _optimize_units(
     and its Ctrl-C handler, which ends the process with exit code 0 (`os._exit(0)`): a training
     that follows in the same process would stop on Ctrl-C silently, as if it had succeeded, and
     leave its tracker runs running. All three are restored afterwards.
+
+    A write that fails in a worker (a full disk) is one UserError naming the error, never a hang
+    (`_worker_failures`); a stream whose chunk files are not all there in full is refused.
     """
     from litdata import TokensLoader, optimize
 
@@ -503,18 +506,26 @@ def _optimize_units(
     os.environ["DATA_OPTIMIZER_CACHE_FOLDER"] = str(scratch / "chunks")
     os.environ["DATA_OPTIMIZER_DATA_CACHE_FOLDER"] = str(scratch / "data")
     try:
-        with _ProgressReport(fn, total_bytes, out_dir.name):
-            optimize(
-                fn=fn,
-                inputs=inputs,
-                output_dir=str(out_dir),
-                num_workers=max(1, min(num_workers, len(inputs))),
-                chunk_bytes=_CHUNK_BYTES,
-                item_loader=TokensLoader(),
-                keep_data_ordered=True,  # a static slice per worker: the stream does not depend on timing
-                start_method=_START_METHOD,
-                verbose=False,
-            )
+        with _ProgressReport(fn, total_bytes, out_dir.name), _worker_failures() as failure:
+            try:
+                optimize(
+                    fn=fn,
+                    inputs=inputs,
+                    output_dir=str(out_dir),
+                    num_workers=max(1, min(num_workers, len(inputs))),
+                    chunk_bytes=_CHUNK_BYTES,
+                    item_loader=TokensLoader(),
+                    keep_data_ordered=True,  # a static slice per worker: the stream does not depend on timing
+                    start_method=_START_METHOD,
+                    verbose=False,
+                )
+            except Exception:
+                if not failure():
+                    raise
+            if failure():
+                # out_dir is <folder>/<staging>/<split>: name the folder the user chose
+                raise UserError(f"tokenizing into {out_dir.parent.parent} failed in a worker: {failure()} "
+                                "(is the disk full? free space there, or pass another cache_dir)")
     finally:
         for key in [k for k in os.environ if k.startswith("DATA_OPTIMIZER_")]:
             if key not in saved_env:
@@ -526,6 +537,51 @@ def _optimize_units(
         shutil.rmtree(scratch, ignore_errors=True)
     if not (out_dir / "index.json").is_file():
         raise RuntimeError(f"litdata.optimize wrote no index.json into {out_dir}")
+    for chunk in json.loads((out_dir / "index.json").read_text())["chunks"]:
+        path = out_dir / chunk["filename"]
+        if not path.is_file() or path.stat().st_size != chunk["chunk_bytes"]:
+            raise UserError(f"litdata.optimize left {path} missing or cut short (is the disk full?); "
+                            "free space there and run again")
+
+
+@contextlib.contextmanager
+def _worker_failures() -> Iterator[Any]:
+    """While litdata.optimize runs: a worker whose work fails (a chunk that cannot be written: a
+    full disk) records the error's one line and stops its helper processes; yields a function that
+    returns that line ("" while none failed).
+
+    Workaround for litdata 0.2.76: its worker reports the failure on a queue that the parent reads
+    only while items remain, and exits through a join on its file-removing helper process, which
+    waits forever for a "done" message that the failed worker never sends. A failure while writing
+    the last chunk (at the end of every small stream) therefore hung the parent and the worker for
+    good. Forked workers inherit the patch and the shared buffer; with spawn (not Linux) nothing
+    changes.
+    """
+    from litdata.processing.data_processor import BaseWorker
+
+    if _START_METHOD != "fork":
+        yield lambda: ""
+        return
+    message = multiprocessing.get_context("fork").Array("c", 1024)
+    loop = BaseWorker._loop
+
+    def loop_or_stop_helpers(worker) -> None:
+        try:
+            loop(worker)
+        except BaseException as error:
+            text = " ".join(f"{type(error).__name__}: {error}".split())
+            message.value = text.encode()[: len(message) - 1]
+            helpers = [worker.remover, *worker.uploaders, *worker.downloaders]
+            for helper in helpers:  # SIGKILL: they hold nothing to clean, and SIGTERM runs inherited handlers
+                if isinstance(helper, multiprocessing.process.BaseProcess) and helper.is_alive():
+                    helper.kill()
+            raise
+
+    BaseWorker._loop = loop_or_stop_helpers
+    try:
+        yield lambda: message.value.decode(errors="replace")
+    finally:
+        BaseWorker._loop = loop
 
 
 def _stream_stats(stream_dir: Path, block_size: Optional[int] = None) -> tuple[int, int]:

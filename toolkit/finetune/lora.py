@@ -4,8 +4,9 @@ LoRA comes from `peft`, applied to the toolkit's own model: peft swaps the chose
 its LoRA layers; the base weights are frozen. With --quantize nf4 the frozen Linear weights of the
 blocks become torchao NF4 tensors (`toolkit.parallel.nf4`), sharded by FSDP2 on several devices,
 each rank quantizing only its own rows. With --quantize bnb.* they are replaced by bitsandbytes
-4-bit or 8-bit layers on the CPU; on more than one device every rank then quantizes the whole base
-and only the adapters are synchronised (`toolkit.parallel.plan.plan_quantized_base` says why).
+4-bit or 8-bit layers on the CPU, one weight read and quantized at a time; on more than one device
+every rank then quantizes the whole base and only the adapters are synchronised
+(`toolkit.parallel.plan.plan_quantized_base` says why).
 
 A finished run writes `<out_dir>/final/`:
     lora_adapter.safetensors, lora.json   the adapter in toolkit names, and what it applies to
@@ -72,45 +73,61 @@ def init_adapters(model, seed: int) -> None:
                     module.reset_lora_parameters(adapter, True)
 
 
-def quantize_linears(model, mode: str, precision: str):
+def quantize_linears(model, mode: str, precision: str, read_rows=None):
     """Replace every Linear inside the blocks by a bitsandbytes layer holding the same weights.
 
-    Quantization happens here, on the CPU copy, before the model is moved (it is never sharded). The output
+    Quantization happens here, on the CPU, before the model is moved (it is never sharded). The output
     head and embeddings stay in full precision (they are small next to the blocks and quantizing
     them costs quality). The 4-bit layers compute in the compute dtype of the resolved Fabric
     `precision` (`precision_dtypes`): float16 under 16-mixed (GPUs without native bfloat16, where
     bfloat16 is emulated and slow), bfloat16 under bf16-*, float32 under 32-true.
+
+    A Linear still on the meta device (finetune_lora prepares the meta model) reads its weight and
+    bias through `read_rows` (`toolkit.training.model_setup.ReadRows`), in the checkpoint's dtype,
+    and lets them go once quantized, before the next Linear is read: a process never holds more
+    than one 16-bit weight of the blocks, on one device as on each of N (where every rank holds the
+    whole quantized base).
     """
     import bitsandbytes as bnb
     import torch.nn as nn
 
     from toolkit.parallel.precision import precision_dtypes
+    from toolkit.training.model_setup import release_freed_host_memory
 
     compute_dtype = precision_dtypes(precision)[1]
 
-    for block in model.blocks:
-        for parent in list(block.modules()):
-            for child_name, child in list(parent.named_children()):
-                if not isinstance(child, nn.Linear):
-                    continue
-                bias = child.bias is not None
-                if mode == "bnb.int8":
-                    layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias, has_fp16_weights=False, device="cpu")
-                    layer.weight = bnb.nn.Int8Params(child.weight.data.contiguous(), requires_grad=False, has_fp16_weights=False)
-                else:
-                    quant_type = mode.split(".")[1].removesuffix("-dq")
-                    double = mode.endswith("-dq")
-                    layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias, compute_dtype=compute_dtype,
-                                              compress_statistics=double, quant_type=quant_type, device="cpu")
-                    layer.weight = bnb.nn.Params4bit(child.weight.data.contiguous(), requires_grad=False,
-                                                     compress_statistics=double, quant_type=quant_type)
-                    # bitsandbytes 0.50 on CPUs with AVX-512 BF16: the first forward pass in eval mode
-                    # without gradients (validation) repacks the weights for an inference-only kernel,
-                    # after which the layer passes no gradient to its input. Training needs it.
-                    layer.support_avx512bf16_for_cpu = False
-                if bias:
-                    layer.bias = nn.Parameter(child.bias.data.clone(), requires_grad=False)
-                setattr(parent, child_name, layer.to("cpu"))  # .to() quantizes
+    def value(param, name: str):
+        return read_rows(unwrapped_name(name), 0, None) if param.is_meta else param.data
+
+    for parent_name, parent in list(model.blocks.named_modules(prefix="blocks")):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            prefix = f"{parent_name}.{child_name}"
+            bias = None if child.bias is None else value(child.bias, f"{prefix}.bias").clone()
+            weight = value(child.weight, f"{prefix}.weight").contiguous()
+            if mode == "bnb.int8":
+                layer = bnb.nn.Linear8bitLt(child.in_features, child.out_features, bias=bias is not None,
+                                            has_fp16_weights=False, device="cpu")
+                layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+            else:
+                quant_type = mode.split(".")[1].removesuffix("-dq")
+                double = mode.endswith("-dq")
+                layer = bnb.nn.Linear4bit(child.in_features, child.out_features, bias=bias is not None,
+                                          compute_dtype=compute_dtype, compress_statistics=double, quant_type=quant_type,
+                                          device="cpu")
+                layer.weight = bnb.nn.Params4bit(weight, requires_grad=False, compress_statistics=double,
+                                                 quant_type=quant_type)
+                # bitsandbytes 0.50 on CPUs with AVX-512 BF16: the first forward pass in eval mode
+                # without gradients (validation) repacks the weights for an inference-only kernel,
+                # after which the layer passes no gradient to its input. Training needs it.
+                layer.support_avx512bf16_for_cpu = False
+            if bias is not None:
+                layer.bias = nn.Parameter(bias, requires_grad=False)
+            del weight, bias
+            setattr(parent, child_name, layer.to("cpu"))  # .to() quantizes
+            if child.weight.is_meta:
+                release_freed_host_memory()
     return model
 
 
@@ -194,7 +211,10 @@ def finetune_lora(
             # as it is read, its own rows on each rank under FSDP, whole on one device.
             quantize_blocks_nf4(model, compute_dtype, current_device())
         elif quantize is not None:
-            model = quantize_linears(model, quantize, run_plan.precision)
+            from toolkit.model_dir import checkpoint_row_reader
+
+            # The model is on the meta device too: each block weight is read and quantized in turn.
+            model = quantize_linears(model, quantize, run_plan.precision, checkpoint_row_reader(Path(checkpoint_dir)))
         # peft freezes every weight that is not an adapter.
         model = get_peft_model(model, lora.peft_config())
         init_adapters(model, seed)
@@ -208,8 +228,9 @@ def finetune_lora(
     _, model = run_finetune(
         "finetune_lora", checkpoint_dir, out_dir, data, train, eval, log, distributed, devices, num_nodes,
         precision, seed, resume, prepare_model=prepare, frozen_base=True, export=export,
-        # nf4 quantizes the meta model's weights one at a time as they are read, on one device too
-        prepare_on_meta=quantize == "nf4",
+        # Quantization reads the meta model's weights one at a time, quantizing each before the next:
+        # no process holds the 16-bit base (bnb.*: every rank holds the whole quantized base).
+        prepare_on_meta=quantize is not None,
         check_args=check_args, hparams=hparams, lora=lora, quantize=quantize, objective=objective,
     )
     return model

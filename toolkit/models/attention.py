@@ -10,6 +10,10 @@ the kernel: plain causal attention is one SDPA call; a sliding window or a softc
 reach elsewhere, `windowed_attention` and `softcapped_attention`). Packed samples
 (`document_segments`) are attended one sample at a time (`segment_attention`), each as a sequence
 of its length, so windows and softcaps compose with packing.
+
+Under torch.compile the per-sample loop runs eagerly between two compiled graphs (projections and
+rotary embedding before it, the output projection after it): traced, its Python loop over sample
+lengths would be guarded on, and every new packing layout would compile again.
 """
 
 from __future__ import annotations
@@ -328,9 +332,10 @@ class CausalSelfAttention(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int],
-        segments: Optional[list[list[int]]] = None,
+        segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """`segments`: per row, the lengths of its packed samples (summing to T); each attends only to itself."""
+        """`segments` (B, R): per row, the lengths of its packed samples (summing to T, then zeros; see
+        `document_segments`); each attends only to itself."""
         B, T, _ = x.shape
         q, k = self.q_proj(x), self.k_proj(x)  # (B, T, H * D), (B, T, G * D)
         if self.q_norm is not None and not self.qk_norm_per_head:
@@ -346,7 +351,8 @@ class CausalSelfAttention(nn.Module):
             k = apply_rope(k, cos, sin, self.rope_n_elem)
 
         if segments is not None:
-            y = segment_attention(q, k, v, segments, self.scale, self.window, self.softcap)  # (B, H, T, D)
+            per_sample = torch.compiler.disable(segment_attention) if torch.compiler.is_compiling() else segment_attention
+            y = per_sample(q, k, v, segments, self.scale, self.window, self.softcap)  # (B, H, T, D)
         else:
             padding = None
             if self.kv_cache is not None:
@@ -357,11 +363,14 @@ class CausalSelfAttention(nn.Module):
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size))
 
 
-def document_segments(document_ids: torch.Tensor) -> tuple[torch.Tensor, list[list[int]]]:
-    """Positions (B, T) restarting at 0 where a row's document id changes, and each row's run lengths.
+def document_segments(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions (B, T) restarting at 0 where a row's document id changes, and each row's run lengths
+    (B, R), R the most runs in a row, shorter rows padded with 0.
 
-    document_ids [[0, 0, 0, 1, 1, -1]] -> positions [[0, 1, 2, 0, 1, 0]], segments [[3, 2, 1]].
-    The run lengths are host integers (one device sync per forward on a GPU, not one per layer).
+    document_ids [[0, 0, 0, 1, 1, -1], [0, 0, 0, 0, 0, 0]] -> positions [[0, 1, 2, 0, 1, 0], [0, 1, 2, 3, 4, 5]],
+    segments [[3, 2, 1], [6, 0, 0]].
+    The run lengths are a CPU tensor (one device sync per forward on a GPU, not one per layer), not
+    Python lists: compiled blocks guard on a list's contents but on a tensor's shape only.
     """
     B, T = document_ids.shape
     index = torch.arange(T, device=document_ids.device).expand(B, T)
@@ -369,18 +378,20 @@ def document_segments(document_ids: torch.Tensor) -> tuple[torch.Tensor, list[li
     starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
     first = torch.where(starts, index, 0).cummax(dim=1).values  # index of the token's segment start
     positions = index - first
-    segments = []
+    runs = []
     for row in starts.cpu():
         bounds = row.nonzero().squeeze(1).tolist() + [T]
-        segments.append([b - a for a, b in zip(bounds, bounds[1:])])
-    return positions, segments
+        runs.append([b - a for a, b in zip(bounds, bounds[1:])])
+    R = max(len(lengths) for lengths in runs)
+    return positions, torch.tensor([lengths + [0] * (R - len(lengths)) for lengths in runs], dtype=torch.int64)
 
 
 def segment_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: list[list[int]], scale: Optional[float] = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, scale: Optional[float] = None,
     window: Optional[int] = None, softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention within each segment of each row: q (B, H, T, D), k and v (B, G, T, D) -> (B, H, T, D).
+    `segments` (B, R): each row's segment lengths, then zeros (`document_segments`).
 
     Each sample of n tokens is attended as a sequence of n tokens (`attend`, with the layer's
     `scale`, `window` and `softcap`), so windows and softcaps compose with packing.
@@ -395,12 +406,13 @@ def segment_attention(
     """
     T = q.shape[2]
     if (window is not None or softcap is not None) and _use_flex(q, T, T, None):
-        document_ids = torch.cat([
-            torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))[None] for lengths in segments
-        ]).to(q.device)  # (B, T)
+        document_ids = torch.repeat_interleave(  # (B, T): the index of each token's sample in its row
+            torch.arange(segments.shape[1]).expand_as(segments).reshape(-1), segments.reshape(-1)
+        ).view(q.shape[0], T).to(q.device)
         return flex_attend(q, k, v, scale, window, softcap, document_ids)
     rows = []
-    for b, lengths in enumerate(segments):
+    for b, row in enumerate(segments.tolist()):
+        lengths = [n for n in row if n]
         qs, ks, vs = (t[b : b + 1].split(lengths, dim=2) for t in (q, k, v))
         parts = [attend(qi, ki, vi, scale, window, softcap) for qi, ki, vi in zip(qs, ks, vs)]
         rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])

@@ -99,7 +99,7 @@ class GPT(nn.Module):
         tables = {"global": self._rope_tables(self.rope, positions, start, T, x.device, segments)}
         if self.rope_local is not None:
             tables["local"] = self._rope_tables(self.rope_local, positions, start, T, x.device, segments)
-        if segments is not None and all(len(row) == 1 for row in segments):
+        if segments is not None and segments.shape[1] == 1:
             segments = None  # one sample per row: the plain causal path
         for block in self.blocks:
             x = block(x, *tables[block.attn.rope_kind], input_pos, segments)
@@ -111,10 +111,10 @@ class GPT(nn.Module):
     @staticmethod
     def _rope_tables(
         rope: RotaryEmbedding, positions: Optional[torch.Tensor], start: int, T: int, device,
-        segments: Optional[list[list[int]]] = None,
+        segments: Optional[torch.Tensor] = None,
     ):
         """cos, sin: (T, rope_n_elem) each for positions start..start + T - 1, or (B, 1, T, rope_n_elem)
-        at each row's `positions` (B, T) (of packed samples: `segments`); float32."""
+        at each row's `positions` (B, T) (of packed samples: `segments` (B, R)); float32."""
         return rope(start, T, device) if positions is None else rope.at(positions, device, segments)
 
     def head_loss(self, x: torch.Tensor, labels: torch.Tensor, per_token: bool = False) -> torch.Tensor:
@@ -233,7 +233,7 @@ class Block(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, input_pos: Optional[int],
-        segments: Optional[list[list[int]]] = None,
+        segments: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         h = x if self.norm_1 is None else self.norm_1(x)
         attn_out = self.attn(h, cos, sin, input_pos, segments)

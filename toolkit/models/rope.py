@@ -178,16 +178,16 @@ class RotaryEmbedding:
         return cos[start : start + length], sin[start : start + length]
 
     def at(
-        self, positions: torch.Tensor, device, segments: Optional[list[list[int]]] = None
+        self, positions: torch.Tensor, device, segments: Optional[torch.Tensor] = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin (B, 1, T, dim) at the positions (B, T) of each row; `segments`: each row's packed
-        samples' lengths (see `toolkit.models.attention.document_segments`)."""
+        """cos/sin (B, 1, T, dim) at the positions (B, T) of each row; `segments` (B, R): each row's
+        packed samples' lengths, then zeros (see `toolkit.models.attention.document_segments`)."""
         device = torch.device(device)
         n = int(positions.max()) + 1
         if self.switch_length is None or segments is None:
             cos, sin = self._table(n, device, self.is_long(n))
             return cos[positions][:, None], sin[positions][:, None]
-        lengths = torch.tensor([length for row in segments for length in row])
+        lengths = segments[segments > 0]  # each sample's length, row by row
         long = torch.repeat_interleave(lengths > self.switch_length, lengths).view(positions.shape).to(device)
         (short_cos, short_sin), (long_cos, long_sin) = (self._table(n, device, kind) for kind in (False, True))
         cos = torch.where(long[..., None], long_cos[positions], short_cos[positions])

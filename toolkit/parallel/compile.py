@@ -3,17 +3,20 @@
     model = setup_model(fabric, model, read_rows)   # shards (FSDP2), wraps for checkpointing
     compile_blocks(model, Block, dynamic=...)       # then each unit gets torch.compile
 
-Each "unit" (a Block, or its activation-checkpointing wrapper when it has one, as `fully_shard`
-sees it) is compiled with `nn.Module.compile`, which compiles the module's call in place: the module
-keeps its class, its FSDP2 hooks and its state-dict keys, and FSDP2's all-gather/reshard hooks run
-eagerly around the compiled forward (dynamo does not trace them). Every block has the same code and
+Each Block (inside its activation-checkpointing wrapper when it has one) is compiled with
+`nn.Module.compile`, which compiles the module's call in place: the module keeps its class, its FSDP2
+hooks and its state-dict keys, and FSDP2's all-gather/reshard hooks (on the block, or on its wrapper,
+as `fully_shard` sees it) run eagerly around the compiled forward (dynamo does not trace them).
+The block, not its checkpointing wrapper: packed rows attend one sample at a time outside the graph
+(a graph break, see `toolkit.models.attention`), and dynamo runs a checkpointed region with a graph
+break in it wholly eagerly; inside an eager checkpoint the compiled block is recomputed as it is. Every block has the same code and
 the same shapes, and dynamo treats parameters as inputs, so all blocks share one compiled graph: a
 model compiles once whatever its depth. The embedding, final norm and the fused loss stay eager
 (the loss computes its gradients in the forward pass; see `GPT.head_loss`).
 
-This is the order torchtitan uses (activation checkpointing, compile per block, FSDP per block);
-compiling after `fully_shard` instead of before gives the same modules here, because `.compile()`
-changes only how the module is called.
+This is the order torchtitan uses (activation checkpointing, compile per block, FSDP per block),
+except that torchtitan compiles the checkpointing wrapper; compiling after `fully_shard` instead of
+before gives the same modules here, because `.compile()` changes only how the module is called.
 
 Shapes: pretraining batches all have one shape (static, the fastest code). Fine-tuning batches are
 padded to their longest sample, so they are compiled with `dynamic=True` (the sequence and batch
@@ -58,23 +61,21 @@ def should_compile(
 
 
 def compile_blocks(model: nn.Module, block_cls: type, device, dynamic: bool, print_fn: Callable[[str], None]) -> int:
-    """Compile every transformer-block unit of `model` in place; returns how many were compiled.
+    """Compile every transformer block of `model` in place; returns how many were compiled.
 
     0 when the compiler does not work on `device` (one line is printed; the model stays eager).
     """
-    from toolkit.parallel.fsdp import block_units
-
     problem = compiler_problem(device)
     if problem is not None:
         print_fn(f"torch.compile is unavailable here ({problem}); training eagerly.")
         return 0
-    units = block_units(model, block_cls)
-    for unit in units:
-        unit.compile(dynamic=True if dynamic else None)
+    blocks = [m for m in model.modules() if isinstance(m, block_cls)]
+    for block in blocks:
+        block.compile(dynamic=True if dynamic else None)
     shapes = "dynamic shapes" if dynamic else "static shapes"
-    print_fn(f"torch.compile: {len(units)} transformer blocks compiled separately ({shapes}); "
+    print_fn(f"torch.compile: {len(blocks)} transformer blocks compiled separately ({shapes}); "
              "the first step compiles, its time is reported once and left out of the step times.")
-    return len(units)
+    return len(blocks)
 
 
 def compiler_problem(device) -> Optional[str]:

@@ -221,7 +221,8 @@ def _stop_now(message: str, children: list) -> None:
 
 
 def release_process_group() -> None:
-    """Tear the process group down after a run that ended normally (every rank calls it).
+    """Tear the process group down after a run that ended normally, or with a UserError that every
+    rank raised (every rank calls it).
 
     Left to the interpreter's exit, torch's communication threads (and the TCP store that rank 0
     hosts) can be destroyed while still running: once in a few hundred CPU runs the process then
