@@ -252,7 +252,7 @@ def test_longrope_rotates_a_whole_sequence_by_the_long_factors_past_its_switch()
     positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]])
     torch.testing.assert_close(rope.at(positions, "cpu")[0][0, 0], tables[13][0])
     packed = torch.tensor([list(range(10)) + list(range(13))])
-    cos = rope.at(packed, "cpu", [[10, 13]])[0][0, 0]
+    cos = rope.at(packed, "cpu", torch.tensor([[10, 13]]))[0][0, 0]
     torch.testing.assert_close(cos[:10], rope(0, 10, "cpu")[0])
     torch.testing.assert_close(cos[10:], tables[13][0])
 

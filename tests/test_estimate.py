@@ -45,8 +45,8 @@ from toolkit.parallel.precision import PRECISIONS, apply_precision_policy, preci
 SCRIPTS = Path(__file__).parent / "scripts"
 TIMEOUT = 300
 PRESETS = ["pythia-14m", "tiny-llama-1.1b", "llama-3.2-1b", "gemma-2b", "phi-2", "qwen2.5-0.5b"]
-FAMILIES = ["debug", "debug-neox", "debug-gemma", "debug-phi", "debug-llama2", "debug-qwen3", "debug-olmo2",
-            "debug-smollm3"]
+FAMILIES = ["debug", "debug-neox", "debug-gemma", "debug-gemma2", "debug-gemma3", "debug-phi", "debug-llama2",
+            "debug-qwen3", "debug-olmo2", "debug-smollm3"]
 # The measured model: about 2M parameters, shaped like an LLM (8 blocks, a vocabulary 16x the width,
 # a gated MLP 2.7x wide, grouped-query attention). Odd sizes on purpose: FSDP2 pads every dim-0
 # shard to the first rank's size. 512 tokens per micro-batch put the peaks at 20-80 MiB, about half

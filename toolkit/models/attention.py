@@ -79,7 +79,7 @@ BACKEND: dict[str, Optional[str]] = {"name": None}
 WINDOW_CHUNK = 256
 # Queries per chunk of the softcapped path, fewer where their float32 scores (batch x heads x queries
 # x keys) would pass SCORE_CHUNK_BYTES. Measured at T=8192 (benchmarks/attention_window.py): 128
-# rows against 256 to 1024 was 15-55% faster with a 1024-token window and up to 28% without.
+# rows against 256 to 1024 was 14-55% faster with a 1024-token window and 8-28% without.
 SCORE_CHUNK_ROWS = 128
 SCORE_CHUNK_BYTES = 16 << 20
 
