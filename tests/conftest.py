@@ -12,7 +12,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+
+# Under pytest-xdist (the README's test command runs two workers, one per core) each worker computes
+# on one thread: two workers of two threads each would oversubscribe the cores. Set before torch is
+# imported, so that the processes a test starts inherit it too.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+import torch  # noqa: E402
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # also where a plugin imported torch before this file
 
 # Let `pytest` run from a plain checkout (the package need not be installed).
 _REPO = Path(__file__).resolve().parents[1]

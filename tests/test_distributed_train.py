@@ -99,12 +99,27 @@ def reference(workdir) -> dict:
     return _weights(out)
 
 
+@pytest.fixture(scope="module")
+def two_processes(workdir):
+    """Two-process runs, each made once when first asked for: (sharding, state_dict_type) -> (out_dir, stdout).
+    HYBRID_SHARD with sharded checkpoints (the defaults) serves two tests below."""
+    runs = {}
+
+    def get(sharding: str, state_dict_type: str) -> tuple[Path, str]:
+        if (sharding, state_dict_type) not in runs:
+            out = workdir / f"two-{sharding}-{state_dict_type}"
+            result = _toolkit(_pretrain_args(out, workdir / "cache", "--devices", "2", "--distributed.sharding", sharding,
+                                             "--distributed.state_dict_type", state_dict_type))
+            runs[sharding, state_dict_type] = out, result.stdout
+        return runs[sharding, state_dict_type]
+
+    return get
+
+
 @pytest.mark.parametrize("sharding", ["FULL_SHARD", "HYBRID_SHARD"])
-def test_two_processes_match_one_process(workdir, reference, sharding):
-    out = workdir / f"two-{sharding}"
-    result = _toolkit(_pretrain_args(out, workdir / "cache", "--devices", "2", "--distributed.sharding", sharding,
-                                     "--distributed.state_dict_type", "sharded"))
-    assert "accumulation" in result.stdout
+def test_two_processes_match_one_process(reference, two_processes, sharding):
+    out, stdout = two_processes(sharding, "sharded")
+    assert "accumulation" in stdout
     _assert_close_weights(_weights(out), reference)
     assert (out / "checkpoints" / f"step-{STEPS:08d}" / "state").is_dir()  # sharded mid-run checkpoint
 
@@ -132,12 +147,11 @@ def test_activation_checkpointing_gives_the_same_result(workdir, reference):
 
 
 @pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
-def test_checkpoints_of_a_two_process_run_load_into_one_process(workdir, state_dict_type, tmp_path):
+def test_checkpoints_of_a_two_process_run_load_into_one_process(two_processes, state_dict_type, tmp_path):
     from toolkit.model_dir import load_model
     from toolkit.convert import convert_pretrained_checkpoint
 
-    out = workdir / f"ckpt-{state_dict_type}"
-    _toolkit(_pretrain_args(out, workdir / "cache", "--devices", "2", "--distributed.state_dict_type", state_dict_type))
+    out, _ = two_processes("HYBRID_SHARD", state_dict_type)  # the default sharding
     training_checkpoint = out / "checkpoints" / f"step-{STEPS:08d}"
     assert (training_checkpoint / ("state" if state_dict_type == "sharded" else "state.pt")).exists()
     inference = tmp_path / "inference"

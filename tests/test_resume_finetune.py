@@ -46,11 +46,28 @@ def _assert_identical(a: Path, b: Path) -> None:
         assert torch.equal(wa[name], wb[name]), name
 
 
+STEPS = 8
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(base, tmp_path_factory):
+    """Uninterrupted runs of STEPS steps, each made once when first asked for: command -> out_dir.
+    finetune_lora's serves two tests (killed at a random step, and killed inside a save)."""
+    root, runs = tmp_path_factory.mktemp("uninterrupted"), {}
+
+    def get(command: str) -> Path:
+        if command not in runs:
+            _run(_finetune_cmd(command, base["checkpoint"], root / command, "--train.max_steps", str(STEPS)))
+            runs[command] = root / command
+        return runs[command]
+
+    return get
+
+
 @pytest.mark.parametrize("command", ["finetune_full", "finetune_lora"])
-def test_finetuning_killed_at_a_random_step_resumes_exactly(base, tmp_path, command):
-    steps = 8
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    _run(_finetune_cmd(command, base["checkpoint"], reference, "--train.max_steps", str(steps)))
+def test_finetuning_killed_at_a_random_step_resumes_exactly(base, uninterrupted, tmp_path, command):
+    steps = STEPS
+    reference, killed = uninterrupted(command), tmp_path / "killed"
     k = random.Random(os.getpid()).randint(4, steps - 1)
     kill_group_at_step(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)), k)
     result = _run(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)))
@@ -192,16 +209,15 @@ def test_two_fsdp_processes_killed_and_resumed_from_a_sharded_checkpoint(tmp_pat
         torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0, msg=name)
 
 
-def test_lora_killed_in_the_middle_of_saving_its_adapter_checkpoint(base, tmp_path):
+def test_lora_killed_in_the_middle_of_saving_its_adapter_checkpoint(base, uninterrupted, tmp_path):
     """The adapter-only checkpoint is as crash-safe as a full one."""
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    cmd = lambda out, steps: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.max_steps", str(steps))  # noqa: E731
-    _run(cmd(reference, 6))
+    reference, killed = uninterrupted("finetune_lora"), tmp_path / "killed"
+    cmd = lambda out: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.max_steps", str(STEPS))  # noqa: E731
     # The step-3 save completes; the process is killed inside the second one, at step 6.
     env = dict(os.environ, OMP_NUM_THREADS="1", TOOLKIT_KILL_AT="save:2")
-    crashed = subprocess.run(cmd(killed, 6), capture_output=True, text=True, env=env, timeout=600)
+    crashed = subprocess.run(cmd(killed), capture_output=True, text=True, env=env, timeout=600)
     assert crashed.returncode == -signal.SIGKILL
     assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.endswith(".tmp")) == ["step-00000003"]
-    result = _run(cmd(killed, 6))
+    result = _run(cmd(killed))
     assert "Resumed from" in result.stdout and "step-00000003" in result.stdout
     _assert_identical(reference, killed)
