@@ -41,7 +41,7 @@ from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import GPT, init_weights  # noqa: E402
 from toolkit.models.loss import loss_settings  # noqa: E402
 from toolkit.training.objectives import SFT  # noqa: E402
-from toolkit.training.preference import DPO  # noqa: E402
+from toolkit.training.preference_objectives import DPO  # noqa: E402
 from toolkit.training.reference import AdaptersOff, Precomputed  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Preference objectives (`toolkit.training.preference`) against TRL 1.16, on a tiny random Llama.
+"""Preference objectives (`toolkit.training.preference_objectives`) against TRL 1.16, on a tiny random Llama.
 
 A policy and a reference (the policy before a random step) are Hugging Face models; the toolkit's
 copies come from the real converter. TRL computes each loss with its own code on the Hugging Face
@@ -24,7 +24,7 @@ from pair_data import collate_pairs
 from toolkit.convert import convert_from_hf
 from toolkit.convert.weight_maps import toolkit_to_hf_name
 from toolkit.model_dir import load_model
-from toolkit.training.preference import DPO, IPO, ORPO, SimPO
+from toolkit.training.preference_objectives import DPO, IPO, ORPO, SimPO
 from toolkit.training.reference import FrozenModel
 
 VOCAB = 96

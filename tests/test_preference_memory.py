@@ -61,7 +61,7 @@ def test_estimate_of_a_preference_step_matches_the_simulated_step(finetune, froz
 def test_objectives_tell_the_memory_code_what_they_add():
     """`Objective.memory_profile` (what the pre-flight is given) and the estimate's table of objectives."""
     from toolkit.training.objectives import SFT
-    from toolkit.training.preference import DPO, IPO, ORPO, SimPO
+    from toolkit.training.preference_objectives import DPO, IPO, ORPO, SimPO
 
     assert SFT().memory_profile(frozen_base=False) == {}
     assert DPO().memory_profile(frozen_base=True) == {"pairs": True, "frozen_copy": False}  # LoRA: its own base

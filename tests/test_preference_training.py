@@ -119,7 +119,7 @@ def test_dpo_learns_a_rule_and_keeps_it_on_held_out_pairs(base, tmp_path):
     from toolkit.args import EvalArgs, LogArgs, TrainArgs
     from toolkit.finetune.lora import finetune_lora
     from toolkit.models.adapters import LoRAArgs
-    from toolkit.training.preference import DPO
+    from toolkit.training.preference_objectives import DPO
 
     train = rule_pairs(512, seed=1)
     seen = {tuple(prompt) for prompt, _, _ in train}

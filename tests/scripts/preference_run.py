@@ -23,7 +23,7 @@ sys.path[:0] = [str(TESTS.parent), str(TESTS)]
 from pair_data import SyntheticPairs, rule_pairs  # noqa: E402
 from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
 from toolkit.models.adapters import LoRAArgs  # noqa: E402
-from toolkit.training.preference import DPO  # noqa: E402
+from toolkit.training.preference_objectives import DPO  # noqa: E402
 
 
 def run(checkpoint: Path, out_dir: Path, devices: int, kind: str, precompute: bool, steps: int) -> None:

@@ -60,7 +60,8 @@ def run_finetune(
     `frozen_base`: the weights of `checkpoint_dir` stay frozen (LoRA): training checkpoints hold only
     what trains, and a resume is refused if `checkpoint_dir` is not the base they were trained on.
     `prepare_on_meta`: `prepare_model` works on the meta model (nf4 quantizes each weight as it is read).
-    `objective`: what the loop minimises (`toolkit.training.objectives`, `toolkit.training.preference`);
+    `objective`: what the loop minimises (`toolkit.training.objectives`,
+    `toolkit.training.preference_objectives`);
     None is `SFT()`. Its `prepare` runs once the model is built, before the loop (a preference loss
     chooses its reference there: the base with the adapters off when `frozen_base`, else a frozen
     copy of `checkpoint_dir`, or log-probabilities precomputed with either).

@@ -7,7 +7,7 @@ from typing import Literal, Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.training.objectives import Objective
-from toolkit.training.preference import PreferenceObjective  # noqa: F401  (its losses are --objective choices)
+from toolkit.training.preference_objectives import PreferenceObjective  # noqa: F401  (its losses are --objective choices)
 from toolkit.finetune.common import FINETUNE_EVAL, FINETUNE_TRAIN, run_finetune
 from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs
 

@@ -27,7 +27,7 @@ from typing import Optional, Union
 
 from toolkit.data.instruct import InstructData
 from toolkit.training.objectives import Objective
-from toolkit.training.preference import PreferenceObjective  # noqa: F401  (its losses are --objective choices)
+from toolkit.training.preference_objectives import PreferenceObjective  # noqa: F401  (its losses are --objective choices)
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
 from toolkit.models.adapters import LoRAArgs

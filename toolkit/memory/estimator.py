@@ -52,7 +52,7 @@ from toolkit.memory.parameters import (
 )
 from toolkit.models.config import CONFIG_FILENAME, Config
 
-# The preference objectives (`toolkit.training.preference`, which this package does not import) and
+# The preference objectives (`toolkit.training.preference_objectives`, which this package does not import) and
 # whether each keeps a reference model (its `uses_reference`; tests/test_preference_memory.py holds them equal).
 PREFERENCE_REFERENCE = {"dpo": True, "ipo": True, "simpo": False, "orpo": False}
 ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo"]

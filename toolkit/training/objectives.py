@@ -22,7 +22,7 @@ Adding an objective: subclass `Objective`, implement `normaliser` and `loss` (an
 if batches are padded or hold no `input_ids`; `prepare` if it sets something up once before
 training, such as a preference loss's reference model), and pass an instance to `Session.fit`
 (or `fit`). See tutorials/objectives.md. The preference objectives (DPO, IPO, SimPO, ORPO) are in
-`toolkit.training.preference`.
+`toolkit.training.preference_objectives`.
 """
 
 from __future__ import annotations

@@ -229,4 +229,6 @@ def plain(value: Any) -> Any:
 
 def _is_chosen_class(value: Any) -> bool:
     """A data module or an objective: one of several classes, chosen by name (`--data Alpaca`)."""
-    return type(value).__module__.startswith(("toolkit.data", "toolkit.training.objectives", "toolkit.training.preference"))
+    return type(value).__module__.startswith(
+        ("toolkit.data", "toolkit.training.objectives", "toolkit.training.preference_objectives")
+    )
