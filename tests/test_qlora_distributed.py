@@ -323,17 +323,37 @@ def test_nf4_that_cannot_be_split_is_one_clear_line(bf16_base, sums, tmp_path, c
     assert len(err) == 1 and "--quantize nf4 cannot split blocks.0.attn" in err[0], err
 
 
+def _one_at_a_time_reader(checkpoint, watched):
+    """`read_rows` of `checkpoint` that fails if it is asked for a weight while the rows of an
+    earlier one that `watched(name)` says to follow are still alive (it keeps weak references
+    only), and the names read, in order."""
+    import weakref
+
+    from toolkit.model_dir import checkpoint_row_reader
+
+    reader, handed_out, read = checkpoint_row_reader(checkpoint), [], []
+
+    def read_rows(name, start=0, stop=None, out=None):
+        held = [n for n, rows in handed_out if rows() is not None]
+        assert not held, f"reading {name} while the bf16 rows of {held} are still held"
+        rows = reader(name, start, stop, out=out)
+        read.append(name)
+        if watched(name):
+            handed_out.append((name, weakref.ref(rows)))
+        return rows
+
+    return read_rows, read
+
+
 def test_one_device_quantizes_nf4_weights_one_at_a_time(tmp_path):
     """Start-up on one device (one process, as finetune_lora runs it: `prepare` on the meta model,
     then `materialize`): each NF4 weight is read whole from the checkpoint, quantized and let go
     before the next one is read, so no process holds the bf16 base; the bytes are those of
     quantizing the loaded weight. The reader only watches (weak references to what it hands out).
     (Peak host memory on a model large enough to see it: benchmarks/qlora_startup_memory.py.)"""
-    import weakref
 
     from safetensors.torch import save_file
 
-    from toolkit.model_dir import checkpoint_row_reader
     from toolkit.models.gpt import GPT
     from toolkit.training.model_setup import materialize
     from toolkit.parallel.nf4 import is_nf4, nf4_quantize, quantize_blocks_nf4
@@ -350,18 +370,9 @@ def test_one_device_quantizes_nf4_weights_one_at_a_time(tmp_path):
     nf4_names = {name for name, p in model.named_parameters() if is_nf4(p)}
     assert len(nf4_names) == 7 * config.n_layer
 
-    reader, handed_out = checkpoint_row_reader(tmp_path), []
-
-    def read_rows(name, start=0, stop=None, out=None):
-        held = [n for n, rows in handed_out if rows() is not None]
-        assert not held, f"reading {name} while the bf16 rows of {held} are still held"
-        rows = reader(name, start, stop, out=out)
-        if name in nf4_names:
-            handed_out.append((name, weakref.ref(rows)))
-        return rows
-
+    read_rows, read = _one_at_a_time_reader(tmp_path, lambda name: name in nf4_names)
     materialize(model, read_rows)
-    assert {name for name, _ in handed_out} == nf4_names
+    assert nf4_names <= set(read)
     params = dict(model.named_parameters())
     for name in nf4_names:
         expected = nf4_quantize(weights[name], torch.bfloat16)
@@ -377,12 +388,10 @@ def test_bitsandbytes_weights_are_read_and_quantized_one_at_a_time(tmp_path, mod
     the checkpoint, quantized and let go before the next one is read, so no process (one of them,
     or each of N, which all hold the whole quantized base) holds the bf16 base; the bytes are those
     of quantizing the loaded model. The reader only watches (weak references to what it hands out)."""
-    import weakref
 
     from safetensors.torch import save_file
 
     from toolkit.finetune.lora import quantize_linears
-    from toolkit.model_dir import checkpoint_row_reader
     from toolkit.models.gpt import GPT
 
     config = Config(name="bnb-tiny", vocab_size=512, block_size=64, n_layer=2, n_embd=128, n_head=2,
@@ -394,18 +403,8 @@ def test_bitsandbytes_weights_are_read_and_quantized_one_at_a_time(tmp_path, mod
     config.save(tmp_path)
     save_file(weights, str(tmp_path / "model.safetensors"))
     block_linears = {name for name in weights if name.startswith("blocks.") and "norm" not in name}
-    reader, handed_out = checkpoint_row_reader(tmp_path), []
-
-    def read_rows(name, start=0, stop=None, out=None):
-        held = [n for n, rows in handed_out if rows() is not None]
-        assert not held, f"reading {name} while the bf16 rows of {held} are still held"
-        rows = reader(name, start, stop, out=out)
-        read.append(name)
-        if name.endswith(".weight"):  # a bias is kept as it is, a weight is quantized
-            handed_out.append((name, weakref.ref(rows)))
-        return rows
-
-    read = []
+    # a bias is kept as it is, a weight is quantized: the weights are followed
+    read_rows, read = _one_at_a_time_reader(tmp_path, lambda name: name.endswith(".weight"))
     quantize_linears(model, mode, "bf16-mixed", read_rows)
     assert sorted(read) == sorted(block_linears)  # weights and q/k/v biases, nothing else
     loaded = GPT(config)
