@@ -323,6 +323,22 @@ def test_nf4_that_cannot_be_split_is_one_clear_line(bf16_base, sums, tmp_path, c
     assert len(err) == 1 and "--quantize nf4 cannot split blocks.0.attn" in err[0], err
 
 
+def _meta_model_and_random_checkpoint(config, checkpoint):
+    """`GPT(config)` on the meta device, and random bf16 weights for it saved as a toolkit checkpoint
+    in `checkpoint` (name -> tensor, also returned)."""
+    from safetensors.torch import save_file
+
+    from toolkit.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(config)
+    torch.manual_seed(0)
+    weights = {name: torch.randn(p.shape).to(torch.bfloat16) for name, p in model.named_parameters()}
+    config.save(checkpoint)
+    save_file(weights, str(checkpoint / "model.safetensors"))
+    return model, weights
+
+
 def _one_at_a_time_reader(checkpoint, watched):
     """`read_rows` of `checkpoint` that fails if it is asked for a weight while the rows of an
     earlier one that `watched(name)` says to follow are still alive (it keeps weak references
@@ -352,20 +368,13 @@ def test_one_device_quantizes_nf4_weights_one_at_a_time(tmp_path):
     quantizing the loaded weight. The reader only watches (weak references to what it hands out).
     (Peak host memory on a model large enough to see it: benchmarks/qlora_startup_memory.py.)"""
 
-    from safetensors.torch import save_file
 
-    from toolkit.models.gpt import GPT
     from toolkit.training.model_setup import materialize
     from toolkit.parallel.nf4 import is_nf4, nf4_quantize, quantize_blocks_nf4
 
     config = Config(name="nf4-tiny", vocab_size=512, block_size=64, n_layer=2, n_embd=128, n_head=2,
                     n_query_groups=2, intermediate_size=256)  # fmt: skip
-    with torch.device("meta"):
-        model = GPT(config)
-    torch.manual_seed(0)
-    weights = {name: torch.randn(p.shape).to(torch.bfloat16) for name, p in model.named_parameters()}
-    config.save(tmp_path)
-    save_file(weights, str(tmp_path / "model.safetensors"))
+    model, weights = _meta_model_and_random_checkpoint(config, tmp_path)
     quantize_blocks_nf4(model, torch.bfloat16, "cpu")
     nf4_names = {name for name, p in model.named_parameters() if is_nf4(p)}
     assert len(nf4_names) == 7 * config.n_layer
@@ -389,19 +398,13 @@ def test_bitsandbytes_weights_are_read_and_quantized_one_at_a_time(tmp_path, mod
     or each of N, which all hold the whole quantized base) holds the bf16 base; the bytes are those
     of quantizing the loaded model. The reader only watches (weak references to what it hands out)."""
 
-    from safetensors.torch import save_file
 
     from toolkit.finetune.lora import quantize_linears
     from toolkit.models.gpt import GPT
 
     config = Config(name="bnb-tiny", vocab_size=512, block_size=64, n_layer=2, n_embd=128, n_head=2,
                     n_query_groups=2, intermediate_size=256, attn_qkv_bias=True)  # fmt: skip
-    with torch.device("meta"):
-        model = GPT(config)
-    torch.manual_seed(0)
-    weights = {name: torch.randn(p.shape).to(torch.bfloat16) for name, p in model.named_parameters()}
-    config.save(tmp_path)
-    save_file(weights, str(tmp_path / "model.safetensors"))
+    model, weights = _meta_model_and_random_checkpoint(config, tmp_path)
     block_linears = {name for name in weights if name.startswith("blocks.") and "norm" not in name}
     # a bias is kept as it is, a weight is quantized: the weights are followed
     read_rows, read = _one_at_a_time_reader(tmp_path, lambda name: name.endswith(".weight"))
