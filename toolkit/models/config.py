@@ -37,6 +37,7 @@ class LayerSpec(NamedTuple):
 
     window: Optional[int]  # tokens each query attends to, itself included; None: every earlier token
     rope: bool  # whether queries and keys are rotated
+    moe: bool = False  # whether its feed-forward part is a mixture of experts (else the dense MLP)
 
 
 @dataclass
@@ -67,8 +68,10 @@ class Config:
     norm_eps: float = 1e-5
     # Gemma's RMSNorm scales by (1 + weight), so its weights are stored centred on zero.
     norm_unit_offset: bool = False
-    # gelu: fc_in -> GELU -> fc_out; swiglu: down(silu(gate) * up); geglu: down(gelu(gate) * up)
-    mlp: Literal["gelu", "swiglu", "geglu"] = "swiglu"
+    # gelu: fc_in -> GELU -> fc_out; swiglu: down(silu(gate) * up); geglu: down(gelu(gate) * up);
+    # clamped_swiglu (gpt-oss's experts): gate clamped to <= limit, up to [-limit, limit], then
+    # down((up + 1) * gate * sigmoid(alpha * gate)) with `swiglu_limit` and `swiglu_alpha`
+    mlp: Literal["gelu", "swiglu", "geglu", "clamped_swiglu"] = "swiglu"
     gelu_approximate: Literal["none", "tanh"] = "none"
     bias: bool = False  # bias on every linear layer of the blocks
     attn_qkv_bias: Optional[bool] = None  # bias on query/key/value only (Qwen2); None: same as `bias`
@@ -121,6 +124,29 @@ class Config:
     # linear scaling). None: local layers rotate as global ones.
     rope_local_base: Optional[float] = None
 
+    # --- mixture of experts (Mixtral, Qwen3-MoE, OLMoE, gpt-oss)
+    # Experts per MoE layer; 0: a dense model. Each token goes to the `n_expert_per_token` experts
+    # its router scores highest (dropless token choice), weighted by their softmax probabilities,
+    # renormalised over the chosen ones when `router_norm_topk`.
+    n_expert: int = 0
+    n_expert_per_token: int = 0
+    moe_intermediate_size: Optional[int] = None  # each expert's hidden width; None: intermediate_size
+    # Layers (0-based) whose feed-forward part is the mixture; the others keep the dense MLP of
+    # `intermediate_size` (Qwen3-MoE's `mlp_only_layers`, `decoder_sparse_step`). None: every layer.
+    moe_layers: Optional[list[int]] = None
+    router_norm_topk: bool = True
+    # Coefficients of the router's losses as the family trains them: the load-balancing loss
+    # (`toolkit.models.moe.router_losses`) and the router z-loss (mean squared log-sum-exp of the
+    # router's logits). The training objective reads them; `--model_overrides` changes them.
+    router_aux_loss_coef: float = 0.0
+    router_z_loss_coef: float = 0.0
+    # mlp "clamped_swiglu" (gpt-oss): the clamp and the sigmoid's slope.
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    # A learned logit per head that joins each query's softmax as one more key whose value is zero,
+    # so a query can attend to "nothing" (gpt-oss's attention sinks; weights `attn.sinks`, (H,)).
+    attention_sinks: bool = False
+
     # --- derived in __post_init__; not meant to be set
     rope_n_elem: int = field(default=0, init=False)
 
@@ -148,6 +174,8 @@ class Config:
             self.intermediate_size = 4 * self.n_embd
         if self.attn_qkv_bias is None:
             self.attn_qkv_bias = self.bias
+        if self.moe_intermediate_size is None:
+            self.moe_intermediate_size = self.intermediate_size
         if self.n_query_groups <= 0 or self.n_head % self.n_query_groups:
             raise UserError(
                 f"Invalid model config {self.name!r}: n_head={self.n_head} must be a multiple of "
@@ -179,7 +207,8 @@ class Config:
                 raise UserError(f"Invalid model config {self.name!r}: rope_scaling lacks {sorted(missing)}")
             self._check_rope_factor_lists()
         self._check_layers()
-        for name, allowed in (("norm", ("rmsnorm", "layernorm")), ("mlp", ("gelu", "swiglu", "geglu"))):
+        self._check_experts()
+        for name, allowed in (("norm", ("rmsnorm", "layernorm")), ("mlp", ("gelu", "swiglu", "geglu", "clamped_swiglu"))):
             if getattr(self, name) not in allowed:
                 raise UserError(f"Invalid model config {self.name!r}: {name} must be one of {allowed}")
 
@@ -219,6 +248,36 @@ class Config:
                 problems.append(f"no_rope_layers entries must be layer indices in [0, {self.n_layer}), got {wrong[0]!r}")
             elif len(set(self.no_rope_layers)) != len(self.no_rope_layers):
                 problems.append("no_rope_layers lists a layer twice")
+        if problems:
+            raise UserError(f"Invalid model config {self.name!r}: " + "; ".join(problems))
+
+    def _check_experts(self) -> None:
+        """The mixture-of-experts fields describe a router that can choose, over layers that exist."""
+        problems = []
+        if self.n_expert < 0 or self.n_expert_per_token < 0:
+            problems.append("n_expert and n_expert_per_token must not be negative")
+        elif self.n_expert == 0:
+            if self.n_expert_per_token or self.moe_layers is not None:
+                problems.append("n_expert_per_token and moe_layers need n_expert > 0")
+        else:
+            if not 1 <= self.n_expert_per_token <= self.n_expert:
+                problems.append(f"n_expert_per_token must be in [1, n_expert={self.n_expert}], got {self.n_expert_per_token}")
+            if self.mlp == "gelu":
+                problems.append("experts are gated (mlp swiglu, geglu or clamped_swiglu), not gelu")
+            if self.moe_layers is not None:
+                wrong = [i for i in self.moe_layers if isinstance(i, bool) or not isinstance(i, int)
+                         or not 0 <= i < self.n_layer]
+                if wrong:
+                    problems.append(f"moe_layers entries must be layer indices in [0, {self.n_layer}), got {wrong[0]!r}")
+                elif len(set(self.moe_layers)) != len(self.moe_layers):
+                    problems.append("moe_layers lists a layer twice")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must not be negative")
+        if self.moe_intermediate_size is not None and self.moe_intermediate_size <= 0:
+            problems.append(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        if self.mlp == "clamped_swiglu" and not (self.swiglu_limit > 0 and self.swiglu_alpha > 0):
+            problems.append("swiglu_limit and swiglu_alpha must be positive")
         if problems:
             raise UserError(f"Invalid model config {self.name!r}: " + "; ".join(problems))
 
@@ -305,9 +364,15 @@ class Config:
         else:
             local = self.layer_types[index] == "local"
         rope = self.no_rope_layers is None or index not in self.no_rope_layers
-        return LayerSpec(window=self.sliding_window if local else None, rope=rope)
+        moe = self.n_expert > 0 and (self.moe_layers is None or index in self.moe_layers)
+        return LayerSpec(window=self.sliding_window if local else None, rope=rope, moe=moe)
 
     # ------------------------------------------------------------------ derived sizes
+    @property
+    def is_moe(self) -> bool:
+        """Some layer's feed-forward part is a mixture of experts."""
+        return any(self.layer(i).moe for i in range(self.n_layer))
+
     @property
     def kv_heads(self) -> int:
         return self.n_query_groups  # type: ignore[return-value]

@@ -26,6 +26,7 @@ from toolkit.models.config import Config
 from toolkit.models.kv_cache import KVCache
 from toolkit.models.loss import cross_entropy_sum, label_log_probs, linear_cross_entropy_sum, linear_label_log_probs
 from toolkit.models.mlp import make_mlp
+from toolkit.models.moe import GroupedExperts, MoE
 from toolkit.models.norms import RMSNorm, make_norm
 from toolkit.models.rope import RotaryEmbedding
 
@@ -227,7 +228,7 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(config, layer_index)
         self.post_attn_norm = make_norm(config) if post else None
         self.norm_2 = make_norm(config) if pre and not config.shared_attention_norm else None
-        self.mlp = make_mlp(config)
+        self.mlp = MoE(config) if config.layer(layer_index).moe else make_mlp(config)
         self.post_mlp_norm = make_norm(config) if post else None
         self.parallel_residual = config.parallel_residual
 
@@ -254,21 +255,28 @@ def softcap(logits: torch.Tensor, cap: Optional[float]) -> torch.Tensor:
     return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
-def count_parameters(config: Config) -> int:
+def count_parameters(config: Config, active: bool = False) -> int:
     """Parameters of `GPT(config)`, counted on the model built on the meta device (no memory; a
-    70B model in well under a second), a tied head once."""
+    70B model in well under a second), a tied head once. `active`: those one token computes with,
+    where a mixture of experts counts K of its X experts (Qwen3-30B-A3B: about 3B of 30B)."""
     with torch.device("meta"):
         model = GPT(config)
-    return sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    if active and config.n_expert:
+        idle = 1 - config.n_expert_per_token / config.n_expert
+        experts = sum(p.numel() for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters())
+        total -= round(experts * idle)
+    return total
 
 
 def flops_per_token(config: Config, seq_len: int, trainable_fraction: float = 1.0) -> float:
     """Training FLOPs per token: 6 per weight of a matrix product (forward 2, backward 4) plus the
     attention scores. With frozen weights (LoRA) the backward pass skips their gradients, so each
-    costs 4 instead of 6. The weights are the model's own (`count_parameters`)."""
+    costs 4 instead of 6. The weights are those a token computes with (`count_parameters(active=True)`:
+    of a mixture of experts, the K experts it is routed to)."""
     # Every weight takes part in a matrix product except the embedding table (a lookup); a tied
     # head is the same tensor as the table and is a product, so it counts once either way.
-    weights = count_parameters(config) - (0 if config.tie_embeddings else config.vocab_size * config.n_embd)
+    weights = count_parameters(config, active=True) - (0 if config.tie_embeddings else config.vocab_size * config.n_embd)
     dense = (4 + 2 * trainable_fraction) * weights
     # QK^T and attention x V: 2 products of (keys x head size) per head and query, where a query sees
     # T / 2 keys on average (causal), or fewer within a sliding window w < T; x3 for forward + backward
@@ -343,6 +351,10 @@ def init_specs(model: nn.Module, n_layer: int, std: float = 0.02) -> dict[str, t
             specs[prefix + "weight"], specs[prefix + "bias"] = ("ones", 0.0), ("zeros", 0.0)
         elif isinstance(module, RMSNorm):
             specs[prefix + "weight"] = ("zeros", 0.0) if module.unit_offset else ("ones", 0.0)
+        elif isinstance(module, GroupedExperts):
+            specs[prefix + "gate_up_proj"], specs[prefix + "down_proj"] = ("normal", std), ("normal", residual_std)
+            if module.gate_up_bias is not None:
+                specs[prefix + "gate_up_bias"], specs[prefix + "down_bias"] = ("zeros", 0.0), ("zeros", 0.0)
     return specs
 
 

@@ -45,23 +45,38 @@ class GeluMLP(nn.Module):
         return self.fc_out(F.gelu(self.fc_in(x), approximate=self.approximate))
 
 
-@register_mlp("swiglu", "geglu")
+def gated_activation(gate: torch.Tensor, up: torch.Tensor, config: Config) -> torch.Tensor:
+    """The gated hidden activation of `config.mlp`: silu(gate) * up (swiglu), gelu(gate) * up (geglu),
+    or gpt-oss's clamped form (up + 1) * gate * sigmoid(alpha * gate) with gate <= limit and
+    up in [-limit, limit]."""
+    if config.mlp == "swiglu":
+        return F.silu(gate) * up
+    if config.mlp == "geglu":
+        return F.gelu(gate, approximate=config.gelu_approximate) * up
+    if config.mlp == "clamped_swiglu":
+        limit = config.swiglu_limit
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * config.swiglu_alpha))
+    raise ValueError(f"mlp {config.mlp!r} is not gated")
+
+
+@register_mlp("swiglu", "geglu", "clamped_swiglu")
 class GatedMLP(nn.Module):
-    """down(act(gate(x)) * up(x)): SwiGLU (Llama, Mistral, Qwen2) with silu, GeGLU (Gemma) with gelu."""
+    """down(act(gate(x), up(x))): SwiGLU (Llama, Mistral, Qwen2) with silu, GeGLU (Gemma) with gelu
+    (`gated_activation`)."""
 
     def __init__(self, config: Config) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
         self.up_proj = nn.Linear(config.n_embd, config.intermediate_size, bias=config.bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.n_embd, bias=config.bias)
-        self.use_gelu = config.mlp == "geglu"
-        self.approximate = config.gelu_approximate
+        self.config = config
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.gate_proj(x)
-        gate = F.gelu(gate, approximate=self.approximate) if self.use_gelu else F.silu(gate)
-        return self.down_proj(gate * self.up_proj(x))
+        return self.down_proj(gated_activation(self.gate_proj(x), self.up_proj(x), self.config))
 
 
 def make_mlp(config: Config) -> nn.Module:
+    """The dense feed-forward layer of `config` (a mixture of experts is `toolkit.models.moe.MoE`)."""
     return MLP_KINDS[config.mlp](config)

@@ -1,0 +1,99 @@
+"""The mixture-of-experts layer on one device: grouped experts equal looped ones, the router's
+losses equal transformers' definition, config refusals."""
+
+import pytest
+import torch
+
+from toolkit.errors import UserError
+from toolkit.models.config import Config
+from toolkit.models.gpt import GPT, count_parameters, init_weights
+from toolkit.models.moe import MoE, expert_backend, load_summary, moe_layers, router_losses
+
+
+def tiny_moe(**overrides) -> Config:
+    values = dict(name="tiny-moe", vocab_size=96, block_size=64, n_layer=3, n_embd=32, n_head=4, n_query_groups=2,
+                  intermediate_size=48, n_expert=6, n_expert_per_token=2, moe_intermediate_size=24, moe_layers=[0, 2])
+    return Config(**{**values, **overrides})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grouped_experts_equal_looped_experts(dtype, bias):
+    config = tiny_moe(bias=bias, mlp="clamped_swiglu" if bias else "swiglu", swiglu_limit=1.5)
+    model = GPT(config)
+    init_weights(model, config.n_layer, seed=3)
+    with torch.no_grad():  # biases start at zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.3)
+    model.to(dtype)
+    ids = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for backend in ("grouped", "loop"):
+        model.zero_grad()
+        with expert_backend(backend):
+            loss = model(ids, labels=ids)
+            losses = router_losses(moe_layers(model))
+            (loss + losses.aux + losses.z).backward()
+        results[backend] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+    for grouped, looped in zip(results["grouped"], results["loop"]):
+        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_dense_and_moe_layers_follow_the_config():
+    model = GPT(tiny_moe())
+    kinds = [type(block.mlp).__name__ for block in model.blocks]
+    assert kinds == ["MoE", "GatedMLP", "MoE"]
+    assert model.blocks[0].mlp.experts.gate_up_proj.shape == (6, 48, 32)
+    assert model.blocks[1].mlp.down_proj.weight.shape == (32, 48)
+    # one token computes with 2 of 6 experts in each of the two MoE layers
+    expert_weights = 2 * 6 * 3 * 24 * 32
+    assert count_parameters(tiny_moe()) - count_parameters(tiny_moe(), active=True) == expert_weights * 4 // 6
+
+
+def test_router_losses_equal_transformers_load_balancing_loss():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config = tiny_moe(moe_layers=None)
+    model = GPT(config)
+    init_weights(model, config.n_layer, seed=5)
+    captured = []
+    hooks = [layer.router.register_forward_hook(lambda m, i, out: captured.append(out.detach()))
+             for layer in moe_layers(model)]
+    ids = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
+    model(ids)
+    for hook in hooks:
+        hook.remove()
+    losses = router_losses(moe_layers(model))
+    expected = load_balancing_loss_func(tuple(captured), config.n_expert, config.n_expert_per_token)
+    torch.testing.assert_close(losses.aux, expected.float(), rtol=1e-6, atol=1e-6)
+    z = torch.cat(captured).logsumexp(dim=-1).square().mean()
+    torch.testing.assert_close(losses.z, z, rtol=1e-6, atol=1e-6)
+    assert losses.load.shape == (3, 6) and losses.load.sum() == 3 * 3 * 17 * 2
+
+
+def test_router_weights_renormalised_only_when_asked():
+    for norm in (True, False):
+        layer = MoE(tiny_moe(router_norm_topk=norm))
+        torch.nn.init.normal_(layer.router.weight)
+        _, probs, chosen, weights = layer.route(torch.randn(10, 32))
+        torch.testing.assert_close(weights, probs.gather(1, chosen) / (probs.gather(1, chosen).sum(1, keepdim=True) if norm else 1))
+
+
+def test_load_summary_of_a_balanced_and_a_skewed_router():
+    even = load_summary(torch.full((2, 4), 5.0))
+    assert even["min"] == even["max"] == 1 and even["cv"] == 0
+    skewed = load_summary(torch.tensor([[8.0, 0.0, 0.0, 0.0]]))
+    assert skewed["max"] == 4 and skewed["min"] == 0 and skewed["cv"] > 1
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(n_expert_per_token=7), "n_expert_per_token must be in [1, n_expert=6]"),
+    (dict(n_expert=0), "need n_expert > 0"),
+    (dict(moe_layers=[3]), "moe_layers entries must be layer indices in [0, 3)"),
+    (dict(mlp="gelu"), "experts are gated"),
+    (dict(router_aux_loss_coef=-1.0), "router_aux_loss_coef must not be negative"),
+])
+def test_bad_expert_configs_are_refused_in_one_line(overrides, message):
+    with pytest.raises(UserError, match=message.replace("[", r"\[").replace("(", r"\(").replace(")", r"\)")):
+        tiny_moe(**overrides)

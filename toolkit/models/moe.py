@@ -1,0 +1,211 @@
+"""The mixture-of-experts feed-forward layer: a router and grouped experts (Mixtral, Qwen3-MoE,
+OLMoE, gpt-oss), and the router's losses.
+
+Shapes: N tokens (B * T) in this call, C n_embd, X experts, K experts per token, I each expert's
+hidden width (`Config.moe_intermediate_size`), M = N * K token-expert assignments.
+
+Routing is dropless token choice: every token goes to the K experts its router scores highest, with
+no capacity limit, weighted by their softmax probabilities (renormalised over the K when
+`Config.router_norm_topk`). The M assignments are sorted by expert, so each expert's tokens are one
+contiguous run of rows, and the experts run as two grouped matrix products over those runs
+(`torch._grouped_mm`), or one product per expert (`expert_backend("loop")`, the reference and the
+fallback where grouped products are missing).
+
+The experts are one module, `GroupedExperts`, whose call takes the sorted rows and the run lengths
+and gives one output row per input row, in the same order. That is the seam expert parallelism
+(`toolkit.parallel.expert`) plugs into from outside: it replaces the call with one that sends each
+run to the rank holding its expert and brings the results back, and nothing here changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from toolkit.models.config import Config
+from toolkit.models.mlp import gated_activation
+
+# Which kernel runs the experts: "grouped" (torch._grouped_mm: one product per weight for all
+# experts), "loop" (a product per expert), None: grouped where torch has it for the weights' device
+# and dtype (CPU; CUDA bf16 on compute capability 9.0+), else loop.
+BACKEND: dict[str, Optional[str]] = {"name": None}
+
+
+@contextlib.contextmanager
+def expert_backend(name: Optional[str]) -> Iterator[None]:
+    """Inside the block, experts run through `name` ("grouped", "loop"; None: chosen by device)."""
+    if name not in (None, "grouped", "loop"):
+        raise ValueError(f"expert backend must be 'grouped', 'loop' or None, got {name!r}")
+    saved = BACKEND["name"]
+    BACKEND["name"] = name
+    try:
+        yield
+    finally:
+        BACKEND["name"] = saved
+
+
+def _use_grouped(weight: torch.Tensor) -> bool:
+    if BACKEND["name"] is not None:
+        return BACKEND["name"] == "grouped"
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if weight.device.type == "cpu":
+        return True
+    if weight.device.type == "cuda":
+        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device)[0] >= 9
+    return False
+
+
+class GroupedExperts(nn.Module):
+    """X gated MLPs held as 3-D weights, one matrix per expert stacked on dim 0, each shaped like an
+    `nn.Linear` weight (out, in):
+
+        gate_up_proj (X, 2I, C): rows [0, I) the gate projection, [I, 2I) the up projection
+        down_proj    (X, C, I)
+        gate_up_bias (X, 2I), down_bias (X, C): with `Config.bias` only (gpt-oss)
+
+    `forward(x, counts)`: x (M, C) rows sorted by expert, counts (X,) rows per expert -> (M, C),
+    row i computed by the expert it belongs to.
+    """
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        X, C, I = config.n_expert, config.n_embd, config.moe_intermediate_size
+        self.config = config
+        self.hidden = I
+        self.gate_up_proj = nn.Parameter(torch.empty(X, 2 * I, C))
+        self.down_proj = nn.Parameter(torch.empty(X, C, I))
+        self.gate_up_bias = nn.Parameter(torch.empty(X, 2 * I)) if config.bias else None
+        self.down_bias = nn.Parameter(torch.empty(X, C)) if config.bias else None
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if _use_grouped(self.gate_up_proj):
+            return self._grouped(x, counts)
+        return self._looped(x, counts)
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
+        h = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=ends)  # (M, 2I)
+        if self.gate_up_bias is not None:
+            experts = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
+            h = h + self.gate_up_bias[experts]
+        h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config).contiguous()  # (M, I)
+        y = torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=ends)  # (M, C)
+        if self.down_bias is not None:
+            y = y + self.down_bias[experts]
+        return y
+
+    def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        outputs = []
+        for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
+            if not rows.shape[0]:
+                continue
+            h = F.linear(rows, self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+            h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config)
+            outputs.append(F.linear(h, self.down_proj[e], None if self.down_bias is None else self.down_bias[e]))
+        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
+
+
+@dataclass
+class RouterStats:
+    """What one MoE layer's last call routed; the router losses and the load metrics read it."""
+
+    counts: torch.Tensor  # (X,) float32: assignments per expert (sum N * K), no gradient
+    prob_sum: torch.Tensor  # (X,) float32: router probabilities summed over the N tokens
+    z_sum: torch.Tensor  # () float32: logsumexp(router logits)^2 summed over the N tokens
+    tokens: int  # N
+
+
+class MoE(nn.Module):
+    """Router and experts: x (B, T, C) -> (B, T, C), each token the weighted sum of its K experts'
+    outputs. Keeps what it routed in `router_stats` for the router losses (`router_losses`)."""
+
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        self.top_k = config.n_expert_per_token
+        self.n_expert = config.n_expert
+        self.norm_topk = config.router_norm_topk
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=config.bias)
+        self.experts = GroupedExperts(config)
+        self.router_stats: Optional[RouterStats] = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N, C) -> router logits (N, X), probabilities (N, X) float32, the K chosen experts (N, K)
+        and their weights (N, K) float32."""
+        logits = self.router(x)  # (N, X), in the activations' dtype
+        probs = logits.float().softmax(dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)  # (N, K) each
+        if self.norm_topk:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return logits, probs, chosen, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(-1, C)  # (N, C)
+        logits, probs, chosen, weights = self.route(flat)
+        assignments = chosen.reshape(-1)  # (M,): token n's k-th expert at n * K + k
+        order = assignments.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
+        counts = torch.bincount(assignments, minlength=self.n_expert)  # (X,)
+        token_of_row = order // self.top_k  # (M,)
+        y = self.experts(flat[token_of_row], counts)  # (M, C)
+        y = y * weights.reshape(-1)[order, None].to(y.dtype)
+        out = torch.zeros_like(flat).index_add_(0, token_of_row, y.to(flat.dtype))
+        self.router_stats = RouterStats(
+            counts=counts.detach().float(), prob_sum=probs.sum(dim=0),
+            z_sum=torch.logsumexp(logits.float(), dim=-1).square().sum(), tokens=flat.shape[0],
+        )
+        return out.view(B, T, C)
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    """The model's MoE layers in order (wrapped by FSDP or peft or not)."""
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@dataclass
+class RouterLosses:
+    """The router losses of the last forward pass over all MoE layers, and the experts' load."""
+
+    aux: torch.Tensor  # () load-balancing loss, as transformers' `load_balancing_loss_func`
+    z: torch.Tensor  # () mean over layers and tokens of logsumexp(logits)^2
+    load: torch.Tensor  # (L, X) float32: each layer's assignments per expert, no gradient
+
+
+def router_losses(layers: list[MoE]) -> Optional[RouterLosses]:
+    """The losses of what `layers` routed in their last call; None when none has routed.
+
+    Load balancing (Switch Transformer's, as Mixtral, Qwen3-MoE and OLMoE define it in
+    transformers): with f_x the share of all token-expert assignments over the layers that went to
+    expert x (summing to K) and P_x its mean router probability over the layers' tokens,
+
+        aux = X * sum_x f_x * P_x
+
+    which is K for a perfectly even router and grows as the load concentrates.
+    """
+    stats = [layer.router_stats for layer in layers if layer.router_stats is not None]
+    if not stats:
+        return None
+    tokens = sum(s.tokens for s in stats)
+    counts = torch.stack([s.counts for s in stats])  # (L, X)
+    share = counts.sum(dim=0) / tokens  # (X,)
+    mean_prob = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / tokens  # (X,)
+    aux = counts.shape[1] * (share * mean_prob).sum()
+    z = torch.stack([s.z_sum for s in stats]).sum() / tokens
+    return RouterLosses(aux=aux, z=z, load=counts)
+
+
+def clear_router_stats(layers: list[MoE]) -> None:
+    for layer in layers:
+        layer.router_stats = None
+
+
+def load_summary(load: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Expert load (L, X) -> min and max of each expert's assignments relative to an even share
+    (1.0: balanced), and their coefficient of variation, over every layer and expert."""
+    relative = load / load.mean(dim=1, keepdim=True).clamp(min=1e-9)
+    return {"min": relative.min(), "max": relative.max(), "cv": relative.std(dim=1, unbiased=False).mean()}
