@@ -195,6 +195,11 @@ class DistributedArgs:
         timeout: seconds a collective (a barrier, a gradient reduction) waits for the other
             processes before the run fails. Rank 0 prepares data alone while the others wait, so
             this must outlast the first tokenization of a large corpus.
+        expert_parallel: split each mixture-of-experts layer's experts over groups of this many
+            processes (expert parallelism): each holds 1/N of the experts and tokens travel to
+            their experts and back (all-to-all). N must divide the experts and the processes
+            (devices x nodes); the experts are also sharded (FSDP) over the processes that hold
+            the same ones. 1: every process computes every expert, as without experts.
     """
 
     strategy: StrategyName = "auto"
@@ -204,3 +209,4 @@ class DistributedArgs:
     state_dict_type: StateDictTypeName = "sharded"
     timeout: int = 3600
     preflight: bool = True
+    expert_parallel: int = 1

@@ -92,7 +92,7 @@ def pretrain(
 
         Tokenizer(tokenizer_dir)  # an unreadable tokenizer fails here, before anything is written
 
-    run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length)
+    run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length, model=config)
     tokens_per_step = run_plan.batches.tokens_per_step
     if train.max_tokens and train.max_tokens < tokens_per_step:
         # Not one whole step fits: the run would train nothing and export its initialisation.

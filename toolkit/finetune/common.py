@@ -81,7 +81,7 @@ def run_finetune(
     dtype = resolve_export_dtype(export_dtype, checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
     max_seq_length = train.sequence_length(config)
-    run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length, quantize)
+    run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length, quantize, model=config)
     import torch
 
     from toolkit.models.gpt import GPT

@@ -34,11 +34,14 @@ def checkpoint_blocks(module: nn.Module, block_cls: type[nn.Module]) -> None:
     )
 
 
-def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: type[nn.Module]) -> nn.Module:
+def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: type[nn.Module],
+                expert_mesh: Any = None) -> nn.Module:
     """`module` sharded in place with FSDP2 on `mesh` as training shards it: one unit per `block_cls`
     (checkpointed when the plan asks), one per edge (the embedding; the final norm and head), then
-    the root. `ShardedStrategy.setup_module` calls it; so does the simulation (`toolkit.memory.simulation`),
-    on a fake process group."""
+    the root. With `expert_mesh` (expert parallelism, `StrategyPlan.expert_mesh`) each MoE layer's
+    experts are split over its "expert" dimension and are a unit of their own over the others
+    (`toolkit.parallel.expert`), first. `ShardedStrategy.setup_module` calls it; so does the
+    simulation (`toolkit.memory.simulation`), on a fake process group."""
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -60,6 +63,12 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
         param_dtype=compute_dtype if precision.endswith("-mixed") else None,
         reduce_dtype=reduce_dtype, cast_forward_inputs=False,
     )
+    expert_units = []
+    if expert_mesh is not None:
+        from toolkit.parallel.expert import shard_experts
+
+        expert_units = shard_experts(module, expert_mesh, mp_policy=block_policy, offload_policy=offload,
+                                     reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
     for unit in block_units(module, block_cls):
         fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
                     reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
@@ -99,12 +108,15 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
         # is the embedding or head, whatever N): toolkit.parallel.gloo_collectives works in place.
         from torch.distributed.fsdp import FSDPModule
 
+        from toolkit.parallel.expert import expert_shard_group
         from toolkit.parallel.gloo_collectives import use_in_place_collectives
 
         shard_group = mesh.get_group("shard") if mesh.mesh_dim_names else mesh.get_group()
+        experts = {id(unit) for unit in expert_units}
         for unit in module.modules():
             if isinstance(unit, FSDPModule):
-                use_in_place_collectives(unit, shard_group)
+                group = expert_shard_group(expert_mesh) if id(unit) in experts else shard_group
+                use_in_place_collectives(unit, group)
     return module
 
 

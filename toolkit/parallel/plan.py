@@ -2,14 +2,16 @@
 made once, before any process starts, into one typed object.
 
     plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length, quantize)
-    plan.strategy   StrategyPlan: accelerator, devices, nodes, precision, FSDP/DDP/single, sharding, mesh
+    plan.strategy   StrategyPlan: accelerator, devices, nodes, precision, FSDP/DDP/single, sharding, mesh,
+                    expert parallelism and the experts' mesh
     plan.batches    BatchPlan: micro-batch, global batch, gradient accumulation, tokens per step
     plan.quantized  QuantizedBasePlan (QLoRA) or None
 
 The session builds Fabric from it (`toolkit.training.fabric`), the model is sharded by
 `toolkit.parallel.fsdp` from it, the memory check (`toolkit.memory`) and the loop read it. Every
 rule lives here once: HYBRID_SHARD on one node or one device per node is FULL_SHARD
-(`effective_sharding`), the mesh of each sharding (`mesh_layout`), the scheme of a quantized base.
+(`effective_sharding`), the mesh of each sharding (`mesh_layout`) and of the experts under expert
+parallelism (`expert_mesh_layout`, `check_expert_parallel`), the scheme of a quantized base.
 
 Pure and cheap to import: no torch or Lightning at import time.
 """
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any, Literal, Optional, get_args
+from typing import TYPE_CHECKING, Any, Literal, Optional, get_args
 
 from toolkit.args import DistributedArgs, ShardingName, StateDictTypeName, StrategyName, TrainArgs
 from toolkit.errors import UserError, check_choice
 from toolkit.parallel.batches import BatchPlan, plan_batches
 from toolkit.parallel.precision import PRECISION_ALIASES, PRECISIONS
+
+if TYPE_CHECKING:
+    from toolkit.models.config import Config
 
 # --------------------------------------------------------------------------------------------
 # Resolving devices and precision
@@ -114,6 +119,7 @@ class StrategyPlan:
     process_group_backend: str | None
     timeout: int  # seconds a collective waits
     notes: tuple[tuple[int, str], ...] = ()  # (logging level, one-line message) to log on rank 0
+    expert_parallel: int = 1  # processes each MoE layer's experts are split over (FSDP only)
 
     @property
     def world_size(self) -> int:
@@ -123,6 +129,14 @@ class StrategyPlan:
     def mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
         """(shape, dimension names) of the FSDP device mesh (see `mesh_layout`); None without FSDP."""
         return mesh_layout(self.sharding, self.num_nodes, self.devices) if self.kind == "fsdp" else None
+
+    @property
+    def expert_mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]] | None:
+        """(shape, dimension names) of the experts' mesh (`expert_mesh_layout`); None without
+        expert parallelism."""
+        if self.kind != "fsdp" or self.expert_parallel == 1:
+            return None
+        return expert_mesh_layout(self.sharding, self.num_nodes, self.devices, self.expert_parallel)
 
     def describe(self) -> str:
         """One line for the start-up log, e.g. 'strategy: FSDP HYBRID_SHARD, mesh (2 nodes x 4 devices), ...'."""
@@ -134,6 +148,11 @@ class StrategyPlan:
             where = f"FSDP2 {self.sharding} over {self.world_size} processes, each transformer Block sharded"
             if self.sharding == "HYBRID_SHARD":
                 where += f", mesh ({self.num_nodes} nodes replicate x {self.devices} devices shard)"
+            if self.expert_mesh is not None:
+                shape, names = self.expert_mesh
+                holders = self.world_size // self.expert_parallel
+                where += (f", experts split over groups of {self.expert_parallel} (expert parallel, all-to-all), "
+                          f"each expert sharded over the {holders} process(es) holding it")
             if self.precision.endswith("-mixed"):
                 gather = "bfloat16" if self.precision.startswith("bf16") else "float16"
                 where += f", block weights gathered in {gather}, gradients reduced in float32"
@@ -170,12 +189,14 @@ def plan_strategy(
     precision: Optional[str],
     dist: DistributedArgs,
     accelerator: str = "auto",
+    model: Optional[Config] = None,
 ) -> StrategyPlan:
-    """Validate the arguments and decide strategy, sharding and mesh. Raises UserError."""
+    """Validate the arguments and decide strategy, sharding and mesh. Raises UserError.
+    `model`: the model trained, for the checks of expert parallelism (`check_expert_parallel`)."""
     _check_nodes(num_nodes)
     accelerator = resolve_accelerator(accelerator)
     return _decide_strategy(resolve_devices(devices, accelerator), num_nodes, resolve_precision(precision, accelerator),
-                            dist, accelerator)
+                            dist, accelerator, model)
 
 
 def _check_nodes(num_nodes: Any) -> None:
@@ -183,12 +204,16 @@ def _check_nodes(num_nodes: Any) -> None:
         raise UserError(f"num_nodes must be at least 1, got {num_nodes!r}.")
 
 
-def _decide_strategy(devices: int, num_nodes: int, precision: str, dist: DistributedArgs, accelerator: str) -> StrategyPlan:
+def _decide_strategy(devices: int, num_nodes: int, precision: str, dist: DistributedArgs, accelerator: str,
+                     model: Optional[Config] = None) -> StrategyPlan:
     """`plan_strategy` on resolved devices, precision and accelerator."""
     check_choice("distributed.strategy", dist.strategy, get_args(StrategyName))
     check_choice("distributed.sharding", dist.sharding, get_args(ShardingName))
     check_choice("distributed.state_dict_type", dist.state_dict_type, get_args(StateDictTypeName))
     notes: list[tuple[int, str]] = []
+    note = check_expert_parallel(dist, devices, num_nodes, model)
+    if note is not None:
+        notes.append(note)
 
     def plan(kind: Literal["single", "ddp", "fsdp"], **fsdp_fields: Any) -> StrategyPlan:
         fields = dict(sharding=None, cpu_offload=False, process_group_backend=None)
@@ -209,6 +234,7 @@ def _decide_strategy(devices: int, num_nodes: int, precision: str, dist: Distrib
             state_dict_type=dist.state_dict_type,
             timeout=dist.timeout,
             notes=tuple(notes),
+            expert_parallel=dist.expert_parallel,
             **fields,
         )
 
@@ -334,6 +360,67 @@ def mesh_layout(sharding: str, num_nodes: int, devices: int) -> tuple[tuple[int,
     return (world,), ("shard",)
 
 
+def expert_mesh_layout(sharding: str, num_nodes: int, devices: int, expert_parallel: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """(mesh shape, dimension names) of the experts under expert parallelism N (`toolkit.parallel.expert`):
+    the innermost data-parallel dimension of `mesh_layout` split into ("expert_shard", "expert"),
+    so that an all-to-all group ("expert") is N consecutive ranks, within a node when N divides
+    the devices of one. FSDP shards each expert over "expert_shard" and replicates it over "replicate".
+
+        FULL_SHARD, SHARD_GRAD_OP   (world/N, N)                ("expert_shard", "expert")
+        HYBRID_SHARD                (nodes, devices/N, N)       ("replicate", "expert_shard", "expert")
+        NO_SHARD                    (world/N, 1, N)             ("replicate", "expert_shard", "expert")
+    """
+    shape, _ = mesh_layout(sharding, num_nodes, devices)
+    n = expert_parallel
+    if len(shape) == 1:
+        return (shape[0] // n, n), ("expert_shard", "expert")
+    replicate, shard = shape
+    if shard % n == 0:
+        return (replicate, shard // n, n), ("replicate", "expert_shard", "expert")
+    return (replicate // n, 1, n), ("replicate", "expert_shard", "expert")  # NO_SHARD: shard == 1
+
+
+def check_expert_parallel(dist: DistributedArgs, devices: int, num_nodes: int, model: Optional[Config]) -> Optional[tuple[int, str]]:
+    """Refuse (UserError, one line naming what would work) an expert parallelism the run cannot
+    use; return a (logging level, line) note when it works but costs more than it should.
+
+    N = --distributed.expert_parallel must divide the model's experts and the processes (devices x
+    nodes), needs a mixture-of-experts model and FSDP, and under HYBRID_SHARD across nodes must
+    divide the devices of a node. `model` None (a caller that trains no `Config` model): only
+    the processes are checked.
+    """
+    n, world = dist.expert_parallel, devices * num_nodes
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError(f"--distributed.expert_parallel must be a positive whole number, got {n!r}.")
+    if n == 1:
+        return None
+    if model is not None and not model.is_moe:
+        raise UserError(f"--distributed.expert_parallel {n} splits the experts of a mixture-of-experts model, and "
+                        f"{model.name} is dense (no MoE layer): use --distributed.expert_parallel 1.")
+    if dist.strategy == "ddp" and world > 1:
+        raise UserError(f"--distributed.expert_parallel {n} shards the experts with FSDP: drop --distributed.strategy ddp "
+                        "(or use --distributed.expert_parallel 1).")
+    sharding, _ = effective_sharding(dist.sharding, num_nodes, devices)
+    within_node = sharding == "HYBRID_SHARD"
+    experts = model.n_expert if model is not None else None
+
+    def fits(k: int) -> bool:
+        return world % k == 0 and (experts is None or experts % k == 0) and (not within_node or devices % k == 0)
+
+    if not fits(n):
+        what = f"the {experts} experts of {model.name} and " if model is not None else ""
+        what += f"the {world} process(es) (devices {devices} x nodes {num_nodes})"
+        if within_node:
+            what += f" and, with HYBRID_SHARD across {num_nodes} nodes, the {devices} devices of one node"
+        choices = [str(k) for k in range(1, world + 1) if fits(k)]
+        alternative = ", or --distributed.sharding FULL_SHARD" if within_node else ""
+        raise UserError(f"--distributed.expert_parallel {n} must divide {what}: use {' or '.join(choices)}{alternative}.")
+    if num_nodes > 1 and devices % n:
+        return (logging.WARNING, f"expert_parallel {n} groups span nodes ({devices} devices per node): every MoE layer "
+                                 "exchanges its tokens over the network; a divisor of the devices per node keeps them within one.")
+    return None
+
+
 # --------------------------------------------------------------------------------------------
 # The run plan: everything above, resolved once
 # --------------------------------------------------------------------------------------------
@@ -384,19 +471,24 @@ def plan_run(
     max_seq_length: int,
     quantize: Optional[str] = None,
     accelerator: str = "auto",
+    model: Optional[Config] = None,
 ) -> RunPlan:
     """Resolve the accelerator, devices, precision, quantized-base scheme, strategy, mesh and batch
-    split of a run, once. Raises UserError (one line) on anything that does not fit together."""
+    split of a run, once. Raises UserError (one line) on anything that does not fit together.
+    `model`: the config trained, which expert parallelism is checked against."""
     _check_nodes(num_nodes)
     accelerator = resolve_accelerator(accelerator)
     devices = resolve_devices(devices, accelerator)
     precision = resolve_precision(precision, accelerator)
     quantized = None
+    if quantize is not None and distributed.expert_parallel != 1:
+        raise UserError(f"--distributed.expert_parallel {distributed.expert_parallel} is not available with a quantized base "
+                        f"(--quantize {quantize}) yet: drop one of them.")
     if quantize is not None:
         # The scheme decides the strategy a quantized base can use (DDP for bitsandbytes, FSDP for nf4).
         quantized = _quantized_scheme(devices * num_nodes, distributed, quantize)
         distributed = quantized.dist
-    strategy = _decide_strategy(devices, num_nodes, precision, distributed, accelerator)
+    strategy = _decide_strategy(devices, num_nodes, precision, distributed, accelerator, model)
     batches = plan_batches(strategy.devices, num_nodes, train.micro_batch_size, train.global_batch_size, max_seq_length)
     return RunPlan(strategy=strategy, batches=batches, quantize=quantize, quantized=quantized,
                    preflight=distributed.preflight)

@@ -150,7 +150,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
         order = stream.order if stream is not None else sorted(specs)
     # Every rank goes through the weights in the same order: rank 0 sends the file's order to the others.
     order = fabric.broadcast(order if writing else None, src=0) if fabric.world_size > 1 else order
-    # Rows go to rank 0 only if every rank's shards follow FSDP's layout (one collective, here).
+    # Rows go to rank 0 only if every rank's shards are runs of rows (`_row_layout`; one collective, here).
     layouts = {name: _row_layout(t) for name, t in state.items() if isinstance(t, DTensor)}
     by_rows = fabric.world_size > 1 and all(layout is not None for layout in layouts.values())
     if fabric.world_size > 1:
@@ -187,40 +187,51 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
 
 
 def _row_layout(tensor: Any) -> Any:
-    """(mesh dim of the shards, global ranks holding them in shard order, this rank's index among
-    them or None, rows of each shard) when `tensor` (a DTensor) is sharded as FSDP2 shards: dim 0
-    over one mesh dim, replicated over the others, `torch.chunk` sizes; else None."""
+    """(global ranks whose shards tile the rows in order, this rank's index among them or None, rows
+    of each shard) when `tensor` (a DTensor) is split along dim 0 only and replicated over its
+    other mesh dims: FSDP2's Shard(0), and under expert parallelism the experts' Shard(0) with
+    FSDP2's _StridedShard(0) over it (`toolkit.parallel.expert`); else None. The ranks are those
+    of rank 0's replica (its coordinates on the replicated dims)."""
+    import itertools
+
     import torch
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     placements = tensor.placements
-    sharded = [i for i, p in enumerate(placements) if isinstance(p, Shard)]
-    if len(sharded) != 1 or placements[sharded[0]].dim != 0:
+    split = {i for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))}
+    if not split or any(placements[i].dim != 0 for i in split):
         return None
-    if not all(isinstance(p, Replicate) for i, p in enumerate(placements) if i != sharded[0]):
+    if not all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in split):
         return None
     local = tensor.to_local()
     if type(local) is not torch.Tensor:  # a tensor subclass (NF4): its bytes are not its rows
         return None
-    mesh, dim = tensor.device_mesh, sharded[0]
-    ranks = mesh.mesh
+    ranks = tensor.device_mesh.mesh
     zero = (ranks == 0).nonzero()
     if len(zero) != 1:
         return None
-    # The shard group of global rank 0: its coordinates on every other mesh dim.
-    index = list(zero[0].tolist())
-    index[dim] = slice(None)
-    senders = [int(r) for r in ranks[tuple(index)].reshape(-1)]
-    count, rows = len(senders), tensor.shape[0]
-    sizes = [len(c) for c in torch.arange(rows).chunk(count)]
-    sizes += [0] * (count - len(sizes))
+    base = zero[0].tolist()
+
+    def rows_at(coordinate: list[int]) -> tuple[int, int]:
+        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, tuple(ranks.shape), coordinate, placements)
+        return offset[0], shape[0]
+
+    shards = []  # (first row, rows, rank) of each shard of rank 0's replica
+    for coordinate in itertools.product(*(range(size) if d in split else [base[d]] for d, size in enumerate(ranks.shape))):
+        shards.append((*rows_at(list(coordinate)), int(ranks[coordinate])))
+    shards.sort()
+    end = 0
+    for first, rows, _ in shards:
+        if rows and first != end:
+            return None
+        end += rows
+    if end != tensor.shape[0] or local.shape[0] != rows_at(tensor.device_mesh.get_coordinate())[1]:
+        return None
+    senders = [rank for _, _, rank in shards]
     me = torch.distributed.get_rank()
-    mine = senders.index(me) if me in senders else None
-    if mine is not None and local.shape[0] != sizes[mine]:
-        return None
-    if mine is None and local.shape[0] != sizes[mesh.get_coordinate()[dim]]:
-        return None
-    return dim, senders, mine, sizes
+    return senders, senders.index(me) if me in senders else None, [rows for _, rows, _ in shards]
 
 
 def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows: Any) -> None:
@@ -231,7 +242,7 @@ def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows
     import torch
     import torch.distributed as dist
 
-    _, senders, mine, sizes = layout
+    senders, mine, sizes = layout
     me = dist.get_rank()
     if mine is None:
         return  # another replica (HSDP): rank 0's own group holds every row

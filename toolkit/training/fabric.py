@@ -156,6 +156,10 @@ def _build_sharded_strategy_class() -> type:
           reduce-scatter on every micro-batch (gradients accumulate in the shards) and defer only
           the cross-replica all-reduce of HYBRID_SHARD/NO_SHARD to the last micro-batch.
 
+        With expert parallelism (`StrategyPlan.expert_mesh`) a second mesh holds the experts
+        (`toolkit.parallel.expert`), and gradient clipping adds up the norms of both meshes'
+        gradients (torch's own clipping cannot mix DTensors of two meshes).
+
         Parameters are stored in the dtypes of `apply_precision_policy`. Under "*-mixed" every unit
         gathers its weights in the compute dtype (the embedding's output is cast back to its
         stored dtype, so the residual stream is what one device has); gradients are reduced in float32 except under "*-true" precision, where
@@ -173,6 +177,7 @@ def _build_sharded_strategy_class() -> type:
             )
             self.plan = plan
             self.block_cls = block_cls
+            self.expert_mesh = None  # the experts' mesh under expert parallelism (`setup_environment`)
             self._backward_sync_control = _DeferCrossReplicaReduce()
 
         @property
@@ -190,9 +195,22 @@ def _build_sharded_strategy_class() -> type:
             self._setup_distributed()
             shape, names = self.plan.mesh
             self._device_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
+            self.expert_mesh = None
+            if self.plan.expert_mesh is not None:
+                shape, names = self.plan.expert_mesh
+                self.expert_mesh = init_device_mesh(self.root_device.type, shape, mesh_dim_names=names)
 
         def setup_module(self, module: nn.Module) -> nn.Module:
-            return shard_model(module, self.device_mesh, self.plan, self.block_cls)
+            return shard_model(module, self.device_mesh, self.plan, self.block_cls, expert_mesh=self.expert_mesh)
+
+        def clip_gradients_norm(self, module: nn.Module, optimizer: Any, max_norm: float, norm_type: float = 2.0,
+                                error_if_nonfinite: bool = True) -> Any:
+            if self.plan.expert_mesh is None:
+                return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
+            from toolkit.parallel.expert import clip_grad_norm
+
+            self.precision.unscale_gradients(optimizer)
+            return clip_grad_norm(self.precision.main_params(optimizer), max_norm, norm_type, error_if_nonfinite)
 
     class _DeferCrossReplicaReduce(_BackwardSyncControl):
         def no_backward_sync(self, module: nn.Module, enabled: bool):
