@@ -149,10 +149,12 @@ class StrategyPlan:
             if self.sharding == "HYBRID_SHARD":
                 where += f", mesh ({self.num_nodes} nodes replicate x {self.devices} devices shard)"
             if self.expert_mesh is not None:
-                shape, names = self.expert_mesh
-                holders = self.world_size // self.expert_parallel
+                shape, _ = self.expert_mesh
+                replicas = shape[0] if len(shape) == 3 else 1
                 where += (f", experts split over groups of {self.expert_parallel} (expert parallel, all-to-all), "
-                          f"each expert sharded over the {holders} process(es) holding it")
+                          f"each expert's weights sharded over {shape[-2]} process(es)")
+                if replicas > 1:
+                    where += f", replicated {replicas} times"
             if self.precision.endswith("-mixed"):
                 gather = "bfloat16" if self.precision.startswith("bf16") else "float16"
                 where += f", block weights gathered in {gather}, gradients reduced in float32"

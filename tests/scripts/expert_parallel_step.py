@@ -1,0 +1,157 @@
+"""One training step of a tiny MoE GPT with expert parallelism on 4 gloo processes, against one process.
+
+    MASTER_ADDR=127.0.0.1 MASTER_PORT=... python tests/scripts/expert_parallel_step.py OUT_DIR
+
+Spawns 4 processes. For each layout below every rank builds the same model (`init_weights`, one
+seed), keeps a plain copy as the one-process reference, and shards the other as training does
+(`plan_strategy` with the model, the meshes of `StrategyPlan.mesh` and `.expert_mesh`,
+`shard_model`). Then one forward and backward pass on its quarter of a global batch, its loss
+scaled as the loop scales it (summed over its tokens, times world size, over the batch's tokens),
+against the reference on the whole batch:
+
+    full_shard   FULL_SHARD, expert_parallel 2: experts split over pairs and FSDP-sharded over the
+                 other pair (an _StridedShard layout)
+    hybrid       HYBRID_SHARD as 2 nodes x 2 devices, expert_parallel 2, activation checkpointing
+                 (the all-to-alls run again in the recomputation)
+    uneven       FULL_SHARD, expert_parallel 2, 2 experts (top-1): one expert per pair, FSDP pads
+                 its second shard to nothing
+    lora         FULL_SHARD, expert_parallel 2, peft LoRA on attention: experts frozen, the adapters'
+                 gradients cross the all-to-all backward
+
+For each: the summed loss over ranks, every gradient gathered whole (`full_tensor`), the clipped
+norm of `toolkit.parallel.expert.clip_grad_norm` against torch's on the reference, whether each
+shard holds the rows [offset, offset + rows) that model set-up fills (`compute_local_shape_and_global_offset`),
+and each expert weight sent to rank 0 row run by row run as the final export sends it
+(`checkpoint_io._row_layout`, `_send_rows_to_rank_zero`). Rank 0 writes OUT_DIR/result.json.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+WORLD = 4
+BATCH, SEQ, VOCAB = 8, 16, 64
+LAYOUTS = {
+    "full_shard": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2),
+    "hybrid": dict(sharding="HYBRID_SHARD", nodes=2, experts=4, top_k=2, checkpointing=True),
+    "uneven": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1),
+    "lora": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True),
+}
+
+
+def tiny_moe(experts: int, top_k: int):
+    from toolkit.models.config import Config
+
+    return Config(name="tiny-moe", vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_embd=32, n_head=4, n_query_groups=2,
+                  intermediate_size=48, n_expert=experts, n_expert_per_token=top_k, moe_intermediate_size=24)
+
+
+def build(config, lora: bool):
+    from toolkit.models.gpt import GPT, init_weights
+
+    model = GPT(config)
+    init_weights(model, config.n_layer, seed=0)
+    if lora:
+        from peft import get_peft_model
+
+        from toolkit.models.adapters import LoRAArgs
+
+        model = get_peft_model(model, LoRAArgs(r=4, dropout=0.0, targets=("query", "value", "projection")).peft_config())
+        with torch.no_grad():  # B starts at zero, which would leave A without a gradient
+            g = torch.Generator().manual_seed(1)
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def one_layout(rank: int, name: str, spec: dict) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from toolkit.args import DistributedArgs
+    from toolkit.models.gpt import Block
+    from toolkit.models.param_names import unwrapped_name
+    from toolkit.parallel.expert import clip_grad_norm
+    from toolkit.parallel.fsdp import shard_model
+    from toolkit.parallel.plan import plan_strategy
+    from toolkit.training.checkpoint_io import _row_layout, _send_rows_to_rank_zero
+
+    config = tiny_moe(spec["experts"], spec["top_k"])
+    devices = WORLD // spec["nodes"]
+    plan = plan_strategy(devices, spec["nodes"], "32-true", DistributedArgs(
+        sharding=spec["sharding"], expert_parallel=2, activation_checkpointing=spec.get("checkpointing", False)),
+        accelerator="cpu", model=config)
+    model = build(config, spec.get("lora", False))
+    reference = copy.deepcopy(model)
+    shape, names = plan.mesh
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    shape, names = plan.expert_mesh
+    expert_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    shard_model(model, mesh, plan, Block, expert_mesh=expert_mesh)
+
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
+    per = BATCH // WORLD
+    mine = ids[rank * per:(rank + 1) * per]
+    loss = model(mine, labels=mine) * WORLD / ids.numel()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    reference_loss = reference(ids, labels=ids) / ids.numel()
+    reference_loss.backward()
+
+    result: dict = {"describe": plan.describe(), "loss": [total.item() / WORLD, reference_loss.item()]}
+    # Names without wrapper segments (activation checkpointing, peft's base_model.model and base_layer).
+    ref_params = {unwrapped_name(n): p for n, p in reference.named_parameters()}
+    named = [(unwrapped_name(n), p) for n, p in model.named_parameters()]
+    grads, rows_filled, exported = {}, {}, {}
+    for pname, param in named:
+        ref = ref_params[pname]
+        if param.grad is not None or ref.grad is not None:
+            grad = param.grad.full_tensor() if param.grad is not None else torch.zeros_like(ref)
+            expected = ref.grad if ref.grad is not None else torch.zeros_like(ref)
+            grads[pname] = [(grad - expected).abs().max().item(), expected.abs().max().item()]
+        if isinstance(param, DTensor):
+            rows, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+            full = ref.detach()[offset[0]:offset[0] + rows[0]]
+            rows_filled[pname] = bool(torch.equal(param.to_local().detach(), full))
+        if "experts" in pname:
+            layout = _row_layout(param)
+            parts: list = []
+            if layout is not None:
+                _send_rows_to_rank_zero(param, layout, torch.float32, parts.append)
+            exported[pname] = layout is not None and (rank != 0 or torch.equal(torch.cat(parts), ref.detach()))
+    trained = [(n, p) for n, p in named if p.requires_grad]
+    norm = clip_grad_norm([p for _, p in trained], max_norm=0.01)
+    reference_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.01)
+    clipped = [(p.grad.full_tensor() - ref_params[n].grad).abs().max().item() for n, p in trained
+               if p.grad is not None and ref_params[n].grad is not None]
+    result.update(grads=grads, rows_filled=rows_filled, exported=exported, norm=[norm.item(), reference_norm.item()],
+                  clipped_worst=max(clipped))
+    return result
+
+
+def worker(rank: int, out: str) -> None:
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    torch.manual_seed(0)
+    results = {name: one_layout(rank, name, spec) for name, spec in LAYOUTS.items()}
+    if rank == 0:
+        (Path(out) / "result.json").write_text(json.dumps(results, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    mp.spawn(worker, args=(sys.argv[1],), nprocs=WORLD)
