@@ -146,14 +146,14 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
     """tests/scripts/expert_parallel_step.py: every gradient, the loss, the clipped norm, the rows
     each shard holds and the experts' export, on FULL_SHARD with the experts also FSDP-sharded,
     HYBRID_SHARD over two simulated nodes with activation checkpointing, one expert per pair
-    (uneven), and LoRA on attention with the experts frozen."""
+    (uneven), LoRA on attention with the experts frozen, and ranks whose experts get no token."""
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env=launch_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     import json
 
     report = json.loads((tmp_path / "result.json").read_text())
-    assert report.keys() == {"full_shard", "hybrid", "uneven", "lora"}
+    assert report.keys() == {"full_shard", "hybrid", "uneven", "lora", "idle"}
     for layout, found in report.items():
         loss, reference = found["loss"]
         assert abs(loss - reference) < 1e-6, layout
@@ -164,6 +164,7 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
         assert found["clipped_worst"] < 1e-8, layout
         assert found["rows_filled"] and all(found["rows_filled"].values()), (layout, found["rows_filled"])
         assert len(found["exported"]) == 4 and all(found["exported"].values()), (layout, found["exported"])
+    assert report["idle"]["unrouted_grad"] == 0 and report["full_shard"]["unrouted_grad"] > 0
     assert any("lora_A" in name for name in report["lora"]["grads"])
     assert not any("experts" in name for name in report["lora"]["grads"])  # frozen
     assert "each expert's weights sharded over 2 process(es)" in report["full_shard"]["describe"]

@@ -17,6 +17,10 @@ against the reference on the whole batch:
                  its second shard to nothing
     lora         FULL_SHARD, expert_parallel 2, peft LoRA on attention: experts frozen, the adapters'
                  gradients cross the all-to-all backward
+    idle         FULL_SHARD, expert_parallel 2, every token routed to experts 0 and 1 (a hook on
+                 the routers' logits): the second rank of each pair receives no row at all; the
+                 experts run one product per expert (`expert_backend("loop")`, where CUDA has no
+                 grouped product), which computes nothing for no row
 
 For each: the summed loss over ranks, every gradient gathered whole (`full_tensor`), the clipped
 norm of `toolkit.parallel.expert.clip_grad_norm` against torch's on the reference, whether each
@@ -47,6 +51,7 @@ LAYOUTS = {
     "hybrid": dict(sharding="HYBRID_SHARD", nodes=2, experts=4, top_k=2, checkpointing=True),
     "uneven": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1),
     "lora": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True),
+    "idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, idle=True, backend="loop"),
 }
 
 
@@ -83,6 +88,7 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
 
     from toolkit.args import DistributedArgs
     from toolkit.models.gpt import Block
+    from toolkit.models.moe import expert_backend
     from toolkit.models.param_names import unwrapped_name
     from toolkit.parallel.expert import clip_grad_norm
     from toolkit.parallel.fsdp import shard_model
@@ -95,6 +101,12 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
         sharding=spec["sharding"], expert_parallel=2, activation_checkpointing=spec.get("checkpointing", False)),
         accelerator="cpu", model=config)
     model = build(config, spec.get("lora", False))
+    if spec.get("idle"):
+        from toolkit.models.moe import moe_layers
+
+        favour = torch.tensor([20.0, 20.0, -20.0, -20.0])
+        for layer in moe_layers(model):
+            layer.router.register_forward_hook(lambda module, args, logits: logits + favour)
     reference = copy.deepcopy(model)
     shape, names = plan.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -105,12 +117,13 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
     per = BATCH // WORLD
     mine = ids[rank * per:(rank + 1) * per]
-    loss = model(mine, labels=mine) * WORLD / ids.numel()
-    loss.backward()
+    with expert_backend(spec.get("backend")):
+        loss = model(mine, labels=mine) * WORLD / ids.numel()
+        loss.backward()
+        reference_loss = reference(ids, labels=ids) / ids.numel()
+        reference_loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total)
-    reference_loss = reference(ids, labels=ids) / ids.numel()
-    reference_loss.backward()
 
     result: dict = {"describe": plan.describe(), "loss": [total.item() / WORLD, reference_loss.item()]}
     # Names without wrapper segments (activation checkpointing, peft's base_model.model and base_layer).
@@ -138,6 +151,10 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     reference_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.01)
     clipped = [(p.grad.full_tensor() - ref_params[n].grad).abs().max().item() for n, p in trained
                if p.grad is not None and ref_params[n].grad is not None]
+    # Experts 2 and 3 (the second rank of each pair) got no token when "idle": no gradient at all.
+    expert_grads = [ref_params[n].grad for n, _ in named if "experts" in n]
+    result["unrouted_grad"] = max((g[2:].abs().max().item() for g in expert_grads if g is not None and len(g) > 2),
+                                  default=None)
     result.update(grads=grads, rows_filled=rows_filled, exported=exported, norm=[norm.item(), reference_norm.item()],
                   clipped_worst=max(clipped))
     return result

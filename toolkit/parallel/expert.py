@@ -124,9 +124,15 @@ def expert_parallel_forward(experts: GroupedExperts, group: Any, rows: torch.Ten
     runs = torch.arange(n * local, device=counts.device)  # run j * L + e: sender j, local expert e
     run_of_row = torch.repeat_interleave(runs, received.reshape(-1), output_size=arrived.shape[0])
     order = ((run_of_row % local) * n + run_of_row // local).argsort(stable=True)
-    with _local_weights(experts, 1.0 / n):  # see the module's docstring, Gradients
-        out = GroupedExperts.forward(experts, arrived[order], received.sum(dim=0))  # (R, C)
-    out = out[order.argsort()]  # arrival order again
+    if arrived.shape[0]:
+        with _local_weights(experts, 1.0 / n):  # see the module's docstring, Gradients
+            out = GroupedExperts.forward(experts, arrived[order], received.sum(dim=0))  # (R, C)
+        # Arrival order again, in the dtype the rows came in: every rank sends the same dtype back.
+        out = out[order.argsort()].to(arrived.dtype)
+    else:
+        # No row for this rank's experts: nothing to compute (one product per expert would leave no
+        # graph). The backward pass must still reach the all-to-all above: the group's other ranks run it.
+        out = arrived * 0
     return _AllToAll.apply(out, receive, send, group)  # (M, C), the layer's order
 
 
@@ -169,7 +175,7 @@ def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, **fsdp_options: Any
         distribute_experts(experts, ep_mesh)
         experts.forward = partial(expert_parallel_forward, experts, group)  # type: ignore[method-assign]
         fully_shard(experts, mesh=data_mesh, **fsdp_options)
-        # A rank whose experts got no rows in a step still takes part in their reduction, with zeros.
+        # A rank whose experts got no rows still takes part in their gradients' reduction, with zeros.
         experts.set_reduce_scatter_unused_params(True)
         units.append(experts)
     return units
