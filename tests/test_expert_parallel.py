@@ -122,6 +122,17 @@ def test_two_processes_with_expert_parallel_2_train_as_one_process(runs):
     _assert_same_moments(_checkpoint(one, STEPS), _checkpoint(two, STEPS))
 
 
+def test_an_expert_parallel_training_checkpoint_converts_to_the_exported_model(runs, tmp_path):
+    from toolkit.cli import run
+
+    assert run(["convert_pretrained_checkpoint", str(_checkpoint(runs["two"], STEPS)), str(tmp_path / "model")]) == 0
+    converted = load_file(str(tmp_path / "model" / "model.safetensors"))
+    exported = load_file(str(runs["two"] / "final" / "model.safetensors"))
+    assert converted.keys() == exported.keys()
+    for name in exported:
+        assert torch.equal(converted[name], exported[name]), name
+
+
 def test_an_expert_parallel_checkpoint_resumes_on_one_process(runs):
     out = runs["root"] / "two-to-one"
     shutil.copytree(runs["two"], out)
@@ -140,6 +151,34 @@ def test_an_expert_parallel_checkpoint_resumes_on_four_processes_with_expert_par
     assert "experts split over groups of 4" in stdout
     _assert_same_weights(runs["one"], out)
     _assert_same_moments(_checkpoint(runs["one"], STEPS), _checkpoint(out, STEPS))
+
+
+def _finetune_lora(base: Path, out: Path, devices: int, expert_parallel: int) -> list[str]:
+    return [
+        sys.executable, "-m", "toolkit", "finetune_lora", str(base), "--out_dir", str(out),
+        "--data", "Alpaca", "--data.json_path", str(ASSETS / "instruct" / "alpaca_tiny.json"),
+        "--data.val_split_fraction", "0.1", "--precision", "32-true", "--train.micro_batch_size", "2",
+        "--train.global_batch_size", "8", "--train.max_seq_length", "64", "--train.max_steps", str(STEPS),
+        "--train.warmup_steps", "1", "--train.learning_rate", "0.01", "--eval.interval", "1000",
+        "--eval.final_validation", "false", "--log.interval", "1", "--log.loggers", "[csv]",
+        "--lora.dropout", "0", "--lora.targets", "[query, value, projection]",
+        "--devices", str(devices), "--distributed.expert_parallel", str(expert_parallel),
+    ]
+
+
+def test_lora_on_attention_with_expert_parallel_2_trains_as_one_process(runs):
+    """The experts are frozen; the adapters' gradients of the first layer cross both MoE layers'
+    all-to-alls backwards. (Adapters on the experts themselves do not exist yet.)"""
+    base = runs["one"] / "final"
+    one, two = runs["root"] / "lora-one", runs["root"] / "lora-two"
+    _run(_finetune_lora(base, one, 1, 1))
+    _run(_finetune_lora(base, two, 2, 2))
+    a = load_file(str(one / "final" / "lora_adapter.safetensors"))
+    b = load_file(str(two / "final" / "lora_adapter.safetensors"))
+    assert a.keys() == b.keys() and any("blocks.0.attn" in name for name in a)
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], atol=WEIGHTS, rtol=0, msg=name)
+    torch.testing.assert_close(torch.tensor(_train_losses(two)), torch.tensor(_train_losses(one)), atol=1e-5, rtol=0)
 
 
 def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path):
