@@ -28,7 +28,7 @@ Each expert weight is a DTensor placed Shard(0) on "expert" (so torch's distribu
 stores it by expert rows, and a checkpoint reshards across expert-parallel sizes); FSDP2
 (`fully_shard`, one unit per experts module) shards it further over the ranks holding the same
 experts ("expert_shard", replicated over "replicate" under HYBRID_SHARD), while the rest of the
-model (attention, norms, router, embedding, head) is sharded over all ranks as without experts
+model (attention, norms, router, embedding, head) is sharded over all ranks as without expert
 parallelism (`toolkit.parallel.fsdp.shard_model`).
 
 Gradients. The loop scales each rank's loss so that the mean of the ranks' gradients is the step's
@@ -96,7 +96,8 @@ class _ScaleGradient(torch.autograd.Function):
 def _local_weights(module: nn.Module, gradient_factor: float) -> Iterator[None]:
     """Inside the block, `module`'s DTensor parameters read as their local tensors (this rank's
     experts, gathered by FSDP), so that its own forward computes on plain tensors. Gradients flow
-    to the DTensor parameters through `to_local`, multiplied by `gradient_factor`."""
+    to the DTensor parameters through `to_local`, multiplied by `gradient_factor`. (Not
+    `torch.func.functional_call`: it calls the module, whose FSDP hooks would run a second time.)"""
     from torch.distributed.tensor import DTensor
 
     saved = dict(module._parameters)
@@ -117,8 +118,8 @@ def expert_parallel_forward(experts: GroupedExperts, group: Any, rows: torch.Ten
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # [j * L + e]: rows rank j sends my expert e
     received = received.view(n, local)
-    send = counts.view(n, local).sum(dim=1).tolist()  # rows to each group rank
-    receive = received.sum(dim=1).tolist()  # rows from each group rank
+    # Rows to each group rank, rows from each (one host sync: all-to-all takes its sizes as lists).
+    send, receive = torch.stack([counts.view(n, local).sum(dim=1), received.sum(dim=1)]).tolist()
     arrived = _AllToAll.apply(rows, send, receive, group)  # (R, C), by (sender, local expert)
     # Regroup by (local expert, sender): each local expert's rows become one contiguous run.
     runs = torch.arange(n * local, device=counts.device)  # run j * L + e: sender j, local expert e
@@ -160,8 +161,8 @@ def distribute_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:
 def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, **fsdp_options: Any) -> list[nn.Module]:
     """Apply expert parallelism to every MoE layer of `model` on `expert_mesh` (`expert_mesh_layout`):
     each experts module keeps this rank's experts, calls them through the all-to-all, and becomes
-    an FSDP2 unit over the mesh's other dimensions. `fsdp_options` go to `fully_shard` (precision and offload policies, resharding). Call it before
-    the blocks are sharded. Returns the experts' units."""
+    an FSDP2 unit over the mesh's other dimensions. `fsdp_options` go to `fully_shard` (precision
+    and offload policies, resharding). Call it before the blocks are sharded. Returns the units."""
     from torch.distributed.fsdp import fully_shard
 
     names = expert_mesh.mesh_dim_names

@@ -13,6 +13,7 @@ Importing this module is cheap: torch and lightning are imported inside the func
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from toolkit.models.param_names import unwrapped_name
@@ -192,11 +193,8 @@ def _row_layout(tensor: Any) -> Any:
     other mesh dims: FSDP2's Shard(0), and under expert parallelism the experts' Shard(0) with
     FSDP2's _StridedShard(0) over it (`toolkit.parallel.expert`); else None. The ranks are those
     of rank 0's replica (its coordinates on the replicated dims)."""
-    import itertools
-
     import torch
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
     from torch.distributed.tensor.placement_types import _StridedShard
 
     placements = tensor.placements
@@ -212,26 +210,44 @@ def _row_layout(tensor: Any) -> Any:
     zero = (ranks == 0).nonzero()
     if len(zero) != 1:
         return None
-    base = zero[0].tolist()
-
-    def rows_at(coordinate: list[int]) -> tuple[int, int]:
-        shape, offset = _compute_local_shape_and_global_offset(tensor.shape, tuple(ranks.shape), coordinate, placements)
-        return offset[0], shape[0]
-
-    shards = []  # (first row, rows, rank) of each shard of rank 0's replica
-    for coordinate in itertools.product(*(range(size) if d in split else [base[d]] for d, size in enumerate(ranks.shape))):
-        shards.append((*rows_at(list(coordinate)), int(ranks[coordinate])))
-    shards.sort()
-    end = 0
-    for first, rows, _ in shards:
-        if rows and first != end:
-            return None
-        end += rows
-    if end != tensor.shape[0] or local.shape[0] != rows_at(tensor.device_mesh.get_coordinate())[1]:
+    shards = _replica_rows(tensor.shape[0], tuple(ranks.shape), tuple(placements), tuple(zero[0].tolist()))
+    if shards is None:
         return None
-    senders = [rank for _, _, rank in shards]
+    coordinate = tuple(tensor.device_mesh.get_coordinate())
+    if local.shape[0] != _shard_rows(tensor.shape[0], tuple(ranks.shape), tuple(placements), coordinate)[1]:
+        return None
+    senders = [int(ranks[coordinate]) for coordinate, _, _ in shards]
     me = torch.distributed.get_rank()
-    return senders, senders.index(me) if me in senders else None, [rows for _, rows, _ in shards]
+    return senders, senders.index(me) if me in senders else None, [rows for _, _, rows in shards]
+
+
+@functools.lru_cache(maxsize=256)
+def _replica_rows(rows: int, mesh_shape: tuple, placements: tuple, base: tuple) -> Any:
+    """[(mesh coordinate, first row, rows)] of the shards of the replica holding mesh coordinate
+    `base` (its coordinates on the replicated dims, any on the split ones), in row order; None when
+    they do not tile the rows. Cached: the weights of a model share a few row counts and meshes."""
+    import itertools
+
+    split = [d for d, p in enumerate(placements) if not p.is_replicate()]
+    shards = []
+    for coordinate in itertools.product(*(range(size) if d in split else [base[d]] for d, size in enumerate(mesh_shape))):
+        shards.append((coordinate, *_shard_rows(rows, mesh_shape, placements, coordinate)))
+    shards.sort(key=lambda shard: (shard[1], shard[2]))
+    end = 0
+    for _, first, count in shards:
+        if count and first != end:
+            return None
+        end += count
+    return shards if end == rows else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _shard_rows(rows: int, mesh_shape: tuple, placements: tuple, coordinate: tuple) -> tuple[int, int]:
+    """(first row, rows) of the shard at mesh `coordinate` of `rows` rows split by `placements` (dim 0)."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    shape, offset = _compute_local_shape_and_global_offset((rows,), mesh_shape, list(coordinate), placements)
+    return offset[0], shape[0]
 
 
 def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows: Any) -> None:
