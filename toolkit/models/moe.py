@@ -31,8 +31,8 @@ from toolkit.models.config import Config
 from toolkit.models.mlp import gated_activation
 
 # Which kernel runs the experts: "grouped" (torch._grouped_mm: one product per weight for all
-# experts), "loop" (a product per expert), None: grouped where torch has it for the weights' device
-# and dtype (CPU; CUDA bf16 on compute capability 9.0+), else loop.
+# experts), "loop" (a product per expert), None: grouped for bf16 weights where torch has it (CPU;
+# CUDA on compute capability 9.0+), else loop.
 BACKEND: dict[str, Optional[str]] = {"name": None}
 
 
@@ -50,15 +50,15 @@ def expert_backend(name: Optional[str]) -> Iterator[None]:
 
 
 def _use_grouped(weight: torch.Tensor) -> bool:
+    """Grouped products take bf16 weights (CUDA: compute capability 9.0+); torch's CPU kernel also
+    runs float32 eagerly, but its shape function (compiled blocks, the simulated step) does not."""
     if BACKEND["name"] is not None:
         return BACKEND["name"] == "grouped"
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or weight.dtype != torch.bfloat16:
         return False
-    if weight.device.type == "cpu":
-        return True
     if weight.device.type == "cuda":
-        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device)[0] >= 9
-    return False
+        return torch.cuda.get_device_capability(weight.device)[0] >= 9
+    return weight.device.type in ("cpu", "meta")
 
 
 class GroupedExperts(nn.Module):
@@ -150,7 +150,10 @@ class MoE(nn.Module):
         logits, probs, chosen, weights = self.route(flat)
         assignments = chosen.reshape(-1)  # (M,): token n's k-th expert at n * K + k
         order = assignments.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
-        counts = torch.bincount(assignments, minlength=self.n_expert)  # (X,)
+        # (X,) assignments per expert; a fixed-size sum rather than bincount, whose size depends on the
+        # values, so that compiled blocks see static shapes
+        counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).index_add_(
+            0, assignments, torch.ones_like(assignments))
         token_of_row = order // self.top_k  # (M,)
         y = self.experts(flat[token_of_row], counts)  # (M, C)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
