@@ -116,8 +116,13 @@ def test_kv_cache_decoding_past_the_window_equals_the_full_forward(layer_types):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_a_left_padded_cache_with_a_window_gives_each_row_what_it_gets_alone():
-    model = _model(sliding_window=3)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_left_padded_cache_with_a_window_gives_each_row_what_it_gets_alone(sinks):
+    model = _model(sliding_window=3, attention_sinks=sinks)
+    if sinks:
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.sinks.copy_(_sinks())
     g = torch.Generator().manual_seed(6)
     short, long = torch.randint(0, 97, (4,), generator=g), torch.randint(0, 97, (7,), generator=g)
     batch = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), short]), long])
