@@ -101,13 +101,18 @@ class GroupedExperts(nn.Module):
         return y
 
     def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # unbind, not indexing: the backward of weight[e] would write a zero gradient of the whole
+        # (X, ...) tensor per expert, X times; unbind's stacks the X gradients once
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up_bias = [None] * len(gate_up) if self.gate_up_bias is None else self.gate_up_bias.unbind(0)
+        down_bias = [None] * len(down) if self.down_bias is None else self.down_bias.unbind(0)
         outputs = []
         for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
             if not rows.shape[0]:
                 continue
-            h = F.linear(rows, self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+            h = F.linear(rows, gate_up[e], gate_up_bias[e])
             h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config)
-            outputs.append(F.linear(h, self.down_proj[e], None if self.down_bias is None else self.down_bias[e]))
+            outputs.append(F.linear(h, down[e], down_bias[e]))
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
 
 
