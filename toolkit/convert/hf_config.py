@@ -33,6 +33,7 @@ ARCHITECTURES: dict[str, str] = {
     "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",
+    "GptOssForCausalLM": "gpt_oss",
 }
 HF_ARCHITECTURE: dict[str, str] = {family: arch for arch, family in ARCHITECTURES.items()}
 # family -> model_type in config.json (the family's own name but where noted)
@@ -330,6 +331,8 @@ def config_from_hf(
         )
     n_embd = int(_require(hf_config, "hidden_size"))
     n_head = int(_require(hf_config, "num_attention_heads"))
+    if family == "gpt_oss":
+        hf_config = _gpt_oss_rope_defaults(hf_config)
     hf_config, rope_local_base = _local_rope(hf_config, family)
     rope_base, rope_scaling, rotary_percentage = _rope(hf_config, family)
     values: dict[str, Any] = dict(
@@ -387,6 +390,8 @@ def config_from_hf(
         values.update(_read_dense_family(hf_config, family, act))
     elif family == "phi3":
         values.update(_phi3_from_hf(hf_config, act, values["block_size"]))
+    elif family == "gpt_oss":
+        values.update(_gpt_oss_from_hf(hf_config, values))
     elif family == "gpt_neox":
         if not hf_config.get("attention_bias", True):
             raise UserError("config.json: GPT-NeoX with attention_bias=false is not supported")
@@ -508,6 +513,13 @@ def _read_layers(hf_config: dict[str, Any], family: str, n_layer: int) -> dict[s
         if listed is None:
             listed = ["local" if window is not None and not rope[i] else "global" for i in range(n_layer)]
         local = [window is not None and t == "local" for t in listed]
+    elif family == "gpt_oss":
+        # GptOssConfig: a 128-token window, layers alternating sliding and full from the first
+        if "sliding_window" not in hf_config:
+            window = _GPT_OSS_DEFAULTS["sliding_window"]
+        if listed is None:
+            listed = ["local" if i % 2 == 0 else "global" for i in range(n_layer)]
+        local = [window is not None and t == "local" for t in listed]
     else:
         return values
     if any(local):
@@ -527,6 +539,77 @@ def _phi3_from_hf(hf_config: dict[str, Any], act: str, block_size: int) -> dict[
     return dict(
         norm="rmsnorm", norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)), mlp="swiglu", bias=False,
         sliding_window=int(window) if window is not None and window < block_size else None,
+    )
+
+
+# ---------------------------------------------------------------------------- gpt-oss
+# GptOssConfig's values where config.json leaves a key out (its defaults are gpt-oss-120b's sizes).
+_GPT_OSS_DEFAULTS: dict[str, Any] = dict(
+    num_local_experts=128, num_experts_per_tok=4, rms_norm_eps=1e-5, router_aux_loss_coef=0.001,
+    swiglu_limit=7.0, swiglu_alpha=1.702, sliding_window=128, rope_theta=150000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+)
+
+
+def _gpt_oss_rope_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json with GptOssConfig's RoPE where it says none: YaRN (factor 32 over 4096 tokens,
+    not truncated) when it has neither rope_parameters nor rope_scaling, base 150000 (its
+    `default_theta`) when no rope_theta is given."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling")
+    if not params:
+        params = dict(_GPT_OSS_DEFAULTS["rope_parameters"])
+        hf_config = {**hf_config, "rope_parameters": params}
+    layouts = [p for p in (hf_config.get("rope_parameters"), hf_config.get("rope_scaling")) if isinstance(p, dict)]
+    if hf_config.get("rope_theta") is None and all(p.get("rope_theta") is None for p in layouts):
+        hf_config = {**hf_config, "rope_theta": _GPT_OSS_DEFAULTS["rope_theta"]}
+    return hf_config
+
+
+def _gpt_oss_from_hf(hf_config: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: Llama's pre-norm layer with biases on every attention projection and attention sinks;
+    every MLP a mixture of `intermediate_size`-wide experts with biases and the clamped SwiGLU. Its
+    router (with a bias) takes the softmax of the top-k logits: the top-k of the full softmax
+    renormalised (`router_norm_topk`). `hidden_act` is not read by transformers' GptOss."""
+    defaults = _GPT_OSS_DEFAULTS
+    if not hf_config.get("attention_bias", True):
+        raise UserError("config.json: gpt_oss with attention_bias=false is not supported (the toolkit's gpt-oss "
+                        "has biases on every projection)")
+    n_expert = _count(hf_config, "num_local_experts", defaults["num_local_experts"], minimum=1)
+    top_k = _count(hf_config, "num_experts_per_tok", defaults["num_experts_per_tok"], minimum=1)
+    if top_k > n_expert:
+        raise UserError(f"config.json: num_experts_per_tok={top_k} exceeds num_local_experts={n_expert}")
+    return dict(
+        norm="rmsnorm", norm_eps=float(hf_config.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        mlp="clamped_swiglu", bias=True, attention_sinks=True,
+        n_expert=n_expert, n_expert_per_token=top_k, moe_intermediate_size=values["intermediate_size"],
+        router_norm_topk=True,
+        router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+        swiglu_limit=float(hf_config.get("swiglu_limit", defaults["swiglu_limit"])),
+        swiglu_alpha=float(hf_config.get("swiglu_alpha", defaults["swiglu_alpha"])),
+    )
+
+
+def _gpt_oss_to_hf(config: Config) -> dict[str, Any]:
+    """config.json fields of a gpt-oss model beside the shared sizes (see `_gpt_oss_from_hf`)."""
+    _check(config, "gpt_oss", norm="rmsnorm", mlp="clamped_swiglu", bias=True, attn_qkv_bias=True,
+           lm_head_bias=False, parallel_residual=False, norm_position="pre", qk_norm=None, attention_sinks=True,
+           router_norm_topk=True)
+    if not all(config.layer(i).moe for i in range(config.n_layer)):
+        raise _unsupported(config, "every gpt_oss layer is a mixture of experts (n_expert > 0, moe_layers None)")
+    return dict(
+        num_key_value_heads=config.n_query_groups,
+        head_dim=config.head_size,
+        rms_norm_eps=config.norm_eps,
+        hidden_act="silu",
+        attention_bias=True,
+        intermediate_size=config.moe_intermediate_size,  # the experts' width; there is no dense MLP
+        num_local_experts=config.n_expert,
+        num_experts_per_tok=config.n_expert_per_token,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        output_router_logits=False,
+        swiglu_limit=config.swiglu_limit,
+        swiglu_alpha=config.swiglu_alpha,
     )
 
 
@@ -675,6 +758,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
     if family not in ("gemma2", "gemma3"):
         _check(config, family, attn_logit_softcap=None, final_logit_softcap=None, query_pre_attn_scalar=None,
                rope_local_base=None)
+    if family != "gpt_oss":
+        _check(config, family, attention_sinks=False)
     # Per-layer attention spans and NoPE layers: written where the family has them, else refused.
     hf.update(_layer_fields(config))
     refusal = None if config.rope_scaling is None else _scaling_refusal(config.rope_scaling_type, family)
@@ -720,6 +805,8 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         hf.update(_write_dense_family(config))
     elif family == "phi3":
         hf.update(_phi3_to_hf(config))
+    elif family == "gpt_oss":
+        hf.update(_gpt_oss_to_hf(config))
     elif family == "gpt_neox":
         _check(config, family, norm="layernorm", mlp="gelu", bias=True, attn_qkv_bias=True, lm_head_bias=False,
                shared_attention_norm=False)
@@ -784,7 +871,7 @@ def _layer_fields(config: Config) -> dict[str, Any]:
         if any(local) and not all(local):
             raise _unsupported(config, f"layer_types mixes local and global layers, but {family} windows every layer")
         hf.update(sliding_window=window)
-    elif family in ("gemma2", "gemma3"):
+    elif family in ("gemma2", "gemma3", "gpt_oss"):
         hf.update(sliding_window=config.sliding_window,
                   layer_types=[_TOOLKIT_LAYER_TYPES["local" if is_local else "global"] for is_local in local])
     elif family in ("qwen2", "qwen3", "smollm3"):

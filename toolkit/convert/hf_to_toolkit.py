@@ -12,8 +12,9 @@ Memory: the output is written header first and then one tensor after the other
 (`toolkit.safetensors_io.SafetensorsShards`), so that nothing has to be held in memory at once. A
 tensor whose bytes are only renamed (the usual case) is copied from file to file by the kernel
 (`copy_file_range`) without passing through this process. A dtype conversion goes ~64 MiB of rows
-at a time; only a fused tensor (GPT-NeoX's query/key/value, Phi-3's qkv_proj and gate_up_proj) is
-materialised whole (one at a time).
+at a time; only a fused tensor (GPT-NeoX's query/key/value, Phi-3's qkv_proj and gate_up_proj) or
+one whose values move (gpt-oss's expert tensors, one layer's experts each, `weight_maps.REARRANGED`;
+MXFP4-quantized ones are dequantized then) is materialised whole (one at a time).
 `.bin` shards are memory-mapped one at a time.
 
 The plan and writer here (`OutTensor`, `write_weight_files`) are shared with `toolkit_to_hf`.
@@ -305,8 +306,15 @@ def plan_from_hf(
     def out_dtype(src: str) -> str:
         return DTYPES[dtype] if dtype is not None and src in ("F32", "F16", "BF16") else src
 
+    quantized = _quantized_sources(infos, family)
     for info in infos:
         if weight_maps.is_ignored(info.name):
+            continue
+        held = weight_maps.quantized_stem(family, info.name)
+        if held is not None:
+            stem = held[0]
+            if quantized[stem][0] is info:  # planned once, at its first part
+                _plan_quantized(stem, quantized[stem], family, expected, planned, reader, DTYPES[dtype or "bfloat16"])
             continue
         target = weight_maps.hf_to_toolkit_name(family, info.name)
         names = target if isinstance(target, tuple) else (target,)
@@ -346,10 +354,18 @@ def plan_from_hf(
             continue
         name = names[0]
         want = embed_shape if name == "lm_head.weight" and config.tie_embeddings else expected[name]
-        if info.shape != want:
-            raise shape_mismatch(info.name, info.shape, want, "config.json")
+        steps = weight_maps.rearrangement(family, name)
+        if info.shape != weight_maps.hf_shape(want, steps):
+            raise shape_mismatch(info.name, info.shape, weight_maps.hf_shape(want, steps), "config.json")
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # a tied head is the embedding; it is stored once
+        if steps:  # values that move: built whole, one tensor at a time
+            planned[name] = OutTensor(
+                name, out_dtype(info.dtype), want,
+                make=lambda info=info, steps=steps, to=torch_dtype(out_dtype(info.dtype)):
+                    weight_maps.from_hf_arrangement(reader.load(info), steps).to(to),
+            )
+            continue
         planned[name] = OutTensor(name, out_dtype(info.dtype), info.shape, source=info)
     missing = [name for name in expected if name not in planned]
     if missing:
@@ -357,6 +373,60 @@ def plan_from_hf(
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"The checkpoint lacks weight {hf_names[0]!r}{more}, which config.json implies")
     return list(planned.values())
+
+
+def _quantized_sources(infos: list[TensorInfo], family: str) -> dict[str, list[TensorInfo]]:
+    """Stem name -> its stored parts in the order of their format's suffixes (`weight_maps.QUANTIZED_PARTS`);
+    a part without the others is a UserError naming what is missing."""
+    from toolkit.convert import weight_maps
+
+    found: dict[str, dict[int, TensorInfo]] = {}
+    formats: dict[str, str] = {}
+    for info in infos:
+        held = weight_maps.quantized_stem(family, info.name)
+        if held is not None:
+            stem, fmt, index = held
+            found.setdefault(stem, {})[index] = info
+            formats[stem] = fmt
+    sources = {}
+    for stem, parts in found.items():
+        suffixes = weight_maps.QUANTIZED_PARTS[family][formats[stem]]
+        absent = [stem + suffix for i, suffix in enumerate(suffixes) if i not in parts]
+        if absent:
+            raise UserError(f"The checkpoint has {next(iter(parts.values())).name!r} but lacks {absent[0]!r} "
+                            f"({formats[stem]} weights come in {' and '.join(suffixes)} parts)")
+        sources[stem] = [parts[i] for i in range(len(suffixes))]
+    return sources
+
+
+def _plan_quantized(
+    stem: str, parts: list[TensorInfo], family: str, expected: dict, planned: dict, reader: "TensorReader", dtype: str,
+) -> None:
+    """Plan the toolkit tensor of a quantized Hugging Face tensor (MXFP4 blocks and scales): dequantized
+    to `dtype` (bfloat16 unless --dtype says otherwise) and rearranged as its unquantized form would be."""
+    from toolkit.convert import mxfp4, weight_maps
+
+    name = weight_maps.hf_to_toolkit_name(family, stem)
+    blocks, scales = parts
+    if name not in expected:
+        raise UserError(f"Weight {blocks.name!r} (toolkit {name!r}) is not part of a model with this config.json")
+    if name in planned:
+        raise UserError(f"Weight {blocks.name!r} maps to {name!r}, which another weight already provides")
+    steps = weight_maps.rearrangement(family, name)
+    want = weight_maps.hf_shape(expected[name], steps)
+    if blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 3 or blocks.shape[-1] != mxfp4.GROUP // 2 \
+            or blocks.shape[:-1] != scales.shape:
+        raise UserError(f"{blocks.name!r} {format_shape(blocks.shape)} {blocks.dtype} and {scales.name!r} "
+                        f"{format_shape(scales.shape)} {scales.dtype} are not MXFP4 blocks and scales (uint8, "
+                        "(..., rows, groups, 16) and (..., rows, groups))")
+    if mxfp4.dequantized_shape(blocks.shape) != want:
+        raise shape_mismatch(stem, mxfp4.dequantized_shape(blocks.shape), want, "config.json")
+
+    def make():
+        weight = mxfp4.dequantize(reader.load(blocks), reader.load(scales), torch_dtype(dtype))
+        return weight_maps.from_hf_arrangement(weight, steps)
+
+    planned[name] = OutTensor(name, dtype, expected[name], make=make)
 
 
 # ---------------------------------------------------------------------------- entry points

@@ -365,7 +365,29 @@ SMOLLM3 = [
          no_rope_layers=list(range(3, 36, 4)), expected_params=3_075_098_624),
 ]
 
-PRESETS: list[dict[str, Any]] = [*LLAMA, *MISTRAL, *QWEN2, *GEMMA, *GEMMA_2_3, *PHI, *PHI3, *PYTHIA, *QWEN3, *OLMO2, *SMOLLM3, *DEBUG]
+# gpt-oss: every layer a mixture of 2880-wide experts (top-4, biased router and experts, clamped
+# SwiGLU), attention with biases and a sink per head, layers alternating a 128-token window and full
+# attention from the first, YaRN (factor 32 over 4096 tokens, not truncated) on base 150000. The
+# published checkpoints store the experts as MXFP4, dequantized to bf16 at conversion.
+# router_aux_loss_coef: 0.9 in the published config.json files.
+_GPT_OSS = dict(
+    family="gpt_oss", vocab_size=201088, block_size=131072, n_embd=2880, n_head=64, n_query_groups=8, head_size=64,
+    intermediate_size=2880, n_expert_per_token=4, norm_eps=1e-5, mlp="clamped_swiglu", bias=True,
+    attention_sinks=True, rope_base=150000.0, sliding_window=128,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_seq_len": 4096, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "attention_factor": 0.1 * math.log(32.0) + 1.0, "truncate": False},
+    router_aux_loss_coef=0.9, swiglu_limit=7.0, swiglu_alpha=1.702,
+)
+GPT_OSS = [
+    dict(name="gpt-oss-20b", hf_repo_id="openai/gpt-oss-20b", **_GPT_OSS, n_layer=24, n_expert=32,
+         layer_types=_every_nth_global(24, 2), expected_params=20_914_757_184),
+    dict(name="gpt-oss-120b", hf_repo_id="openai/gpt-oss-120b", **_GPT_OSS, n_layer=36, n_expert=128,
+         layer_types=_every_nth_global(36, 2), expected_params=116_829_156_672),
+]
+
+PRESETS: list[dict[str, Any]] = [
+    *LLAMA, *MISTRAL, *QWEN2, *GEMMA, *GEMMA_2_3, *PHI, *PHI3, *PYTHIA, *QWEN3, *OLMO2, *SMOLLM3, *GPT_OSS, *DEBUG,
+]
 
 
 # Family id (Config.family) -> the name `toolkit list` shows; a family not listed shows its id.
@@ -373,6 +395,7 @@ FAMILY_TITLES: dict[str, str] = {
     "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma 2",
     "gemma3": "Gemma 3",
     "phi": "Phi", "phi3": "Phi-3 and Phi-4", "gpt_neox": "GPT-NeoX (Pythia)", "olmo2": "OLMo 2", "smollm3": "SmolLM3",
+    "gpt_oss": "gpt-oss",
 }
 # The title of the group of presets that mirror no published model (tests, the CPU quick start).
 TINY_TITLE = "Tiny models for tests and the CPU quick start"
