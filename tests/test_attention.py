@@ -459,7 +459,7 @@ def test_decoding_with_sinks_cached_keys_and_padding_equals_the_reference(window
 def test_flex_attention_with_sinks_equals_the_reference(window):
     """The CUDA path's sinks (the output scaled by sigmoid(lse - sink) with flex_attention's
     log-sum-exp), run eagerly on the CPU without gradients; documents of a packed row. Its
-    gradients are checked on a GPU (tests/scripts/gpu_attention_sinks.py)."""
+    gradients are checked on a GPU (the attention_sinks check of benchmarks/gpu_check.py)."""
     from toolkit.models.attention import attention_backend, flex_attend
 
     q, k, v = (t.detach() for t in _qkv(20, seed=4))
@@ -482,7 +482,7 @@ def test_gradients_flow_through_flex_attentions_log_sum_exp_into_the_sinks(monke
     refuses flex_attention's backward at its public entry (`_validate_device`); lifted, its autograd
     op runs its dense reference backward, which takes d(lse) as the Triton kernel does (folded into
     delta): q, k, v and sinks get the dense reference's gradients. The compiled kernel itself is
-    checked on a GPU (tests/scripts/gpu_attention_sinks.py)."""
+    checked on a GPU (the attention_sinks check of benchmarks/gpu_check.py)."""
     import torch.nn.attention.flex_attention as flex
 
     from toolkit.models.attention import attention_backend, flex_attend
