@@ -511,7 +511,8 @@ def _read_moe_family(hf_config: dict[str, Any], family: str, act: str, values: d
         if hf_config.get("clip_qkv") is not None:
             raise UserError("config.json: OLMoE with clip_qkv (queries, keys and values clamped) is not supported")
         if values["head_size"] * values["n_head"] != values["n_embd"]:
-            raise UserError("config.json: OLMoE with head_dim other than hidden_size / num_attention_heads is not supported")
+            raise UserError("config.json: OLMoE with head_dim other than hidden_size / num_attention_heads "
+                            "is not supported")
         out.update(qk_norm="projection")
     return out
 
@@ -538,7 +539,8 @@ def _moe_to_hf(config: Config) -> dict[str, Any]:
     }
     if family != "qwen3_moe":
         if dense:
-            raise _unsupported(config, f"moe_layers={config.moe_layers!r}, but every {family} layer is a mixture of experts")
+            raise _unsupported(config, f"moe_layers={config.moe_layers!r}, but every {family} layer is a "
+                                       "mixture of experts")
         hf["intermediate_size"] = config.moe_intermediate_size  # the experts' width; there is no dense MLP
     if family == "mixtral":
         _check(config, family, router_norm_topk=True)

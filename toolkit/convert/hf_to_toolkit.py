@@ -337,7 +337,8 @@ def plan_from_hf(
             if info.shape != want:
                 raise shape_mismatch(info.name, info.shape, want, "config.json")
             if target.expert is not None and target.expert >= config.n_expert:
-                raise UserError(f"Weight {info.name!r} is expert {target.expert}, but config.json has {config.n_expert} experts")
+                raise UserError(f"Weight {info.name!r} is expert {target.expert}, but config.json has "
+                                f"{config.n_expert} experts")
             if name not in experts:
                 experts[name] = []
                 planned[name] = OutTensor(name, out_dtype(info.dtype), expected[name],
@@ -415,7 +416,8 @@ def _check_expert_cover(name: str, parts: list, shape: tuple[int, ...], family: 
         end = 0
         for start, stop, hf_name in sorted(found):
             if start < end:
-                raise UserError(f"Weight {hf_name!r} maps to rows of {name!r} (expert {e}) that another weight already provides")
+                raise UserError(f"Weight {hf_name!r} maps to rows of {name!r} (expert {e}) that another weight "
+                                "already provides")
             if start > end:
                 break
             end = stop

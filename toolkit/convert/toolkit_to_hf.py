@@ -122,7 +122,8 @@ def _expert_tensors(info: TensorInfo, parts: list, reader: TensorReader) -> list
             if "{e}" not in hf_name:
                 continue
             one = dataclasses.replace(part, expert=e)
-            out.append(OutTensor(hf_name.replace("{e}", str(e)), info.dtype, weight_maps.hf_expert_shape(one, info.shape),
+            shape = weight_maps.hf_expert_shape(one, info.shape)
+            out.append(OutTensor(hf_name.replace("{e}", str(e)), info.dtype, shape,
                                  make=lambda e=e, one=one: weight_maps.expert_rows_to_hf(one, expert_rows(e))))
     return out
 

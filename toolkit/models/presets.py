@@ -377,7 +377,8 @@ MIXTRAL = [
     dict(_MIXTRAL_8X7B, name="mixtral-8x7b", aliases=["mixtral-8x7b-v0.1"], hf_repo_id="mistralai/Mixtral-8x7B-v0.1"),
     dict(_MIXTRAL_8X7B, name="mixtral-8x7b-instruct", aliases=["mixtral-8x7b-instruct-v0.1"],
          hf_repo_id="mistralai/Mixtral-8x7B-Instruct-v0.1"),
-    dict(_MIXTRAL_8X22B, name="mixtral-8x22b", aliases=["mixtral-8x22b-v0.1"], hf_repo_id="mistralai/Mixtral-8x22B-v0.1"),
+    dict(_MIXTRAL_8X22B, name="mixtral-8x22b", aliases=["mixtral-8x22b-v0.1"],
+         hf_repo_id="mistralai/Mixtral-8x22B-v0.1"),
     dict(_MIXTRAL_8X22B, name="mixtral-8x22b-instruct", aliases=["mixtral-8x22b-instruct-v0.1"],
          hf_repo_id="mistralai/Mixtral-8x22B-Instruct-v0.1"),
 ]
