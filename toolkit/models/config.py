@@ -47,7 +47,7 @@ class Config:
     hf_repo_id: str = ""
     # Architecture family: selects the weight-name map for Hugging Face conversion.
     family: Literal["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox",
-                    "qwen3", "olmo2", "smollm3", "phi3", "gpt_oss"] = "llama"
+                    "qwen3", "olmo2", "smollm3", "phi3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss"] = "llama"
 
     # --- sizes
     vocab_size: int = 32000  # rows of the embedding and of the output head
