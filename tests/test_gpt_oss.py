@@ -13,6 +13,7 @@ test sequences and full attention, YaRN not truncated. Checked:
 - converted back, every tensor is bit-identical and `from_pretrained` loads it;
 - a checkpoint holding the experts as MXFP4 (blocks and scales, as published) converts to the
   weights transformers' own dequantization gives;
+- both ways, MXFP4 or not, the experts' tensors are read one expert at a time, never a layer's whole;
 - the presets: config.json files as published name them, parameter counts are transformers'.
 """
 
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -278,9 +280,12 @@ def test_mxfp4_experts_convert_to_the_weights_transformers_dequantizes(tmp_path)
     for layer in range(TINY["num_hidden_layers"]):
         for proj in ("gate_up_proj", "down_proj"):
             name = f"blocks.{layer}.mlp.experts.{proj}"
-            theirs = hf.get_parameter(f"model.layers.{layer}.mlp.experts.{proj}").detach()
-            steps = weight_maps.rearrangement("gpt_oss", name)
-            assert torch.equal(state[name], weight_maps.from_hf_arrangement(theirs, steps)), name
+            hf_name = f"model.layers.{layer}.mlp.experts.{proj}"
+            theirs = hf.get_parameter(hf_name).detach()
+            part = weight_maps.hf_to_toolkit_name("gpt_oss", hf_name)
+            assert part.target == name
+            want = torch.stack([weight_maps.expert_rows_from_hf(part, expert) for expert in theirs])
+            assert torch.equal(state[name], want), name
     ids = _ids(PROMPT, 8)
     with torch.no_grad():
         expected, got = hf(ids).logits, ours(ids)
@@ -300,9 +305,19 @@ def test_mxfp4_experts_default_to_bfloat16_and_a_lone_part_is_refused(tmp_path):
         assert f.get_slice("blocks.0.attn.q_proj.weight").get_dtype() == "F32"  # the rest as stored
     path = next((tmp_path / "hf").glob("*.safetensors"))
     state = load_file(path)
-    del state["model.layers.1.mlp.experts.down_proj_scales"]
+    scales = state.pop("model.layers.1.mlp.experts.down_proj_scales")
     save_file(state, str(path), metadata={"format": "pt"})
     with pytest.raises(UserError, match="lacks 'model.layers.1.mlp.experts.down_proj_scales'") as err:
+        convert_from_hf(tmp_path / "hf", tmp_path / "again")
+    assert "\n" not in str(err.value)
+    # MXFP4 parts of a tensor that is not an expert tensor: named, refused
+    state["model.layers.1.mlp.experts.down_proj_scales"] = scales
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    rows, width = state.pop(q_proj).shape
+    state[q_proj + "_blocks"] = torch.zeros(rows, width // 32, 16, dtype=torch.uint8)
+    state[q_proj + "_scales"] = torch.zeros(rows, width // 32, dtype=torch.uint8)
+    save_file(state, str(path), metadata={"format": "pt"})
+    with pytest.raises(UserError, match=f"'{q_proj}_blocks' is stored quantized \\(mxfp4\\)") as err:
         convert_from_hf(tmp_path / "hf", tmp_path / "again")
     assert "\n" not in str(err.value)
 
@@ -323,6 +338,43 @@ def test_dequantization_equals_transformers_bit_for_bit():
             got = dequantize(blocks, scales, dtype)
             assert got.dtype == want.dtype and got.shape == want.shape == (3, 128, 10)
             torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("stored", ["mxfp4", "float32"])
+def test_experts_are_read_one_expert_at_a_time_both_ways(tmp_path, monkeypatch, stored):
+    """Streaming: converting, then exporting, reads each tensor holding a layer's experts (MXFP4
+    blocks and scales, float32 weights, the interleaved bias, the toolkit's own) one expert's rows at
+    a time, each expert once. The real reader is called; the wrapper only records the rows asked for."""
+    from toolkit.convert.hf_to_toolkit import TensorReader
+
+    if stored == "mxfp4":
+        _mxfp4_checkpoint(tmp_path)
+    else:
+        hf_model().save_pretrained(tmp_path / "hf")
+    reads: dict[str, list[tuple[int, int]]] = {}
+    load_rows = TensorReader.load_rows
+
+    def recording(self, info, start, stop):
+        reads.setdefault(info.name, []).append((start, stop))
+        return load_rows(self, info, start, stop)
+
+    monkeypatch.setattr(TensorReader, "load_rows", recording)
+    convert_from_hf(tmp_path / "hf", tmp_path / "toolkit")
+    convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
+    hf_parts = ("gate_up_proj_blocks", "gate_up_proj_scales", "down_proj_blocks", "down_proj_scales") \
+        if stored == "mxfp4" else ("gate_up_proj", "down_proj")
+    expected = {
+        name
+        for layer in range(TINY["num_hidden_layers"])
+        for name in (*(f"model.layers.{layer}.mlp.experts.{p}" for p in (*hf_parts, "gate_up_proj_bias")),
+                     *(f"blocks.{layer}.mlp.experts.{p}" for p in ("gate_up_proj", "gate_up_bias", "down_proj")))
+    }
+    experts = {name: spans for name, spans in reads.items()
+               if re.search(r"experts\.(gate_up_proj|gate_up_bias|down_proj)(_bias|_blocks|_scales)?$", name)
+               and not name.endswith("down_proj_bias")}  # (X, C), the toolkit's own layout: copied as stored
+    assert set(experts) == expected
+    for name, spans in experts.items():
+        assert sorted(spans) == [(e, e + 1) for e in range(TINY["num_local_experts"])], name
 
 
 # ------------------------------------------------------------------------------ presets

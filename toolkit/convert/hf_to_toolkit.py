@@ -12,12 +12,11 @@ Memory: the output is written header first and then one tensor after the other
 (`toolkit.safetensors_io.SafetensorsShards`), so that nothing has to be held in memory at once. A
 tensor whose bytes are only renamed (the usual case) is copied from file to file by the kernel
 (`copy_file_range`) without passing through this process. A dtype conversion goes ~64 MiB of rows
-at a time; only a fused tensor (GPT-NeoX's query/key/value, Phi-3's qkv_proj and gate_up_proj) or
-one whose values move (gpt-oss's expert tensors, one layer's experts each, `weight_maps.REARRANGED`;
-MXFP4-quantized ones are dequantized then) is materialised whole (one at a time). An expert tensor
-of a mixture of experts, (X, 2I, C), is put together from its Hugging Face parts (one tensor per
-expert and projection in the hub's layout) one expert at a time, so that one expert's weights are
-in memory, not a layer's.
+at a time; only a fused tensor (GPT-NeoX's query/key/value, Phi-3's qkv_proj and gate_up_proj) is
+materialised whole (one at a time). An expert tensor of a mixture of experts, (X, 2I, C), is put
+together from its Hugging Face parts (one tensor per expert and projection in the hub's layout,
+or one per layer as gpt-oss's, MXFP4-quantized ones dequantized then) one expert at a time, so
+that one expert's weights are in memory, not a layer's.
 `.bin` shards are memory-mapped one at a time.
 
 The plan and writer here (`OutTensor`, `write_weight_files`) are shared with `toolkit_to_hf`.
@@ -311,23 +310,27 @@ def plan_from_hf(
     family = config.family
     expected = expected_shapes(config)
     planned: dict[str, OutTensor] = {}
-    experts: dict[str, list[tuple[weight_maps.ExpertPart, TensorInfo]]] = {}  # expert tensor -> its parts
+    # expert tensor -> its parts: (part, stored or quantized tensor)
+    experts: dict[str, list[tuple[weight_maps.ExpertPart, Union[TensorInfo, QuantizedTensor]]]] = {}
     embed_shape = (config.vocab_size, config.n_embd)
 
     def out_dtype(src: str) -> str:
         return DTYPES[dtype] if dtype is not None and src in ("F32", "F16", "BF16") else src
 
-    quantized = _quantized_sources(infos, family)
+    # quantized tensors are dequantized to bfloat16 unless --dtype says otherwise
+    quantized = _quantized_sources(infos, family, DTYPES[dtype or "bfloat16"])
     for info in infos:
         if weight_maps.is_ignored(info.name):
             continue
         held = weight_maps.quantized_stem(family, info.name)
         if held is not None:
-            stem = held[0]
-            if quantized[stem][0] is info:  # planned once, at its first part
-                _plan_quantized(stem, quantized[stem], family, expected, planned, reader, DTYPES[dtype or "bfloat16"])
-            continue
+            if quantized[held[0]].blocks is not info:
+                continue  # planned once, at its blocks
+            info = quantized[held[0]]  # from here on the tensor its stem names, dequantized
         target = weight_maps.hf_to_toolkit_name(family, info.name)
+        if isinstance(info, QuantizedTensor) and not isinstance(target, weight_maps.ExpertPart):
+            raise UserError(f"Weight {info.blocks.name!r} is stored quantized ({info.format}), which the toolkit "
+                            "reads for expert tensors only")
         if isinstance(target, weight_maps.ExpertPart):
             names: tuple[str, ...] = (target.target,)
         else:
@@ -385,18 +388,10 @@ def plan_from_hf(
             continue
         name = names[0]
         want = embed_shape if name == "lm_head.weight" and config.tie_embeddings else expected[name]
-        steps = weight_maps.rearrangement(family, name)
-        if info.shape != weight_maps.hf_shape(want, steps):
-            raise shape_mismatch(info.name, info.shape, weight_maps.hf_shape(want, steps), "config.json")
+        if info.shape != want:
+            raise shape_mismatch(info.name, info.shape, want, "config.json")
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # a tied head is the embedding; it is stored once
-        if steps:  # values that move: built whole, one tensor at a time
-            planned[name] = OutTensor(
-                name, out_dtype(info.dtype), want,
-                make=lambda info=info, steps=steps, to=torch_dtype(out_dtype(info.dtype)):
-                    weight_maps.from_hf_arrangement(reader.load(info), steps).to(to),
-            )
-            continue
         planned[name] = OutTensor(name, out_dtype(info.dtype), info.shape, source=info)
     for name, parts in experts.items():
         _check_expert_cover(name, parts, expected[name], family)
@@ -408,10 +403,34 @@ def plan_from_hf(
     return list(planned.values())
 
 
-def _quantized_sources(infos: list[TensorInfo], family: str) -> dict[str, list[TensorInfo]]:
-    """Stem name -> its stored parts in the order of their format's suffixes (`weight_maps.QUANTIZED_PARTS`);
-    a part without the others is a UserError naming what is missing."""
-    from toolkit.convert import weight_maps
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A Hugging Face tensor stored quantized (`weight_maps.QUANTIZED_PARTS`; MXFP4 blocks and scales,
+    see `toolkit.convert.mxfp4`), read as the tensor its stem names: `name` that name, `shape` and
+    `dtype` those it has dequantized. Read like a stored tensor, a slice of dim 0 (an expert) at a time."""
+
+    name: str
+    format: str
+    blocks: TensorInfo
+    scales: TensorInfo
+    shape: tuple[int, ...]
+    dtype: str
+
+    def load_rows(self, reader: TensorReader, start: int, stop: int) -> "torch.Tensor":
+        """Rows start:stop of the dequantized tensor (of the blocks and scales: the same rows)."""
+        from toolkit.convert import mxfp4
+
+        return mxfp4.dequantize(reader.load_rows(self.blocks, start, stop), reader.load_rows(self.scales, start, stop),
+                                torch_dtype(self.dtype))
+
+    def load(self, reader: TensorReader) -> "torch.Tensor":
+        return self.load_rows(reader, 0, self.blocks.shape[0])
+
+
+def _quantized_sources(infos: list[TensorInfo], family: str, dtype: str) -> dict[str, QuantizedTensor]:
+    """Stem name -> the quantized tensor its stored parts hold, dequantized to `dtype`; a part without
+    the others, or parts that are not of their format, are a UserError naming them."""
+    from toolkit.convert import mxfp4, weight_maps
 
     found: dict[str, dict[int, TensorInfo]] = {}
     formats: dict[str, str] = {}
@@ -428,38 +447,15 @@ def _quantized_sources(infos: list[TensorInfo], family: str) -> dict[str, list[T
         if absent:
             raise UserError(f"The checkpoint has {next(iter(parts.values())).name!r} but lacks {absent[0]!r} "
                             f"({formats[stem]} weights come in {' and '.join(suffixes)} parts)")
-        sources[stem] = [parts[i] for i in range(len(suffixes))]
+        blocks, scales = parts[0], parts[1]  # the one format there is: mxfp4
+        if blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 3 \
+                or blocks.shape[-1] != mxfp4.GROUP // 2 or blocks.shape[:-1] != scales.shape:
+            raise UserError(f"{blocks.name!r} {format_shape(blocks.shape)} {blocks.dtype} and {scales.name!r} "
+                            f"{format_shape(scales.shape)} {scales.dtype} are not MXFP4 blocks and scales (uint8, "
+                            "(..., rows, groups, 16) and (..., rows, groups))")
+        sources[stem] = QuantizedTensor(stem, formats[stem], blocks, scales, mxfp4.dequantized_shape(blocks.shape),
+                                        dtype)
     return sources
-
-
-def _plan_quantized(
-    stem: str, parts: list[TensorInfo], family: str, expected: dict, planned: dict, reader: "TensorReader", dtype: str,
-) -> None:
-    """Plan the toolkit tensor of a quantized Hugging Face tensor (MXFP4 blocks and scales): dequantized
-    to `dtype` (bfloat16 unless --dtype says otherwise) and rearranged as its unquantized form would be."""
-    from toolkit.convert import mxfp4, weight_maps
-
-    name = weight_maps.hf_to_toolkit_name(family, stem)
-    blocks, scales = parts
-    if name not in expected:
-        raise UserError(f"Weight {blocks.name!r} (toolkit {name!r}) is not part of a model with this config.json")
-    if name in planned:
-        raise UserError(f"Weight {blocks.name!r} maps to {name!r}, which another weight already provides")
-    steps = weight_maps.rearrangement(family, name)
-    want = weight_maps.hf_shape(expected[name], steps)
-    if blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 3 or blocks.shape[-1] != mxfp4.GROUP // 2 \
-            or blocks.shape[:-1] != scales.shape:
-        raise UserError(f"{blocks.name!r} {format_shape(blocks.shape)} {blocks.dtype} and {scales.name!r} "
-                        f"{format_shape(scales.shape)} {scales.dtype} are not MXFP4 blocks and scales (uint8, "
-                        "(..., rows, groups, 16) and (..., rows, groups))")
-    if mxfp4.dequantized_shape(blocks.shape) != want:
-        raise shape_mismatch(stem, mxfp4.dequantized_shape(blocks.shape), want, "config.json")
-
-    def make():
-        weight = mxfp4.dequantize(reader.load(blocks), reader.load(scales), torch_dtype(dtype))
-        return weight_maps.from_hf_arrangement(weight, steps)
-
-    planned[name] = OutTensor(name, dtype, expected[name], make=make)
 
 
 def _hf_name_of(family: str, name: str) -> str:
@@ -514,7 +510,10 @@ def _expert_rows(out: OutTensor, parts: list, reader: TensorReader) -> Iterator[
     for e in range(n_expert):
         expert = torch.empty(out.shape[1:], dtype=torch_dtype(out.dtype))
         for part, info in [*shared, *own.get(e, [])]:
-            piece = reader.load(info) if part.expert is not None else reader.load_rows(info, e, e + 1)[0]
+            if isinstance(info, QuantizedTensor):  # dequantized, expert e's rows alone
+                piece = info.load(reader) if part.expert is not None else info.load_rows(reader, e, e + 1)[0]
+            else:
+                piece = reader.load(info) if part.expert is not None else reader.load_rows(info, e, e + 1)[0]
             start = 0 if part.block is None else part.block * (rows // part.blocks)
             held = weight_maps.expert_rows_from_hf(part, piece)
             expert[start : start + held.shape[0]] = held  # converts the dtype where it differs

@@ -73,13 +73,6 @@ def plan_to_hf(infos: list[TensorInfo], config, reader: TensorReader) -> list[Ou
         hf_name, _, n_parts = weight_maps.toolkit_to_hf_name(family, name)
         if n_parts == 1:
             info = stored[name]
-            steps = weight_maps.rearrangement(family, name)
-            if steps:  # values that move (gpt-oss's experts): built whole, one tensor at a time
-                planned[hf_name] = OutTensor(
-                    hf_name, info.dtype, weight_maps.hf_shape(info.shape, steps),
-                    make=lambda info=info, steps=steps: weight_maps.to_hf_arrangement(reader.load(info), steps),
-                )
-                continue
             planned[hf_name] = OutTensor(hf_name, info.dtype, info.shape, source=info)
             continue
         if hf_name in planned:

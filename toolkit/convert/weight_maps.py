@@ -5,11 +5,10 @@ layer index, `{e}` for the expert index of a mixture of experts. A value that is
 several toolkit tensors that Hugging Face stores fused in one tensor (GPT-NeoX's `query_key_value`,
 Phi-3's `qkv_proj` and `gate_up_proj`); `FUSED` says how the rows are laid out. A value that is an
 `ExpertPart` names the toolkit expert tensor (X experts stacked on dim 0) that the Hugging Face
-tensor is a part of, and which part. `REARRANGED` names the tensors whose values Hugging Face
-arranges otherwise (gpt-oss's experts), `QUANTIZED_PARTS` the quantized forms read at conversion
-(gpt-oss's MXFP4). The reverse direction (toolkit -> Hugging Face) is derived by inverting the same
-tables, so the two directions can never disagree; `ALTERNATIVE_NAMES` lists the other layouts a
-family's checkpoints come in, read but never written.
+tensor is a part of, and which part. The reverse direction (toolkit -> Hugging Face) is derived by
+inverting the same tables, so the two directions can never disagree; `ALTERNATIVE_NAMES` lists the
+other layouts a family's checkpoints come in, and `QUANTIZED_PARTS` the quantized forms (gpt-oss's
+MXFP4), read but never written.
 
 A table lists every name the family *can* have (biases included); which names a given model really
 has is decided by its `Config` (the toolkit model built on the meta device is the reference).
@@ -248,15 +247,19 @@ OLMOE: dict[str, Target] = {
 
 # gpt-oss: Llama's names with biases on every attention projection, a sink logit per head, and
 # every MLP a mixture of experts: a router with a bias, the experts' weights and biases one tensor
-# per layer each, in transformers' layout (see REARRANGED).
+# per layer each, in transformers' layout: gate_up_proj (X, C, 2I) with the gate's and the up
+# projection's columns alternating, gate_up_proj_bias (X, 2I) alternating too, down_proj (X, I, C);
+# down_proj_bias (X, C) is the toolkit's own.
 GPT_OSS: dict[str, Target] = {
     **{hf: tk for hf, tk in LLAMA.items() if ".mlp." not in hf and hf != "lm_head.bias"},
     "model.layers.{l}.self_attn.sinks": "blocks.{l}.attn.sinks",
-    "model.layers.{l}.mlp.router.weight": "blocks.{l}.mlp.router.weight",
+    "model.layers.{l}.mlp.router.weight": _ROUTER,
     "model.layers.{l}.mlp.router.bias": "blocks.{l}.mlp.router.bias",
-    "model.layers.{l}.mlp.experts.gate_up_proj": "blocks.{l}.mlp.experts.gate_up_proj",
-    "model.layers.{l}.mlp.experts.gate_up_proj_bias": "blocks.{l}.mlp.experts.gate_up_bias",
-    "model.layers.{l}.mlp.experts.down_proj": "blocks.{l}.mlp.experts.down_proj",
+    "model.layers.{l}.mlp.experts.gate_up_proj": ExpertPart("blocks.{l}.mlp.experts.gate_up_proj", blocks=2,
+                                                            interleaved=True, transposed=True),
+    "model.layers.{l}.mlp.experts.gate_up_proj_bias": ExpertPart("blocks.{l}.mlp.experts.gate_up_bias", blocks=2,
+                                                                 interleaved=True),
+    "model.layers.{l}.mlp.experts.down_proj": ExpertPart("blocks.{l}.mlp.experts.down_proj", transposed=True),
     "model.layers.{l}.mlp.experts.down_proj_bias": "blocks.{l}.mlp.experts.down_bias",
 }
 
@@ -302,26 +305,11 @@ ALTERNATIVE_NAMES: dict[str, dict[str, Target]] = {
 #               attention, and [gate; up])
 FUSED: dict[str, str] = {"gpt_neox": "per_head", "phi3": "concat"}
 
-# Tensors whose values Hugging Face keeps in another arrangement than the toolkit (values move, none
-# changes), by family and toolkit template: the steps that take the toolkit tensor to Hugging Face's.
-#   "interleave"  the two halves of each expert's rows (gate, then up) alternate: gate 0, up 0,
-#                 gate 1, up 1, ... (the rows of a (X, 2I, C) weight, the values of a (X, 2I) bias)
-#   "transpose"   each expert's matrix transposed: (X, R, C) -> (X, C, R), as `x @ W` reads it
-# gpt-oss (transformers' GptOssExperts): gate_up_proj (X, C, 2I) with gate and up interleaved,
-# gate_up_proj_bias (X, 2I) interleaved, down_proj (X, I, C); the toolkit's are (X, 2I, C) gate then
-# up, (X, 2I), (X, C, I).
-REARRANGED: dict[str, dict[str, tuple[str, ...]]] = {
-    "gpt_oss": {
-        "blocks.{l}.mlp.experts.gate_up_proj": ("interleave", "transpose"),
-        "blocks.{l}.mlp.experts.gate_up_bias": ("interleave",),
-        "blocks.{l}.mlp.experts.down_proj": ("transpose",),
-    },
-}
-
 # Quantized forms Hugging Face checkpoints store a tensor in, read (dequantized) but never written:
 # name suffix of each stored part -> the format. gpt-oss's published checkpoints hold their experts'
 # weights as MXFP4 (`gate_up_proj_blocks` and `gate_up_proj_scales` for `gate_up_proj`; see
-# `toolkit.convert.mxfp4`).
+# `toolkit.convert.mxfp4`). Dequantized, such a tensor is the one its stem names in the table (an
+# expert tensor's `ExpertPart`), read one expert at a time.
 QUANTIZED_PARTS: dict[str, dict[str, tuple[str, ...]]] = {"gpt_oss": {"mxfp4": ("_blocks", "_scales")}}
 
 # Buffers that some Hugging Face checkpoints carry but that are not weights (recomputed from the
@@ -475,51 +463,7 @@ def expert_rows_to_hf(part: ExpertPart, rows):
     return rows.contiguous()
 
 
-# ---------------------------------------------------------------------------- rearranged tensors
-def rearrangement(family: str, toolkit_name: str) -> tuple[str, ...]:
-    """The steps (see REARRANGED) from the toolkit tensor to Hugging Face's; () for a plain copy."""
-    return REARRANGED.get(family, {}).get(_template(toolkit_name)[0], ())
-
-
-def hf_shape(shape: tuple[int, ...], steps: tuple[str, ...]) -> tuple[int, ...]:
-    """The shape of the Hugging Face tensor of a toolkit tensor of `shape`."""
-    return (*shape[:-2], shape[-1], shape[-2]) if "transpose" in steps else shape
-
-
-def _regroup(tensor, groups: int):
-    """The rows (dim -2 of a 3-D tensor, dim -1 of a 2-D bias) read as `groups` consecutive blocks
-    become interleaved: row i of block b moves to i * groups + b. With groups = n / 2 the inverse
-    of groups = 2 (n rows)."""
-    dim = -2 if tensor.dim() == 3 else -1
-    # unflatten puts the (groups, rows per group) dims at (dim - 1, dim)
-    split = tensor.unflatten(dim, (groups, tensor.shape[dim] // groups))
-    return split.transpose(dim - 1, dim).flatten(dim - 1, dim)
-
-
-def to_hf_arrangement(tensor, steps: tuple[str, ...]):
-    """The toolkit tensor -> Hugging Face's arrangement (`steps`, in order): a new contiguous tensor."""
-    for step in steps:
-        if step == "interleave":  # [gate; up] -> gate 0, up 0, gate 1, up 1, ...
-            tensor = _regroup(tensor, 2)
-        elif step == "transpose":
-            tensor = tensor.transpose(-1, -2)
-        else:  # pragma: no cover - a step without its code
-            raise AssertionError(step)
-    return tensor.contiguous()
-
-
-def from_hf_arrangement(tensor, steps: tuple[str, ...]):
-    """The inverse of `to_hf_arrangement`: Hugging Face's tensor -> the toolkit's, new and contiguous."""
-    for step in reversed(steps):
-        if step == "interleave":  # gate 0, up 0, gate 1, ... -> [gate; up]
-            tensor = _regroup(tensor, tensor.shape[-2 if tensor.dim() == 3 else -1] // 2)
-        elif step == "transpose":
-            tensor = tensor.transpose(-1, -2)
-        else:  # pragma: no cover
-            raise AssertionError(step)
-    return tensor.contiguous()
-
-
+# ---------------------------------------------------------------------------- quantized tensors
 def quantized_stem(family: str, hf_name: str) -> Optional[tuple[str, str, int]]:
     """(the name of the tensor it holds part of, the format, which part) for a stored part of a
     quantized tensor (`QUANTIZED_PARTS`) whose stem the family's table names; else None."""
