@@ -84,36 +84,36 @@ class GroupedExperts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(X, C)) if config.bias else None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if _use_grouped(self.gate_up_proj):
-            return self._grouped(x, counts)
-        return self._looped(x, counts)
-
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
-        h = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=ends)  # (M, 2I)
+        grouped = _use_grouped(self.gate_up_proj)
+        experts = None  # (M,) each row's expert, for the biases
         if self.gate_up_bias is not None:
             experts = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
+        h = self.product(x, self.gate_up_proj, counts, grouped)  # (M, 2I)
+        if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[experts]
         h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config).contiguous()  # (M, I)
-        y = torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=ends)  # (M, C)
+        y = self.product(h, self.down_proj, counts, grouped)  # (M, C)
         if self.down_bias is not None:
             y = y + self.down_bias[experts]
         return y
 
-    def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # unbind, not indexing: the backward of weight[e] would write a zero gradient of the whole
-        # (X, ...) tensor per expert, X times; unbind's stacks the X gradients once
-        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
-        gate_up_bias = [None] * len(gate_up) if self.gate_up_bias is None else self.gate_up_bias.unbind(0)
-        down_bias = [None] * len(down) if self.down_bias is None else self.down_bias.unbind(0)
-        outputs = []
-        for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
-            if not rows.shape[0]:
-                continue
-            h = F.linear(rows, gate_up[e], gate_up_bias[e])
-            h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config)
-            outputs.append(F.linear(h, down[e], down_bias[e]))
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
+    def product(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """x (M, in) sorted by expert, weight (X, out, in) -> (M, out). The seam a subclass that stores
+        the weights otherwise (`toolkit.parallel.nf4`'s 4-bit experts) changes."""
+        return expert_product(x, weight, counts, grouped)
+
+
+def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """x (M, in), rows sorted by expert, counts (X,) rows per expert, weight (X, out, in) -> (M, out):
+    each expert's run of rows times its matrix, as one grouped product or one product per expert."""
+    if grouped:
+        ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    # unbind, not indexing: the backward of weight[e] would write a zero gradient of the whole
+    # (X, ...) tensor per expert, X times; unbind's stacks the X gradients once
+    matrices = weight.unbind(0)
+    outputs = [F.linear(rows, matrices[e]) for e, rows in enumerate(x.split(counts.tolist(), dim=0)) if rows.shape[0]]
+    return torch.cat(outputs) if outputs else x.new_zeros(0, weight.shape[1])
 
 
 @dataclass
