@@ -167,6 +167,39 @@ def test_expert_adapter_in_peft_format_gives_transformers_qwen3_moe_the_same_log
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("backend", ["grouped", "loop"])
+def test_nf4_experts_compute_with_their_dequantized_weights(backend):
+    """NF4Experts (X, out * in) give the outputs and input gradients of the same experts holding the
+    dequantized weights, and keep only the NF4 weights for the backward pass."""
+    from toolkit.models.moe import GroupedExperts, expert_backend
+    from toolkit.parallel.nf4 import is_nf4, nf4_experts_class, quantize_blocks_nf4
+    from toolkit.models.gpt import GPT, init_weights
+
+    config = tiny_moe(n_embd=128, head_size=32, n_query_groups=4, moe_intermediate_size=64, n_layer=1)
+    model = GPT(config)
+    init_weights(model, 1, seed=4)
+    router = model.blocks[0].mlp.router.weight.detach().clone()
+    quantize_blocks_nf4(model, torch.bfloat16)
+    experts = model.blocks[0].mlp.experts
+    assert isinstance(experts, nf4_experts_class()) and is_nf4(experts.gate_up_proj) and is_nf4(experts.down_proj)
+    assert experts.gate_up_proj.shape == (4, 128 * 128) and experts.down_proj.shape == (4, 128 * 64)
+    assert torch.equal(model.blocks[0].mlp.router.weight, router)  # the router is not quantized
+    dense = GroupedExperts(config)
+    dense.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.to(torch.bfloat16).view(4, 128, 128))
+    dense.down_proj = torch.nn.Parameter(experts.down_proj.to(torch.bfloat16).view(4, 128, 64))
+    counts = torch.tensor([5, 0, 9, 2])
+    x = torch.randn(16, 128, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    with expert_backend(backend):
+        results = []
+        for module in (experts, dense):
+            x_ = x.clone().requires_grad_(True)
+            y = module(x_, counts)
+            y.float().square().sum().backward()
+            results.append((y, x_.grad))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=0, rtol=0)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=0, rtol=0)
+
+
 # ---------------------------------------------------------------- finetune_lora end to end
 
 
@@ -268,6 +301,44 @@ def test_expert_adapters_on_two_fsdp_processes_equal_one_process(moe_checkpoint,
         torch.testing.assert_close(two[name], one[name], atol=1e-5, rtol=0, msg=name)
 
 
+def _nf4_bytes(log: str) -> list[int]:
+    line = next(line for line in log.splitlines() if line.startswith("NF4 base bytes per rank: "))
+    return [int(b) for b in line.split(": ")[1].split(", ")]
+
+
+def test_qlora_with_nf4_experts_on_one_and_two_processes(moe_checkpoint, tmp_path):
+    """--quantize nf4 stores the experts in NF4 beside the attention weights (the router stays in
+    16 bits), shards them by expert over 2 processes, and trains the adapter of one process (the
+    tolerance of tests/test_qlora_distributed.py at bf16-mixed); the estimator predicts each rank's
+    NF4 bytes exactly."""
+    from toolkit.memory import estimator as est
+
+    logs, adapters = {}, {}
+    for devices in ("1", "2"):
+        out = tmp_path / devices
+        logs[devices] = run_toolkit(_args(moe_checkpoint, out, "--quantize", "nf4", "--precision", "bf16-mixed",
+                                          "--devices", devices))
+        adapters[devices] = load_file(str(out / "final" / "lora_adapter.safetensors"))
+    assert "QLoRA scheme: sharded" in logs["2"]
+    assert max(v.abs().max().item() for k, v in adapters["1"].items() if "lora_B" in k) > 1e-3
+    assert adapters["1"].keys() == adapters["2"].keys()
+    for name in adapters["1"]:
+        torch.testing.assert_close(adapters["2"][name], adapters["1"][name], atol=1e-4, rtol=0, msg=name)
+
+    config = Config.from_file(moe_checkpoint)
+    (whole,), halves = _nf4_bytes(logs["1"]), _nf4_bytes(logs["2"])
+    C, I, X = config.n_embd, config.moe_intermediate_size, config.n_expert
+    attention = C * C * 2 + C * config.n_query_groups * config.head_size * 2
+    quantized = config.n_layer * (attention + X * 3 * I * C)  # experts included, the router not
+    assert whole == pytest.approx(quantized * 0.5 * (1 + 2 / 64), rel=0.01), (whole, quantized)
+    weights = 6 * config.n_layer  # q, k, v, o and the two experts' weights: one 2-byte mean each, on every rank
+    assert len(halves) == 2 and all(whole / 2 <= half <= whole / 2 + weights * 2 for half in halves), (whole, halves)
+    opts = est.Options(config, "bf16-mixed", "lora", ("q_proj", "v_proj"), 8, "nf4", 64)
+    specs = est.parameter_specs(config, opts.lora_modules, opts.lora_r)
+    assert est.fsdp_rank_memory(specs, est.make_column("single", 1, 1), opts)[0]["quantized_base"] == whole
+    assert [r["quantized_base"] for r in est.fsdp_rank_memory(specs, est.make_column("FULL_SHARD", 2, 1), opts)] == halves
+
+
 def test_moe_lora_refusals_are_one_clear_line(moe_checkpoint, base, tmp_path, capsys):
     def fails_with(args: list[str], *needles: str) -> None:
         assert run(args) != 0
@@ -282,3 +353,14 @@ def test_moe_lora_refusals_are_one_clear_line(moe_checkpoint, base, tmp_path, ca
     fails_with(_args(base["checkpoint"], tmp_path / "d", "--lora.targets", "[query, experts]"), "has no mixture of experts")
     assert not any((tmp_path / name).exists() for name in "abcd")
 
+
+def test_nf4_experts_that_cannot_be_split_by_expert_are_refused():
+    from toolkit.errors import UserError
+    from toolkit.models.gpt import GPT
+    from toolkit.parallel.nf4 import check_nf4_shardable
+
+    with torch.device("meta"):
+        model = GPT(tiny_moe(n_embd=256, n_query_groups=4, head_size=64, n_expert=6, moe_intermediate_size=128))
+    check_nf4_shardable(model, 2)  # 3 experts of 256 x 256 (and of 256 x 128) per rank
+    with pytest.raises(UserError, match=r"cannot split blocks\.0\.mlp\.experts\.gate_up_proj \(6 experts of 256 x 256\) over 4"):
+        check_nf4_shardable(model, 4)
