@@ -26,8 +26,9 @@ TARGETS = {
 # Targets that are parameters rather than modules: "<module>.<parameter>", adapted by peft's LoRA on
 # parameters (`LoraConfig.target_parameters`, `peft.tuners.lora.ParamWrapper`). A mixture of
 # experts' 3-D weights (X, out, in) get one rank-r update per expert, added to the weight in each
-# forward pass. Listed in the order the experts module registers them, which is the order peft wraps
-# them in (`peft_parameter_paths`).
+# forward pass; that updated weight is kept for the backward pass (one layer's at a time under
+# activation checkpointing). Listed in the order the experts module registers them, which is the
+# order peft wraps them in (`peft_parameter_paths`).
 PARAMETER_TARGETS = {
     "experts": ("experts.gate_up_proj", "experts.down_proj"),
 }
