@@ -135,7 +135,7 @@ def test_expert_adapter_in_peft_format_gives_transformers_qwen3_moe_the_same_log
     from peft import PeftModel, get_peft_model
 
     from toolkit.finetune.lora import adapter_key, write_peft_adapter
-    from toolkit.models.adapters import LoRAArgs, adapter_module_names
+    from toolkit.models.adapters import LoRAArgs, adapter_module_names, adapters_switched_off
     from toolkit.models.gpt import GPT, init_weights
 
     config = tiny_moe()
@@ -163,6 +163,8 @@ def test_expert_adapter_in_peft_format_gives_transformers_qwen3_moe_the_same_log
     hf_adapted = PeftModel.from_pretrained(hf, tmp_path).eval()
     with torch.no_grad():
         ours, theirs = peft_model(ids), hf_adapted(ids).logits
+        with adapters_switched_off(peft_model):  # a preference loss's reference: the base
+            torch.testing.assert_close(peft_model(ids), plain, atol=0, rtol=0)
     assert (ours - plain).abs().max() > 1e-2  # the experts' adapters act
     torch.testing.assert_close(theirs, ours, atol=1e-5, rtol=0)
 

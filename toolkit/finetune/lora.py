@@ -317,7 +317,12 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config, 
     from toolkit.safetensors_io import save_file
 
     hf_name = hf_name or (lambda name: toolkit_to_hf_name(config.family, name))
+    # the experts' parameters in the order their module registers them (peft's order of wrapping)
     parameter_order = [p.rsplit(".", 1)[-1] for names in PARAMETER_TARGETS.values() for p in names]
+
+    def registration_order(name: str) -> int:
+        return parameter_order.index(name.rsplit(".", 1)[-1])
+
     hf_weights, hf_modules, hf_parameters = {}, set(), set()
     on_parameters: dict[str, dict[str, dict[str, object]]] = {}  # HF module -> parameter -> {lora part: tensor}
     for name, tensor in adapters.items():
@@ -342,12 +347,12 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config, 
         hf_modules.add(hf_module.rsplit(".", 1)[-1])
         hf_weights[f"base_model.model.{hf_module}.lora_{lora_part}"] = tensor.contiguous()
     for hf_module, parameters in on_parameters.items():
-        paths = peft_parameter_paths(hf_module, sorted(parameters, key=parameter_order.index))
+        paths = peft_parameter_paths(hf_module, sorted(parameters, key=registration_order))
         for parameter, tensors in parameters.items():
             for lora_part, tensor in tensors.items():
                 hf_weights[f"base_model.model.{paths[parameter]}.lora_{lora_part}"] = tensor.contiguous()
     save_file(hf_weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-    peft_config = lora.peft_config(sorted(hf_modules), sorted(hf_parameters, key=lambda p: parameter_order.index(p.rsplit(".", 1)[-1]))).to_dict()
+    peft_config = lora.peft_config(sorted(hf_modules), sorted(hf_parameters, key=registration_order)).to_dict()
     peft_config["base_model_name_or_path"] = config.hf_repo_id or None
     peft_config["task_type"] = "CAUSAL_LM"
     for key, value in list(peft_config.items()):
