@@ -1,18 +1,16 @@
 """LoRA and QLoRA on a mixture of experts, on CPU: adapters on attention by default, optionally on the
 experts' 3-D weights through peft's LoRA on parameters (`target_parameters`); NF4 experts under
-`--quantize nf4`, sharded by FSDP2 by expert. Real peft, torchao, transformers and gloo processes.
-
-The toolkit has no Qwen3-MoE weight map yet (another branch adds its conversion), so the tests that
-load onto transformers' `Qwen3MoeForCausalLM` copy the weights by hand (`_hf_name`: Qwen3's map and
-the router and experts' two names), and the end-to-end runs start from a toolkit model saved as a
-checkpoint.
+`--quantize nf4`, sharded by FSDP2 by expert. Real peft, torchao, transformers (Qwen3-MoE and
+gpt-oss, through the real converter) and gloo processes.
 """
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 
 from conftest import ASSETS, logged_val_losses, run_toolkit
@@ -24,38 +22,43 @@ ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
 
 def tiny_moe(**overrides) -> Config:
     """Qwen3-MoE's layout: per-head QK norms, 4 experts of which each token takes 2, renormalised."""
-    values = dict(name="tiny-qwen3-moe", family="qwen3", vocab_size=96, block_size=64, n_layer=2, n_embd=32, n_head=4,
-                  n_query_groups=2, head_size=8, qk_norm="head", norm_eps=1e-6, rope_base=1e6, intermediate_size=48,
-                  n_expert=4, n_expert_per_token=2, moe_intermediate_size=16)
+    values = dict(name="tiny-qwen3-moe", family="qwen3_moe", vocab_size=96, block_size=64, n_layer=2, n_embd=32,
+                  n_head=4, n_query_groups=2, head_size=8, qk_norm="head", norm_eps=1e-6, rope_base=1e6,
+                  intermediate_size=48, n_expert=4, n_expert_per_token=2, moe_intermediate_size=16)
     return Config(**{**values, **overrides})
 
 
-def _hf_name(name: str) -> tuple[str, int, int]:
-    """The Hugging Face name of a toolkit weight of a Qwen3-MoE model, by hand (see the module docstring)."""
-    from toolkit.convert.weight_maps import toolkit_to_hf_name
+# family -> (transformers config class, model class, config values): tiny random models, float32
+HF_MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+        norm_topk_prob=True, max_position_embeddings=64)),
+    # the experts transposed (X, C, 2I) with gate and up rows alternating, biases, attention sinks
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        max_position_embeddings=64, swiglu_limit=1.5)),
+}
 
-    if ".mlp.router." in name:
-        return name.replace("blocks.", "model.layers.").replace(".mlp.router.", ".mlp.gate."), 0, 1
-    if ".mlp.experts." in name:
-        return name.replace("blocks.", "model.layers."), 0, 1
-    return toolkit_to_hf_name("qwen3", name)
 
+def converted_hf_model(family: str, folder: Path, **changes):
+    """A random transformers model of `family` (float32, eval, eager attention), saved in `folder/hf`
+    and converted to `folder/toolkit`; biases and norms moved away from their initial values."""
+    config_cls, model_cls, values = HF_MODELS[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_cls)(**{**values, **changes}, bos_token_id=None, eos_token_id=None,
+                                                 pad_token_id=None)
+    config._attn_implementation = "eager"
+    model = getattr(transformers, model_cls)(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "bias" in name or "norm" in name or name.endswith("sinks"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(folder / "hf")
+    from toolkit.convert import convert_from_hf
 
-def _hf_model(config: Config, state_dict: dict):
-    """transformers' Qwen3MoeForCausalLM of `config` holding `state_dict` (toolkit names) in float32."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    hf_config = Qwen3MoeConfig(
-        vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.n_layer, num_attention_heads=config.n_head, num_key_value_heads=config.n_query_groups,
-        head_dim=config.head_size, rms_norm_eps=config.norm_eps, max_position_embeddings=config.block_size,
-        rope_parameters={"rope_type": "default", "rope_theta": config.rope_base}, num_experts=config.n_expert,
-        num_experts_per_tok=config.n_expert_per_token, moe_intermediate_size=config.moe_intermediate_size,
-        norm_topk_prob=config.router_norm_topk, tie_word_embeddings=False,
-    )
-    model = Qwen3MoeForCausalLM(hf_config).eval()
-    missing, unexpected = model.load_state_dict({_hf_name(k)[0]: v.float() for k, v in state_dict.items()}, strict=False)
-    assert not missing and not unexpected, (missing, unexpected)
+    convert_from_hf(folder / "hf", folder / "toolkit")
     return model
 
 
@@ -127,21 +130,20 @@ def test_expert_adapters_equal_their_update_added_to_the_weights(backend):
     assert all(g is not None and g.abs().max() > 0 for g in grads)
 
 
-def test_expert_adapter_in_peft_format_gives_transformers_qwen3_moe_the_same_logits(tmp_path):
+@pytest.mark.parametrize("family", list(HF_MODELS))
+def test_expert_adapter_in_peft_format_gives_transformers_the_same_logits(family, tmp_path):
     """The adapter as finetune_lora writes it in peft's format (attention modules and the experts'
-    parameters, wrapped by peft in the order transformers' experts register them) loads with
-    `PeftModel.from_pretrained` onto transformers' Qwen3-MoE holding the same weights, and gives the
-    toolkit model's logits with its adapters, in float32."""
+    parameters, wrapped by peft in the order transformers' experts register them; gpt-oss's B rows
+    reordered as its gate and up rows alternate) loads with `PeftModel.from_pretrained` onto
+    transformers' model and gives the toolkit model's logits with its adapters, in float32."""
     from peft import PeftModel, get_peft_model
 
     from toolkit.finetune.lora import adapter_key, write_peft_adapter
+    from toolkit.model_dir import load_model
     from toolkit.models.adapters import LoRAArgs, adapter_module_names, adapters_switched_off
-    from toolkit.models.gpt import GPT, init_weights
 
-    config = tiny_moe()
-    model = GPT(config)
-    init_weights(model, config.n_layer, seed=3)
-    hf = _hf_model(config, model.state_dict())
+    hf = converted_hf_model(family, tmp_path)
+    model = load_model(tmp_path / "toolkit")
     ids = torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         plain = model(ids)
@@ -155,12 +157,14 @@ def test_expert_adapter_in_peft_format_gives_transformers_qwen3_moe_the_same_log
                 p.normal_(0, 0.2)
     names = adapter_module_names(peft_model)
     adapters = {adapter_key(k, names): v for k, v in peft_model.state_dict().items() if ".lora_" in k}
-    assert write_peft_adapter(tmp_path, adapters, lora, config, hf_name=_hf_name) is None
-    saved = json.loads((tmp_path / "adapter_config.json").read_text())
+    out = tmp_path / "adapter"
+    out.mkdir()
+    assert write_peft_adapter(out, adapters, lora, model.config) is None
+    saved = json.loads((out / "adapter_config.json").read_text())
     assert saved["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"]
     assert sorted(saved["target_modules"]) == ["q_proj", "v_proj"]
 
-    hf_adapted = PeftModel.from_pretrained(hf, tmp_path).eval()
+    hf_adapted = PeftModel.from_pretrained(hf, out).eval()
     with torch.no_grad():
         ours, theirs = peft_model(ids), hf_adapted(ids).logits
         with adapters_switched_off(peft_model):  # a preference loss's reference: the base
@@ -207,21 +211,24 @@ def test_nf4_experts_compute_with_their_dequantized_weights(backend):
 
 @pytest.fixture(scope="module")
 def moe_checkpoint(tmp_path_factory) -> Path:
-    """A random tiny Qwen3-MoE-shaped toolkit model saved in bfloat16 with the Llama-2 tokenizer, wide
-    enough for NF4 to shard over 2 ranks (every attention weight and every 2 experts hold whole
-    groups of 16384 values)."""
-    from toolkit.model_dir import save_checkpoint_files
-    from toolkit.models.gpt import GPT, init_weights
+    """A random tiny Qwen3-MoE saved by transformers in bfloat16 with the Llama-2 tokenizer and
+    converted; wide enough for NF4 to shard over 2 ranks (every attention weight and every 2
+    experts hold whole groups of 16384 values)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    root = tmp_path_factory.mktemp("moe") / "checkpoint"
-    root.mkdir()
-    config = tiny_moe(vocab_size=32000, block_size=256, n_embd=256, head_size=64, intermediate_size=512,
-                      moe_intermediate_size=128)
-    model = GPT(config)
-    init_weights(model, config.n_layer, seed=0)
-    save_checkpoint_files(root, {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}, config,
-                          ASSETS / "tokenizers" / "llama2")
-    return root
+    from toolkit.convert import convert_from_hf
+
+    root = tmp_path_factory.mktemp("moe")
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
+                            max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "hf")
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(ASSETS / "tokenizers" / "llama2" / name, root / "hf" / name)
+    convert_from_hf(root / "hf", root / "checkpoint")
+    return root / "checkpoint"
 
 
 def _args(checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:
@@ -256,8 +263,8 @@ def test_expert_adapters_train_and_merge_into_base_plus_update(moe_checkpoint, e
         for name in ("attn.q_proj", "attn.v_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"):
             assert adapter[f"blocks.{layer}.{name}.lora_B.weight"].abs().max() > 1e-3, name  # every adapter trained
     assert not any("router" in k for k in adapter)
-    # No Qwen3-MoE weight map yet: the run says why it wrote no peft-format copy.
-    assert "no peft-format copy" in expert_run["log"] and not (out / "final" / "adapter_model.safetensors").exists()
+    assert json.loads((out / "final" / "adapter_config.json").read_text())["target_parameters"] == [
+        "experts.gate_up_proj", "experts.down_proj"]
 
     assert run(["merge_lora", str(out)]) == 0
     merged, base = load_file(str(out / "merged" / "model.safetensors")), load_file(str(moe_checkpoint / "model.safetensors"))
@@ -271,24 +278,23 @@ def test_expert_adapters_train_and_merge_into_base_plus_update(moe_checkpoint, e
     assert torch.equal(merged["blocks.0.mlp.router.weight"], base["blocks.0.mlp.router.weight"])
 
 
-def test_trained_expert_adapter_loads_with_peft_onto_transformers(moe_checkpoint, expert_run, tmp_path):
-    """The trained adapter, in peft's format, on transformers' Qwen3-MoE with the checkpoint's
-    weights, gives the logits of the toolkit model with the adapter attached, in float32."""
+def test_trained_expert_adapter_loads_with_peft_onto_transformers(moe_checkpoint, expert_run):
+    """The peft-format copy the run wrote, on transformers' Qwen3-MoE read from the checkpoint's
+    Hugging Face folder, gives the logits of the toolkit model with the adapter attached, in float32."""
     from peft import PeftModel
+    from transformers import Qwen3MoeForCausalLM
 
-    from toolkit.finetune.lora import attach_adapter, read_adapter_meta, write_peft_adapter
+    from toolkit.finetune.lora import attach_adapter, read_adapter_meta
     from toolkit.model_dir import load_model
 
     final = expert_run["out"] / "final"
     _, lora = read_adapter_meta(final)
-    config = Config.from_file(moe_checkpoint)
-    adapters = load_file(str(final / "lora_adapter.safetensors"))
-    assert write_peft_adapter(tmp_path, adapters, lora, config, hf_name=_hf_name) is None
     ours = attach_adapter(load_model(moe_checkpoint, dtype=torch.float32), final, lora).eval()
-    hf = PeftModel.from_pretrained(_hf_model(config, load_file(str(moe_checkpoint / "model.safetensors"))), tmp_path).eval()
+    hf = Qwen3MoeForCausalLM.from_pretrained(moe_checkpoint.parent / "hf", dtype=torch.float32).eval()
+    theirs = PeftModel.from_pretrained(hf, final).eval()
     ids = torch.tensor([[1, 319, 3462, 29871, 29941, 322, 29871, 29946, 29889]])
     with torch.no_grad():
-        torch.testing.assert_close(hf(ids).logits, ours(ids), atol=1e-5, rtol=0)
+        torch.testing.assert_close(theirs(ids).logits, ours(ids), atol=1e-5, rtol=0)
 
 
 def test_expert_adapters_on_two_fsdp_processes_equal_one_process(moe_checkpoint, expert_run, tmp_path):

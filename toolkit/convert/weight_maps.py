@@ -428,6 +428,22 @@ def expert_parts(family: str, toolkit_name: str) -> list[tuple[str, ExpertPart]]
             for hf, part in expert_reverse_map(family).get(template, ())]
 
 
+def hf_whole_expert_tensor(family: str, toolkit_name: str) -> Optional[tuple[str, Optional[ExpertPart]]]:
+    """The Hugging Face tensor that holds all X experts of a toolkit expert tensor in one, as
+    transformers 5 keeps it in memory: (its name, None) when its layout is the toolkit's (Qwen3-MoE,
+    Mixtral and OLMoE, through `ALTERNATIVE_NAMES`), (its name, its `ExpertPart`) when the table
+    stores it whole in another layout (gpt-oss: transposed, gate and up interleaved); None when the
+    family keeps no such tensor (peft's adapters on a parameter need one to attach to)."""
+    template, layer, _ = _template(toolkit_name)
+    for hf_template, target in ALTERNATIVE_NAMES.get(family, {}).items():
+        if target == template:
+            return _fill(hf_template, layer), None
+    for hf_template, part in expert_reverse_map(family).get(template, ()):
+        if "{e}" not in hf_template and part.block is None:
+            return _fill(hf_template, layer), dataclasses.replace(part, target=toolkit_name)
+    return None
+
+
 # ---------------------------------------------------------------------------- expert tensors
 def hf_expert_shape(part: ExpertPart, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape of the Hugging Face tensor `part` of a toolkit expert tensor of `shape` (X, R, *C)."""

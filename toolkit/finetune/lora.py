@@ -301,22 +301,25 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     return target
 
 
-def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config, hf_name=None) -> Optional[str]:
+def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) -> Optional[str]:
     """peft's own adapter format, with the module names of the Hugging Face export of the base.
 
     An adapter on the experts' weights (`blocks.0.mlp.experts.gate_up_proj.lora_A.weight`) is
-    written as peft's LoRA on that parameter of the Hugging Face model (`target_parameters`): its
-    tensors are peft's as they are, and the experts of transformers' mixtures of experts hold the
-    same (X, out, in) weights under the same names.
+    written as peft's LoRA on that parameter of transformers' model (`target_parameters`), which
+    holds all experts in one tensor too (`hf_whole_expert_tensor`): peft's factors (A (r * X, in),
+    B (out, r * X)) mean the same in either model, its own or transposed (peft reads a transposed
+    layout from the module's `is_transposed`); only rows of the weight that transformers orders
+    otherwise (gpt-oss's gate and up rows, alternating) are reordered, in B.
 
-    `hf_name(toolkit_name) -> (HF name, index, parts)`: the family's weight map (`toolkit_to_hf_name`) unless given.
-    Returns why it could not be written (an adapter on a projection that Hugging Face fuses), or None.
+    Returns why it could not be written (an adapter on a projection that Hugging Face fuses, or on
+    experts it keeps in no single tensor), or None.
     """
-    from toolkit.convert.weight_maps import toolkit_to_hf_name
+    import dataclasses
+
+    from toolkit.convert.weight_maps import expert_rows_to_hf, hf_whole_expert_tensor, toolkit_to_hf_name
     from toolkit.models.adapters import PARAMETER_TARGETS, peft_parameter_paths
     from toolkit.safetensors_io import save_file
 
-    hf_name = hf_name or (lambda name: toolkit_to_hf_name(config.family, name))
     # the experts' parameters in the order their module registers them (peft's order of wrapping)
     parameter_order = [p.rsplit(".", 1)[-1] for names in PARAMETER_TARGETS.values() for p in names]
 
@@ -328,22 +331,24 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config, 
     for name, tensor in adapters.items():
         module, lora_part = name.split(".lora_")  # blocks.0.attn.q_proj, A.weight
         if any(module.endswith("." + p) for names in PARAMETER_TARGETS.values() for p in names):
-            try:
-                hf_param, _, _ = hf_name(module)  # model.layers.0.mlp.experts.gate_up_proj
-            except UserError:
-                return (f"{module} has no Hugging Face name for family {config.family}, so this adapter has no "
+            found = hf_whole_expert_tensor(config.family, module)
+            if found is None:
+                return (f"{config.family} keeps {module} in no single Hugging Face tensor, so this adapter has no "
                         "peft-format copy; use `toolkit merge_lora` and export the merged model")
+            hf_param, part = found  # model.layers.0.mlp.experts.gate_up_proj
+            if part is not None and part.interleaved and lora_part.startswith("B"):
+                tensor = expert_rows_to_hf(dataclasses.replace(part, transposed=False), tensor)  # B's rows are the weight's
             hf_module, _, parameter = hf_param.rpartition(".")
-            hf_parameters.add(hf_param.rsplit(".", 2)[-2] + "." + parameter)  # experts.gate_up_proj
+            hf_parameters.add(hf_module.rsplit(".", 1)[-1] + "." + parameter)  # experts.gate_up_proj
             on_parameters.setdefault(hf_module, {}).setdefault(parameter, {})[lora_part] = tensor
             continue
-        hf_name_, index, parts = hf_name(module + ".weight")
+        hf_name, index, parts = toolkit_to_hf_name(config.family, module + ".weight")
         if parts > 1:
             return (
                 f"{config.family} stores {module.rsplit('.', 1)[-1]} fused with other projections in Hugging Face "
                 "format, so this adapter has no peft-format copy; use `toolkit merge_lora` and export the merged model"
             )
-        hf_module = hf_name_.removesuffix(".weight")
+        hf_module = hf_name.removesuffix(".weight")
         hf_modules.add(hf_module.rsplit(".", 1)[-1])
         hf_weights[f"base_model.model.{hf_module}.lora_{lora_part}"] = tensor.contiguous()
     for hf_module, parameters in on_parameters.items():
