@@ -19,7 +19,7 @@ Variants, all against the same inputs:
                    against the R + window - 1 keys they reach (R = 256 is the default);
 - softcap-dense    softcapped scores the plain way (scores, tanh, mask, softmax, @ v, autograd):
                    what eager transformers and LitGPT do for Gemma 2; full causal and windowed;
-- softcap-chunked  `softcapped_attention` (chunks of queries, log-sum-exp kept, scores recomputed
+- softcap-chunked  `chunked_attention` (chunks of queries, log-sum-exp kept, scores recomputed
                    in the backward pass); full causal and windowed;
 - flex-*           compiled flex_attention with a block mask (and the softcap as a score_mod),
                    forward only: torch 2.13 has no flex backward pass on the CPU. Its first call
@@ -59,7 +59,7 @@ def run_variant(name: str, T: int, window: int, H: int, G: int, D: int, repeats:
     import torch
     import torch.nn.functional as F
 
-    from toolkit.models.attention import key_mask, softcapped_attention, windowed_attention
+    from toolkit.models.attention import chunked_attention, key_mask, windowed_attention
 
     torch.manual_seed(0)
     q = torch.randn(1, H, T, D, requires_grad=True)
@@ -91,7 +91,7 @@ def run_variant(name: str, T: int, window: int, H: int, G: int, D: int, repeats:
     elif name.startswith("softcap-dense"):
         fn = dense_softcap
     elif name.startswith("softcap-chunked"):
-        fn = lambda q, k, v: softcapped_attention(q, k, v, None, SOFTCAP, window if windowed else None)  # noqa: E731
+        fn = lambda q, k, v: chunked_attention(q, k, v, None, SOFTCAP, window if windowed else None)  # noqa: E731
     else:
         from toolkit.models.attention import attention_backend, flex_attend
 

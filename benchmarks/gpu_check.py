@@ -300,6 +300,127 @@ def attention_kernels(ctx: Context) -> dict:
     return figures
 
 
+@check("attention_sinks", budget=30)
+def attention_sinks(ctx: Context) -> dict:
+    """gpt-oss's attention sinks (a learned logit per head in every query's softmax) through the
+    kernels the model picks: on the GPU flex_attention differentiated through its log-sum-exp, against
+    the chunked path and a dense reference with a sink column; causal, a 128-token window and packed
+    documents (`segment_attention`), bf16 and float32. Outputs and q/k/v/sink gradients, relative to
+    the largest reference value. The dry run has no flex (no flex_attention backward on the CPU)."""
+    import torch
+
+    from toolkit.models.attention import attend, attention_backend, key_mask, segment_attention
+
+    B, H, G, T, D, window = ctx.pick((2, 8, 2, 2048, 64, 128), (2, 4, 2, 48, 16, 12))
+    generator = torch.Generator().manual_seed(0)
+    base = [torch.randn(B, n, T, D, generator=generator) for n in (H, G, G)]
+    sink_values = torch.randn(H, generator=generator) * 2 + 1
+    upstream = torch.randn(B, H, T, D, generator=generator)
+    packed = torch.tensor([[T // 3, T - T // 3], [T, 0]])
+
+    def dense(q, k, v, sinks, win, segments):
+        k, v = (t.repeat_interleave(H // G, 1) for t in (k, v))
+        mask = key_mask(0, T, 0, T, q.device, win)
+        if segments is not None:
+            doc = torch.repeat_interleave(torch.arange(segments.shape[1]).expand_as(segments).reshape(-1),
+                                          segments.reshape(-1)).view(B, T).to(q.device)
+            mask = mask & (doc[:, None, :, None] == doc[:, None, None, :])
+        scores = (q @ k.transpose(-1, -2) / D**0.5).masked_fill(~mask, float("-inf"))
+        scores = torch.cat([scores, sinks.view(1, H, 1, 1).expand(B, H, T, 1)], dim=-1)
+        return scores.softmax(-1)[..., :-1] @ v
+
+    kinds = ("chunked", "flex") if ctx.device == "cuda" else ("chunked",)
+    dtypes = (torch.float32, torch.bfloat16) if ctx.device == "cuda" else (torch.float32,)
+    figures: dict = {"shape": {"B": B, "H": H, "G": G, "T": T, "D": D, "window": window}, "device": ctx.device, "cases": {}}
+
+    def rel(a, b) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+    for dtype in dtypes:
+        for win in (None, window):
+            for segments in (None, packed):
+                name = f"{str(dtype).replace('torch.', '')} window={win} packed={segments is not None}"
+                results = {}
+                for kind in ("dense",) + kinds:
+                    leaves = [t.to(ctx.device, torch.float64 if kind == "dense" else dtype).requires_grad_(True)
+                              for t in (*base, sink_values)]
+                    q, k, v, sinks = leaves
+                    if kind == "dense":
+                        out = dense(q, k, v, sinks, win, segments)
+                    else:
+                        with attention_backend(kind):
+                            out = (attend(q, k, v, None, win, None, None, sinks) if segments is None
+                                   else segment_attention(q, k, v, segments, None, win, None, sinks))
+                    grads = torch.autograd.grad((out.float() * upstream.to(ctx.device)).sum(), leaves)
+                    results[kind] = (out.detach(), *grads)
+                tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+                entry = {}
+                for kind in kinds:
+                    diffs = [rel(a, b) for a, b in zip(results[kind], results["dense"])]
+                    entry[kind] = dict(zip(("out", "dq", "dk", "dv", "dsinks"), diffs))
+                    entry[kind]["agrees"] = max(diffs) <= tolerance
+                figures["cases"][name] = entry
+    if not all(e[kind]["agrees"] for e in figures["cases"].values() for kind in kinds):
+        raise CheckFailed("attention with sinks differs from the dense reference beyond tolerance", figures)
+    return figures
+
+
+@check("moe_experts", budget=40)
+def moe_experts(ctx: Context) -> dict:
+    """One mixture-of-experts layer of Qwen3-30B-A3B's shape (2048 wide, 128 experts of 768, top-8)
+    over 8,192 tokens in bf16, forward + backward, with its experts as grouped products
+    (`torch._grouped_mm`, the default on compute capability 9.0+) and as one product per expert:
+    outputs and gradients against each other, time and peak memory of each."""
+    import time
+
+    import torch
+
+    from toolkit.models.config import Config
+    from toolkit.models.moe import MoE, expert_backend
+
+    C, X, K, I, N = ctx.pick((2048, 128, 8, 768, 8192), (64, 8, 2, 32, 96))
+    config = Config(name="moe-layer", n_layer=1, n_embd=C, n_head=8, intermediate_size=I, n_expert=X, n_expert_per_token=K)
+    torch.manual_seed(0)
+    layer = MoE(config)
+    for weight in (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj):
+        torch.nn.init.normal_(weight, std=0.02)
+    layer.to(ctx.device, torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(1, N, C, generator=generator).to(ctx.device, torch.bfloat16)
+    upstream = torch.randn(1, N, C, generator=generator).to(ctx.device, torch.bfloat16)
+    figures: dict = {"shape": {"n_embd": C, "experts": X, "per_token": K, "expert_width": I, "tokens": N},
+                     "dtype": "bfloat16", "device": ctx.device}
+    results = {}
+    for backend in ("grouped", "loop"):
+        timings = []
+        for _ in range(1 if ctx.dry else 3):
+            layer.zero_grad(set_to_none=True)
+            inputs = x.clone().requires_grad_(True)
+            with expert_backend(backend), PeakMemory(ctx.device) as peak:
+                if ctx.device == "cuda":
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                out = layer(inputs)
+                out.backward(upstream)
+                if ctx.device == "cuda":
+                    torch.cuda.synchronize()
+                timings.append(time.perf_counter() - start)
+        grads = [inputs.grad] + [p.grad for p in (layer.router.weight, layer.experts.gate_up_proj, layer.experts.down_proj)]
+        results[backend] = [out.detach()] + [g.detach().clone() for g in grads]
+        figures[backend] = {"seconds_first": timings[0], "seconds": timings[-1], **peak.figures}
+
+    def rel(a, b) -> float:
+        return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+
+    diffs = [rel(a, b) for a, b in zip(results["grouped"], results["loop"])]
+    figures["grouped_vs_loop"] = dict(zip(("out", "dx", "drouter", "dgate_up", "ddown"), diffs))
+    figures["agrees"] = max(diffs) <= 5e-2
+    figures["speedup"] = figures["loop"]["seconds"] / max(figures["grouped"]["seconds"], 1e-9)
+    if not figures["agrees"]:
+        raise CheckFailed("grouped experts differ from looped experts beyond tolerance", figures)
+    return figures
+
+
 @check("fp16_mixed", budget=40)
 def fp16_mixed(ctx: Context) -> dict:
     """A few optimizer steps of a small model under "16-mixed" (the GradScaler path) on one batch."""

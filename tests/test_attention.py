@@ -116,8 +116,13 @@ def test_kv_cache_decoding_past_the_window_equals_the_full_forward(layer_types):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def test_a_left_padded_cache_with_a_window_gives_each_row_what_it_gets_alone():
-    model = _model(sliding_window=3)
+@pytest.mark.parametrize("sinks", [False, True])
+def test_a_left_padded_cache_with_a_window_gives_each_row_what_it_gets_alone(sinks):
+    model = _model(sliding_window=3, attention_sinks=sinks)
+    if sinks:
+        with torch.no_grad():
+            for block in model.blocks:
+                block.attn.sinks.copy_(_sinks())
     g = torch.Generator().manual_seed(6)
     short, long = torch.randint(0, 97, (4,), generator=g), torch.randint(0, 97, (7,), generator=g)
     batch = torch.stack([torch.cat([torch.zeros(3, dtype=torch.long), short]), long])
@@ -159,9 +164,9 @@ def test_layers_without_rope_ignore_positions():
 
 def test_layer_specs_follow_the_config():
     config = Config(**TINY, sliding_window=8, layer_types=["local", "global"], no_rope_layers=[1])
-    assert config.layer(0) == (8, True) and config.layer(1) == (None, False)
+    assert config.layer(0) == (8, True, False) and config.layer(1) == (None, False, False)
     assert [Config(**TINY, sliding_window=8).layer(i).window for i in range(2)] == [8, 8]  # None: every layer local
-    assert [Config(**TINY).layer(i) for i in range(2)] == [(None, True), (None, True)]
+    assert [Config(**TINY).layer(i) for i in range(2)] == [(None, True, False), (None, True, False)]
 
 
 @pytest.mark.parametrize(
@@ -296,8 +301,10 @@ def test_a_window_shortens_the_attention_flops_only_below_the_sequence_length():
 # ------------------------------------------------------------------------------ the kernels behind `attend`
 
 
-def _reference_attention(q, k, v, sees, scale, softcap=None):
-    """softmax(cap(q k^T * scale) where sees(i, j)) v in float64, key/value heads repeated."""
+def _reference_attention(q, k, v, sees, scale, softcap=None, sinks=None):
+    """softmax(cap(q k^T * scale) where sees(i, j)) v in float64, key/value heads repeated. With
+    `sinks` (H,): the scores get one more column, the head's sink, and its probability is dropped
+    after the softmax (gpt-oss's eager attention)."""
     H, G = q.shape[1], k.shape[1]
     q, k, v = (t.double() for t in (q, k, v))
     k, v = k.repeat_interleave(H // G, dim=1), v.repeat_interleave(H // G, dim=1)
@@ -306,7 +313,16 @@ def _reference_attention(q, k, v, sees, scale, softcap=None):
     scores = q @ k.transpose(-1, -2) * scale
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    return torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    column = sinks.double().view(1, H, 1, 1).expand(q.shape[0], H, T, 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1] @ v
+
+
+def _sinks(H=4, seed=7):
+    """Sinks (H,) around the scores' size, so that each takes a real share of the softmax."""
+    return (torch.randn(H, generator=torch.Generator().manual_seed(seed)) * 2 + 1).requires_grad_()
 
 
 def _qkv(T, S=None, B=2, H=4, G=2, D=8, dtype=torch.float32, seed=0):
@@ -321,10 +337,10 @@ def _qkv(T, S=None, B=2, H=4, G=2, D=8, dtype=torch.float32, seed=0):
 @pytest.mark.parametrize("window, softcap", [(5, None), (5, 3.0), (None, 3.0), (40, 3.0)])
 @pytest.mark.parametrize("rows", [4, 7, 64])
 def test_chunked_window_and_softcap_attention_equal_a_dense_reference_with_gradients(window, softcap, rows):
-    """`windowed_attention` (SDPA per chunk) and `softcapped_attention` (its own backward pass),
+    """`windowed_attention` (SDPA per chunk) and `chunked_attention` (its own backward pass),
     whatever the chunk of queries, against the dense float64 reference: outputs and the gradients
     of q, k and v. Scale 0.3 (query_pre_attn_scalar), grouped-query heads."""
-    from toolkit.models.attention import softcapped_attention, windowed_attention
+    from toolkit.models.attention import chunked_attention, windowed_attention
 
     q, k, v = _qkv(19)
     span = window or 19
@@ -332,7 +348,7 @@ def test_chunked_window_and_softcap_attention_equal_a_dense_reference_with_gradi
     if softcap is None:
         got = windowed_attention(q, k, v, 0.3, window, rows=rows)
     else:
-        got = softcapped_attention(q, k, v, 0.3, softcap, window, rows=rows)
+        got = chunked_attention(q, k, v, 0.3, softcap, window, rows=rows)
     upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
     got_grads = torch.autograd.grad((got * upstream.float()).sum(), (q, k, v))
@@ -341,15 +357,15 @@ def test_chunked_window_and_softcap_attention_equal_a_dense_reference_with_gradi
         torch.testing.assert_close(g.double(), ref.double(), rtol=0, atol=1e-5)
 
 
-def test_a_softcap_changes_attention_and_bf16_softcapped_attention_is_close_to_float32():
-    from toolkit.models.attention import softcapped_attention
+def test_a_softcap_changes_attention_and_bf16_chunked_attention_is_close_to_float32():
+    from toolkit.models.attention import chunked_attention
 
     q, k, v = _qkv(12)
-    capped = softcapped_attention(q, k, v, 0.5, 1.0)
+    capped = chunked_attention(q, k, v, 0.5, 1.0)
     plain = _reference_attention(q, k, v, lambda i, j: j <= i, 0.5)
     assert (capped.double() - plain).abs().max() > 0.1
     q16, k16, v16 = (t.detach().bfloat16().requires_grad_() for t in (q, k, v))
-    low = softcapped_attention(q16, k16, v16, 0.5, 1.0, rows=5)
+    low = chunked_attention(q16, k16, v16, 0.5, 1.0, rows=5)
     assert low.dtype == torch.bfloat16
     torch.testing.assert_close(low.float(), capped, rtol=0, atol=5e-2)
     grads = torch.autograd.grad(low.float().sum(), (q16, k16, v16))
@@ -396,9 +412,123 @@ def test_flex_attention_backend_equals_the_reference(softcap):
         torch.testing.assert_close(got[b : b + 1].double(), want, rtol=0, atol=2e-6)
 
 
+@pytest.mark.parametrize("window, softcap", [(None, None), (5, None), (None, 3.0), (40, 3.0)])
+@pytest.mark.parametrize("rows", [4, 64])
+def test_attention_sinks_equal_a_dense_reference_with_a_sink_column_with_gradients(window, softcap, rows):
+    """`chunked_attention` with sinks against scores with a sink column, softmax, column dropped
+    (float64): outputs and the gradients of q, k, v and the sinks, any window, softcap and chunk."""
+    from toolkit.models.attention import chunked_attention
+
+    q, k, v = _qkv(19)
+    sinks = _sinks()
+    span = window or 19
+    want = _reference_attention(q, k, v, lambda i, j: j <= i and i - j < span, 0.3, softcap, sinks)
+    got = chunked_attention(q, k, v, 0.3, softcap, window, rows=rows, sinks=sinks)
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-6)
+    without = _reference_attention(q, k, v, lambda i, j: j <= i and i - j < span, 0.3, softcap)
+    assert (want - without).abs().max() > 0.05  # the sinks matter
+    upstream = torch.randn(want.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    got_grads = torch.autograd.grad((got * upstream.float()).sum(), (q, k, v, sinks))
+    want_grads = torch.autograd.grad((want * upstream).sum(), (q, k, v, sinks))
+    for g, ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), ref.double(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_decoding_with_sinks_cached_keys_and_padding_equals_the_reference(window):
+    """`attend` with sinks for T queries at the last T of S cached slots of left-padded rows."""
+    from toolkit.models.attention import attend
+
+    q, k, v = _qkv(3, 11, seed=3)
+    sinks = _sinks()
+    padding = torch.tensor([2, 0])
+    with torch.no_grad():
+        for T in (3, 1):  # a chunk of queries, then one token
+            got = attend(q[:, :, -T:], k, v, 0.4, window, None, padding, sinks)
+            for b in range(2):
+                def sees(i, j, b=b, T=T):
+                    i = i + 11 - T
+                    return j == i or (j <= i and (window is None or i - j < window) and j >= padding[b])
+
+                want = _reference_attention(q[b : b + 1, :, -T:], k[b : b + 1], v[b : b + 1], sees, 0.4, None, sinks)
+                torch.testing.assert_close(got[b : b + 1].double(), want, rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("window", [None, 5])
+def test_flex_attention_with_sinks_equals_the_reference(window):
+    """The CUDA path's sinks (the output scaled by sigmoid(lse - sink) with flex_attention's
+    log-sum-exp), run eagerly on the CPU without gradients; documents of a packed row. Its
+    gradients are checked on a GPU (the attention_sinks check of benchmarks/gpu_check.py)."""
+    from toolkit.models.attention import attention_backend, flex_attend
+
+    q, k, v = (t.detach() for t in _qkv(20, seed=4))
+    sinks = _sinks().detach()
+    documents = torch.tensor([[0] * 9 + [1] * 11, [0] * 20])
+    with torch.no_grad(), attention_backend("flex"):
+        got = flex_attend(q, k, v, 0.3, window, None, documents, sinks)
+    span = window or 20
+    for b in range(2):
+        def sees(i, j, b=b):
+            return documents[b, i] == documents[b, j] and j <= i and i - j < span
+
+        want = _reference_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1], sees, 0.3, None, sinks)
+        torch.testing.assert_close(got[b : b + 1].double(), want, rtol=0, atol=2e-6)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_gradients_flow_through_flex_attentions_log_sum_exp_into_the_sinks(monkeypatch):
+    """The CUDA path differentiates through flex_attention's log-sum-exp. On the CPU torch 2.13
+    refuses flex_attention's backward at its public entry (`_validate_device`); lifted, its autograd
+    op runs its dense reference backward, which takes d(lse) as the Triton kernel does (folded into
+    delta): q, k, v and sinks get the dense reference's gradients. The compiled kernel itself is
+    checked on a GPU (the attention_sinks check of benchmarks/gpu_check.py)."""
+    import torch.nn.attention.flex_attention as flex
+
+    from toolkit.models.attention import attention_backend, flex_attend
+
+    monkeypatch.setattr(flex, "_validate_device", lambda *tensors: None)
+    q, k, v = _qkv(20, seed=4)
+    sinks = _sinks()
+    documents = torch.tensor([[0] * 9 + [1] * 11, [0] * 20])
+    with attention_backend("flex"):
+        got = flex_attend(q, k, v, 0.3, 5, None, documents, sinks)
+    upstream = torch.randn(got.shape, generator=torch.Generator().manual_seed(1))
+    got_grads = torch.autograd.grad((got * upstream).sum(), (q, k, v, sinks))
+    want = torch.cat([
+        _reference_attention(q[b : b + 1], k[b : b + 1], v[b : b + 1],
+                             lambda i, j, b=b: documents[b, i] == documents[b, j] and j <= i and i - j < 5, 0.3, None,
+                             sinks)
+        for b in range(2)])
+    want_grads = torch.autograd.grad((want * upstream.double()).sum(), (q, k, v, sinks))
+    for g, ref in zip(got_grads, want_grads):
+        torch.testing.assert_close(g.double(), ref.double(), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_layer_with_sinks_gives_packed_samples_what_they_get_alone_and_decodes_as_it_runs_whole(window):
+    """CausalSelfAttention with sinks through `segment_attention` (packed) and the KV cache."""
+    model = _model(sliding_window=window, attention_sinks=True)
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.sinks.copy_(_sinks(seed=block.attn.n_head))
+    ids = torch.randint(0, 97, (1, 13), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        packed = model(ids, document_ids=torch.tensor([[0] * 6 + [1] * 7]))
+        alone = torch.cat([model(ids[:, :6]), model(ids[:, 6:])], dim=1)
+        torch.testing.assert_close(packed, alone, rtol=0, atol=1e-5)
+        whole = model(ids)
+        model.set_kv_cache(1, 13)
+        steps = [model(ids[:, :5], input_pos=0)] + [model(ids[:, i : i + 1], input_pos=i) for i in range(5, 13)]
+        model.clear_kv_cache()
+    torch.testing.assert_close(torch.cat(steps, dim=1), whole, rtol=0, atol=1e-5)
+    assert (alone - model.eval()(ids)).abs().max() > 0  # packing changes what the second sample sees
+
+
 def test_a_long_window_never_builds_a_mask_over_all_queries_and_keys():
     """At T = 2048 with a window of 64, no tensor that `attend` makes (masks, scores) holds T x T / 8
-    elements: the work is block-sparse."""
+    elements: the work is block-sparse. Attention sinks, windowed or not, are computed by chunks of
+    queries too (without a window, a chunk's scores reach every key, never all queries' at once)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from toolkit.models.attention import attend
@@ -415,9 +545,11 @@ def test_a_long_window_never_builds_a_mask_over_all_queries_and_keys():
 
     T = 2048
     q, k, v = _qkv(T, B=1, H=2, G=1, D=4)
-    for softcap in (None, 5.0):
+    sinks = torch.zeros(2, requires_grad=True)
+    for window, softcap, sink in ((64, None, None), (64, 5.0, None), (64, None, sinks), (None, None, sinks)):
         Largest.largest = 0
         with Largest():
-            out = attend(q, k, v, None, 64, softcap)
+            out = attend(q, k, v, None, window, softcap, sinks=sink)
             out.sum().backward()
-        assert Largest.largest < T * T // 8, (softcap, Largest.largest)
+        # a chunk of 128 queries against all 2048 keys (2 heads) is T x T / 8; the whole would be 2 x T x T
+        assert Largest.largest < (T * T // 8 if window else T * T // 4), (window, softcap, sink, Largest.largest)

@@ -8,6 +8,7 @@ Nothing is downloaded: the models are built from configs, the tokenizers come fr
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -281,11 +282,19 @@ def test_lm_head_present_in_tied_checkpoint(tmp_path):
 
 # ---------------------------------------------------------------------------- configs
 def test_weight_maps_invert_exactly():
-    from toolkit.convert.weight_maps import WEIGHT_MAPS, hf_to_toolkit_name, toolkit_to_hf_name
+    from toolkit.convert.weight_maps import (
+        WEIGHT_MAPS, ExpertPart, expert_parts, hf_to_toolkit_name, toolkit_to_hf_name,
+    )
 
     for family, table in WEIGHT_MAPS.items():
         for hf_template, target in table.items():
             hf_name = hf_template.replace("{l}", "17")
+            if isinstance(target, ExpertPart):  # a part of an expert tensor: found among that tensor's parts
+                part = hf_to_toolkit_name(family, hf_name.replace("{e}", "5"))
+                assert part.target == target.target.replace("{l}", "17")
+                assert part.expert == (5 if "{e}" in hf_template else None)
+                assert (hf_name, dataclasses.replace(target, target=part.target)) in expert_parts(family, part.target)
+                continue
             toolkit = hf_to_toolkit_name(family, hf_name)
             parts = toolkit if isinstance(toolkit, tuple) else (toolkit,)
             assert parts == tuple(t.replace("{l}", "17") for t in (target if isinstance(target, tuple) else (target,)))

@@ -16,6 +16,8 @@ SCRIPT = REPO / "benchmarks" / "gpu_check.py"
 EXPECTED = {
     "fused_loss": {"rows", "bfloat16", "float32"},
     "attention_kernels": {"shape", "dense", "chunked", "tolerance"},
+    "attention_sinks": {"shape", "cases"},
+    "moe_experts": {"shape", "grouped", "loop", "grouped_vs_loop", "agrees", "speedup"},
     "fp16_mixed": {"precision", "losses", "finite", "falls", "scaler"},
     "nccl_paths": {"backend", "export_identical", "rng_round_trip", "rng_from_more_gpus"},
     "cpu_offload_nf4": {"one_rank_group", "nf4_two_ranks", "nf4_one_rank"},

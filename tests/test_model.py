@@ -312,3 +312,19 @@ def test_new_layer_fields_are_checked():
         Config(norm="layernorm", qk_norm="head")
     with pytest.raises(UserError, match="qk_norm must be one of"):
         Config(qk_norm="all")
+
+
+def test_n_layer_override_fits_the_presets_per_layer_patterns():
+    from toolkit.models.config import resize_layer_lists
+
+    gemma = Config.from_name("gemma-3-1b", n_layer=12)  # five local layers, then one global
+    assert gemma.layer_types == (["local"] * 5 + ["global"]) * 2
+    assert Config.from_name("SmolLM3-3B", n_layer=8).no_rope_layers == [3, 7]  # NoPE every fourth layer
+    assert Config.from_name("gemma-3-1b", n_layer=2, layer_types=["local", "global"]).layer_types == ["local", "global"]
+    moe = dict(n_layer=4, moe_layers=[1, 3])
+    assert resize_layer_lists(moe, 6, keep=set())["moe_layers"] == [1, 3, 5]
+    assert resize_layer_lists(moe, 6, keep={"moe_layers"})["moe_layers"] == [1, 3]
+    with pytest.raises(UserError, match="has no repeating pattern to extend: set layer_types too"):
+        resize_layer_lists(dict(n_layer=3, layer_types=["global", "local", "local"]), 5, keep=set())
+    assert resize_layer_lists(dict(n_layer=3, layer_types=["global", "local", "local"]), 2, keep=set())["layer_types"] == [
+        "global", "local"]

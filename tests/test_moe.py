@@ -37,7 +37,8 @@ def test_grouped_experts_equal_looped_experts(dtype, bias):
             (loss + losses.aux + losses.z).backward()
         results[backend] = [loss.detach()] + [p.grad.clone() for p in model.parameters()]
     for grouped, looped in zip(results["grouped"], results["loop"]):
-        torch.testing.assert_close(grouped, looped, rtol=1e-5, atol=1e-6 if dtype == torch.float32 else 1e-2)
+        tolerance = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=1e-2)  # bf16: an ulp or two
+        torch.testing.assert_close(grouped, looped, **tolerance)
 
 
 def test_dense_and_moe_layers_follow_the_config():

@@ -229,3 +229,30 @@ def test_a_custom_objective_with_a_frozen_reference_gives_on_two_fsdp_processes_
         assert logs[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
     # The trained model moved away from the reference: their losses differ after the first step.
     assert logs[0][("2", "train/loss")] != 0.0
+
+
+def test_resuming_under_another_objective_or_its_settings_is_refused(tmp_path):
+    from toolkit.errors import UserError
+    from toolkit.training.checkpoint import META, check_compatible
+    from toolkit.training.objectives import SFT, CausalLM
+    from toolkit.training.preference_objectives import DPO, IPO
+
+    def saved(objective):
+        folder = tmp_path / type(objective).__name__
+        folder.mkdir(exist_ok=True)
+        (folder / META).write_text(json.dumps({"run": {"global_batch_size": 4, "objective": objective.record()}}))
+        return folder
+
+    dpo = saved(DPO(beta=0.1))
+    check_compatible(dpo, {"global_batch_size": 4, "objective": DPO(beta=0.1, precompute_reference=True).record()})
+    with pytest.raises(UserError, match="objective beta: checkpoint has 0.1, this run 0.2"):
+        check_compatible(dpo, {"global_batch_size": 4, "objective": DPO(beta=0.2).record()})
+    with pytest.raises(UserError, match="objective name: checkpoint has 'DPO', this run 'IPO'"):
+        check_compatible(dpo, {"global_batch_size": 4, "objective": IPO().record()})
+    with pytest.raises(UserError, match="objective name: checkpoint has 'SFT', this run 'DPO'"):
+        check_compatible(saved(SFT()), {"global_batch_size": 4, "objective": DPO().record()})
+    # a checkpoint written before objectives were recorded resumes as before
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / META).write_text(json.dumps({"run": {"global_batch_size": 4}}))
+    check_compatible(older, {"global_batch_size": 4, "objective": CausalLM().record()})

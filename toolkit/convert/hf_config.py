@@ -33,6 +33,10 @@ ARCHITECTURES: dict[str, str] = {
     "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
     "Phi3ForCausalLM": "phi3",
+    "GptOssForCausalLM": "gpt_oss",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "OlmoeForCausalLM": "olmoe",
 }
 HF_ARCHITECTURE: dict[str, str] = {family: arch for arch, family in ARCHITECTURES.items()}
 # family -> model_type in config.json (the family's own name but where noted)
@@ -330,6 +334,8 @@ def config_from_hf(
         )
     n_embd = int(_require(hf_config, "hidden_size"))
     n_head = int(_require(hf_config, "num_attention_heads"))
+    if family == "gpt_oss":
+        hf_config = _gpt_oss_rope_defaults(hf_config)
     hf_config, rope_local_base = _local_rope(hf_config, family)
     rope_base, rope_scaling, rotary_percentage = _rope(hf_config, family)
     values: dict[str, Any] = dict(
@@ -387,6 +393,10 @@ def config_from_hf(
         values.update(_read_dense_family(hf_config, family, act))
     elif family == "phi3":
         values.update(_phi3_from_hf(hf_config, act, values["block_size"]))
+    elif family == "gpt_oss":
+        values.update(_gpt_oss_from_hf(hf_config, values))
+    elif family in _MOE_DEFAULTS:
+        values.update(_read_moe_family(hf_config, family, act, values))
     elif family == "gpt_neox":
         if not hf_config.get("attention_bias", True):
             raise UserError("config.json: GPT-NeoX with attention_bias=false is not supported")
@@ -435,6 +445,121 @@ def _read_dense_family(hf_config: dict[str, Any], family: str, act: str) -> dict
     return values
 
 
+# ---------------------------------------------------------------------------- Mixtral, Qwen3-MoE, OLMoE
+# The values transformers' config class of each family takes where config.json leaves a key out.
+_MOE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2, router_aux_loss_coef=0.001, rms_norm_eps=1e-5,
+                    rope_theta=1000000.0),
+    "qwen3_moe": dict(num_experts=128, num_experts_per_tok=8, router_aux_loss_coef=0.001, rms_norm_eps=1e-6,
+                      moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1),
+    "olmoe": dict(num_experts=64, num_experts_per_tok=8, router_aux_loss_coef=0.01, rms_norm_eps=1e-5,
+                  norm_topk_prob=False),
+}
+# The key config.json names the number of experts with (transformers reads the other too)
+_EXPERTS_KEY = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts", "olmoe": "num_experts"}
+
+
+def _n_expert(hf_config: dict[str, Any], family: str) -> int:
+    names = ("num_local_experts", "num_experts")
+    given = {hf_config[k] for k in names if hf_config.get(k) is not None}
+    if len(given) > 1:
+        raise UserError(f"config.json: num_local_experts and num_experts differ ({sorted(given)})")
+    key = _EXPERTS_KEY[family]
+    value = given.pop() if given else _MOE_DEFAULTS[family][key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"config.json: {key} must be a positive integer, got {value!r}")
+    return value
+
+
+def _read_moe_family(hf_config: dict[str, Any], family: str, act: str, values: dict[str, Any]) -> dict[str, Any]:
+    """The fields of a Mixtral, Qwen3-MoE or OLMoE config.json beside the shared sizes and RoPE.
+
+    Mixtral: Mistral's layer, every MLP a mixture of experts of width intermediate_size, top-k
+    weights renormalised. Qwen3-MoE: Qwen3's layer (per-head QK norm); experts of
+    moe_intermediate_size in the layers that neither `mlp_only_layers` lists nor
+    `decoder_sparse_step` skips (layer i is sparse when (i + 1) % step == 0), the others Qwen3's
+    dense MLP of intermediate_size; `norm_topk_prob` renormalises. OLMoE: Llama's pre-norm layer with
+    QK norms over the whole projections, every MLP a mixture, `norm_topk_prob` as Qwen3-MoE's.
+    """
+    defaults = _MOE_DEFAULTS[family]
+    if act != "silu":
+        raise UserError(f"Unsupported activation {act!r} for a {family} model; only 'silu' is supported")
+    if family != "mixtral" and hf_config.get("attention_bias"):  # transformers' Mixtral has no biases
+        raise UserError(f"config.json: {family} with attention_bias is not supported")
+    if hf_config.get("router_jitter_noise"):
+        raise UserError("config.json: router_jitter_noise (noise on the router's input in training) is not supported")
+    if hf_config.get("shared_expert_intermediate_size"):
+        raise UserError("config.json: shared experts (shared_expert_intermediate_size) are not supported")
+    n_layer, n_expert = values["n_layer"], _n_expert(hf_config, family)
+    top_k = _count(hf_config, "num_experts_per_tok", defaults["num_experts_per_tok"], minimum=1)
+    out: dict[str, Any] = dict(
+        norm="rmsnorm", mlp="swiglu", norm_eps=float(hf_config.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        n_expert=n_expert, n_expert_per_token=top_k,
+        router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+        # transformers' Mixtral always renormalises (and reads no norm_topk_prob)
+        router_norm_topk=family == "mixtral" or bool(hf_config.get("norm_topk_prob", defaults["norm_topk_prob"])),
+    )
+    if family == "mixtral":
+        params = hf_config.get("rope_parameters") or {}
+        if "rope_theta" not in hf_config and "rope_theta" not in params:
+            out["rope_base"] = defaults["rope_theta"]  # MixtralConfig's default base
+    elif family == "qwen3_moe":
+        step = _count(hf_config, "decoder_sparse_step", defaults["decoder_sparse_step"], minimum=1)
+        dense = hf_config.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+            raise UserError(f"config.json: mlp_only_layers must be a list of layer indices, got {dense!r}")
+        sparse = [i for i in range(n_layer) if i not in dense and (i + 1) % step == 0]
+        out.update(qk_norm="head", moe_intermediate_size=_count(hf_config, "moe_intermediate_size",
+                                                               defaults["moe_intermediate_size"], minimum=1),
+                   moe_layers=None if len(sparse) == n_layer else sparse)
+    else:  # olmoe
+        if hf_config.get("clip_qkv") is not None:
+            raise UserError("config.json: OLMoE with clip_qkv (queries, keys and values clamped) is not supported")
+        if values["head_size"] * values["n_head"] != values["n_embd"]:
+            raise UserError("config.json: OLMoE with head_dim other than hidden_size / num_attention_heads "
+                            "is not supported")
+        out.update(qk_norm="projection")
+    return out
+
+
+def _moe_to_hf(config: Config) -> dict[str, Any]:
+    """The config.json fields of a Mixtral, Qwen3-MoE or OLMoE model beside the shared sizes (see
+    `_read_moe_family`). The router's z-loss coefficient, a training setting transformers does not
+    have, is not written."""
+    family = config.family
+    qk_norm = {"mixtral": None, "qwen3_moe": "head", "olmoe": "projection"}[family]
+    _check(config, family, norm="rmsnorm", mlp="swiglu", bias=False, attn_qkv_bias=False, lm_head_bias=False,
+           parallel_residual=False, norm_position="pre", qk_norm=qk_norm)
+    if config.n_expert == 0:
+        raise _unsupported(config, f"n_expert=0, but {family} is a mixture of experts")
+    dense = [i for i in range(config.n_layer) if not config.layer(i).moe]
+    hf: dict[str, Any] = {
+        "num_key_value_heads": config.n_query_groups,
+        "rms_norm_eps": config.norm_eps,
+        "hidden_act": "silu",
+        _EXPERTS_KEY[family]: config.n_expert,
+        "num_experts_per_tok": config.n_expert_per_token,
+        "router_aux_loss_coef": config.router_aux_loss_coef,
+        "output_router_logits": False,
+    }
+    if family != "qwen3_moe":
+        if dense:
+            raise _unsupported(config, f"moe_layers={config.moe_layers!r}, but every {family} layer is a "
+                                       "mixture of experts")
+        hf["intermediate_size"] = config.moe_intermediate_size  # the experts' width; there is no dense MLP
+    if family == "mixtral":
+        _check(config, family, router_norm_topk=True)
+        hf.update(head_dim=config.head_size, router_jitter_noise=0.0)
+    elif family == "qwen3_moe":
+        hf.update(head_dim=config.head_size, attention_bias=False, moe_intermediate_size=config.moe_intermediate_size,
+                  norm_topk_prob=config.router_norm_topk, decoder_sparse_step=1, mlp_only_layers=dense)
+    else:
+        if config.head_size * config.n_head != config.n_embd:
+            raise _unsupported(config, "OLMoE needs head_size * n_head == n_embd")
+        hf.update(attention_bias=False, norm_topk_prob=config.router_norm_topk, clip_qkv=None)
+    return hf
+
+
 # ---------------------------------------------------------------------------- per-layer spans, NoPE
 # config.json `layer_types` entries -> toolkit layer types
 _HF_LAYER_TYPES = {"full_attention": "global", "sliding_attention": "local"}
@@ -477,13 +602,17 @@ def _read_layers(hf_config: dict[str, Any], family: str, n_layer: int) -> dict[s
         raise UserError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
     listed = _hf_layer_types(hf_config, n_layer)
     values: dict[str, Any] = {}
-    if family == "mistral":
-        # transformers' Mistral applies sliding_window to every layer and ignores layer_types
+    if family in ("mistral", "mixtral"):
+        # transformers' Mistral and Mixtral apply sliding_window to every layer and ignore layer_types
         if listed is not None and listed != ["local" if window else "global"] * n_layer:
             raise UserError(
-                "config.json: layer_types on a Mistral model is not supported (Mistral windows every layer)"
+                f"config.json: layer_types on a {family.capitalize()} model is not supported "
+                f"({family.capitalize()} windows every layer)"
             )
         local = [window is not None] * n_layer
+    elif family == "qwen3_moe":
+        # transformers' Qwen3-MoE windows every layer with use_sliding_window (max_window_layers unread)
+        local = [window is not None and bool(hf_config.get("use_sliding_window", False))] * n_layer
     elif family in ("qwen2", "qwen3"):
         if not hf_config.get("use_sliding_window", False):
             window = None
@@ -508,6 +637,13 @@ def _read_layers(hf_config: dict[str, Any], family: str, n_layer: int) -> dict[s
         if listed is None:
             listed = ["local" if window is not None and not rope[i] else "global" for i in range(n_layer)]
         local = [window is not None and t == "local" for t in listed]
+    elif family == "gpt_oss":
+        # GptOssConfig: a 128-token window, layers alternating sliding and full from the first
+        if "sliding_window" not in hf_config:
+            window = _GPT_OSS_DEFAULTS["sliding_window"]
+        if listed is None:
+            listed = ["local" if i % 2 == 0 else "global" for i in range(n_layer)]
+        local = [window is not None and t == "local" for t in listed]
     else:
         return values
     if any(local):
@@ -527,6 +663,77 @@ def _phi3_from_hf(hf_config: dict[str, Any], act: str, block_size: int) -> dict[
     return dict(
         norm="rmsnorm", norm_eps=float(hf_config.get("rms_norm_eps", 1e-5)), mlp="swiglu", bias=False,
         sliding_window=int(window) if window is not None and window < block_size else None,
+    )
+
+
+# ---------------------------------------------------------------------------- gpt-oss
+# GptOssConfig's values where config.json leaves a key out (its defaults are gpt-oss-120b's sizes).
+_GPT_OSS_DEFAULTS: dict[str, Any] = dict(
+    num_local_experts=128, num_experts_per_tok=4, rms_norm_eps=1e-5, router_aux_loss_coef=0.001,
+    swiglu_limit=7.0, swiglu_alpha=1.702, sliding_window=128, rope_theta=150000.0,
+    rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+)
+
+
+def _gpt_oss_rope_defaults(hf_config: dict[str, Any]) -> dict[str, Any]:
+    """config.json with GptOssConfig's RoPE where it says none: YaRN (factor 32 over 4096 tokens,
+    not truncated) when it has neither rope_parameters nor rope_scaling, base 150000 (its
+    `default_theta`) when no rope_theta is given."""
+    params = hf_config.get("rope_parameters") or hf_config.get("rope_scaling")
+    if not params:
+        params = dict(_GPT_OSS_DEFAULTS["rope_parameters"])
+        hf_config = {**hf_config, "rope_parameters": params}
+    layouts = [p for p in (hf_config.get("rope_parameters"), hf_config.get("rope_scaling")) if isinstance(p, dict)]
+    if hf_config.get("rope_theta") is None and all(p.get("rope_theta") is None for p in layouts):
+        hf_config = {**hf_config, "rope_theta": _GPT_OSS_DEFAULTS["rope_theta"]}
+    return hf_config
+
+
+def _gpt_oss_from_hf(hf_config: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    """gpt-oss: Llama's pre-norm layer with biases on every attention projection and attention sinks;
+    every MLP a mixture of `intermediate_size`-wide experts with biases and the clamped SwiGLU. Its
+    router (with a bias) takes the softmax of the top-k logits: the top-k of the full softmax
+    renormalised (`router_norm_topk`). `hidden_act` is not read by transformers' GptOss."""
+    defaults = _GPT_OSS_DEFAULTS
+    if not hf_config.get("attention_bias", True):
+        raise UserError("config.json: gpt_oss with attention_bias=false is not supported (the toolkit's gpt-oss "
+                        "has biases on every projection)")
+    n_expert = _count(hf_config, "num_local_experts", defaults["num_local_experts"], minimum=1)
+    top_k = _count(hf_config, "num_experts_per_tok", defaults["num_experts_per_tok"], minimum=1)
+    if top_k > n_expert:
+        raise UserError(f"config.json: num_experts_per_tok={top_k} exceeds num_local_experts={n_expert}")
+    return dict(
+        norm="rmsnorm", norm_eps=float(hf_config.get("rms_norm_eps", defaults["rms_norm_eps"])),
+        mlp="clamped_swiglu", bias=True, attention_sinks=True,
+        n_expert=n_expert, n_expert_per_token=top_k, moe_intermediate_size=values["intermediate_size"],
+        router_norm_topk=True,
+        router_aux_loss_coef=float(hf_config.get("router_aux_loss_coef", defaults["router_aux_loss_coef"])),
+        swiglu_limit=float(hf_config.get("swiglu_limit", defaults["swiglu_limit"])),
+        swiglu_alpha=float(hf_config.get("swiglu_alpha", defaults["swiglu_alpha"])),
+    )
+
+
+def _gpt_oss_to_hf(config: Config) -> dict[str, Any]:
+    """config.json fields of a gpt-oss model beside the shared sizes (see `_gpt_oss_from_hf`)."""
+    _check(config, "gpt_oss", norm="rmsnorm", mlp="clamped_swiglu", bias=True, attn_qkv_bias=True,
+           lm_head_bias=False, parallel_residual=False, norm_position="pre", qk_norm=None, attention_sinks=True,
+           router_norm_topk=True)
+    if not all(config.layer(i).moe for i in range(config.n_layer)):
+        raise _unsupported(config, "every gpt_oss layer is a mixture of experts (n_expert > 0, moe_layers None)")
+    return dict(
+        num_key_value_heads=config.n_query_groups,
+        head_dim=config.head_size,
+        rms_norm_eps=config.norm_eps,
+        hidden_act="silu",
+        attention_bias=True,
+        intermediate_size=config.moe_intermediate_size,  # the experts' width; there is no dense MLP
+        num_local_experts=config.n_expert,
+        num_experts_per_tok=config.n_expert_per_token,
+        router_aux_loss_coef=config.router_aux_loss_coef,
+        output_router_logits=False,
+        swiglu_limit=config.swiglu_limit,
+        swiglu_alpha=config.swiglu_alpha,
     )
 
 
@@ -670,11 +877,15 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         "tie_word_embeddings": config.tie_embeddings,
     }
     _check(config, family, scale_embeddings=family in _GEMMAS, norm_unit_offset=family in _GEMMAS)
-    if family not in ("qwen3", "olmo2", "smollm3", "phi3", "gemma2", "gemma3"):
+    if family not in ("qwen3", "olmo2", "smollm3", "phi3", "gemma2", "gemma3", "qwen3_moe", "olmoe"):
         _check(config, family, norm_position="pre", qk_norm=None)
+    if family not in _MOE_DEFAULTS and family != "gpt_oss":
+        _check(config, family, n_expert=0)
     if family not in ("gemma2", "gemma3"):
         _check(config, family, attn_logit_softcap=None, final_logit_softcap=None, query_pre_attn_scalar=None,
                rope_local_base=None)
+    if family != "gpt_oss":
+        _check(config, family, attention_sinks=False)
     # Per-layer attention spans and NoPE layers: written where the family has them, else refused.
     hf.update(_layer_fields(config))
     refusal = None if config.rope_scaling is None else _scaling_refusal(config.rope_scaling_type, family)
@@ -720,6 +931,10 @@ def config_to_hf(config: Config, dtype: Optional[str] = None) -> dict[str, Any]:
         hf.update(_write_dense_family(config))
     elif family == "phi3":
         hf.update(_phi3_to_hf(config))
+    elif family == "gpt_oss":
+        hf.update(_gpt_oss_to_hf(config))
+    elif family in _MOE_DEFAULTS:
+        hf.update(_moe_to_hf(config))
     elif family == "gpt_neox":
         _check(config, family, norm="layernorm", mlp="gelu", bias=True, attn_qkv_bias=True, lm_head_bias=False,
                shared_attention_norm=False)
@@ -780,11 +995,13 @@ def _layer_fields(config: Config) -> dict[str, Any]:
         hf.update(no_rope_layers=[int(config.layer(i).rope) for i in range(n)])
     elif config.no_rope_layers:
         raise _unsupported(config, f"no_rope_layers={config.no_rope_layers!r}, but {family} rotates every layer")
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "phi3", "mixtral", "qwen3_moe"):
         if any(local) and not all(local):
             raise _unsupported(config, f"layer_types mixes local and global layers, but {family} windows every layer")
         hf.update(sliding_window=window)
-    elif family in ("gemma2", "gemma3"):
+        if family == "qwen3_moe":
+            hf.update(use_sliding_window=window is not None)
+    elif family in ("gemma2", "gemma3", "gpt_oss"):
         hf.update(sliding_window=config.sliding_window,
                   layer_types=[_TOOLKIT_LAYER_TYPES["local" if is_local else "global"] for is_local in local])
     elif family in ("qwen2", "qwen3", "smollm3"):

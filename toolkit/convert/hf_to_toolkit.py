@@ -13,7 +13,10 @@ Memory: the output is written header first and then one tensor after the other
 tensor whose bytes are only renamed (the usual case) is copied from file to file by the kernel
 (`copy_file_range`) without passing through this process. A dtype conversion goes ~64 MiB of rows
 at a time; only a fused tensor (GPT-NeoX's query/key/value, Phi-3's qkv_proj and gate_up_proj) is
-materialised whole (one at a time).
+materialised whole (one at a time). An expert tensor of a mixture of experts, (X, 2I, C), is put
+together from its Hugging Face parts (one tensor per expert and projection in the hub's layout,
+or one per layer as gpt-oss's, MXFP4-quantized ones dequantized then) one expert at a time, so
+that one expert's weights are in memory, not a layer's.
 `.bin` shards are memory-mapped one at a time.
 
 The plan and writer here (`OutTensor`, `write_weight_files`) are shared with `toolkit_to_hf`.
@@ -27,7 +30,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Literal, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Optional, Union
 
 from toolkit.errors import UserError
 from toolkit.safetensors_io import (
@@ -152,9 +155,10 @@ class TensorReader:
 class OutTensor:
     """One tensor of an output safetensors file and how to produce its bytes.
 
-    Exactly one of `source` or `make` is set. `source`: a stored tensor, copied by the kernel when
-    it is a safetensors byte range of the same dtype, else converted a slice of rows at a time.
-    `make`: a function that builds the whole tensor (fused tensors).
+    Exactly one of `source`, `make` or `rows` is set. `source`: a stored tensor, copied by the kernel
+    when it is a safetensors byte range of the same dtype, else converted a slice of rows at a time.
+    `make`: a function that builds the whole tensor (fused tensors). `rows`: a function that yields
+    the tensor's consecutive dim-0 slices (an expert tensor, one expert at a time).
     """
 
     name: str
@@ -162,6 +166,7 @@ class OutTensor:
     shape: tuple[int, ...]
     source: Optional[TensorInfo] = None
     make: Optional[Callable[[], "torch.Tensor"]] = None
+    rows: Optional[Callable[[], Iterator["torch.Tensor"]]] = None
 
     @property
     def nbytes(self) -> int:
@@ -205,14 +210,19 @@ def write_weight_files(
 
     Each tensor is written in turn, never all in memory: a stored tensor of the same dtype is
     copied by the kernel, one of another dtype is converted `_CHUNK_BYTES` of source rows at a
-    time, a made one (fused) is built whole. Both Hugging Face and the toolkit read this layout."""
+    time, a made one (fused) is built whole, an expert tensor one expert at a time. Both Hugging
+    Face and the toolkit read this layout."""
     specs = {t.name: (torch_dtype(t.dtype), t.shape) for t in tensors}
     files = SafetensorsShards(directory, specs, max_shard_bytes, metadata={"format": "pt"}, keep_order=True)
     by_name = {t.name: t for t in tensors}
     try:
         for name in files.order:
             t = by_name[name]
-            if t.source is not None and t.source.kind == "safetensors" and t.source.dtype == t.dtype:
+            if t.rows is not None:
+                for chunk in t.rows():
+                    files.append(name, chunk)
+                    del chunk
+            elif t.source is not None and t.source.kind == "safetensors" and t.source.dtype == t.dtype:
                 files.copy(name, t.source)
             elif t.source is not None and t.nbytes and t.shape:
                 rows = t.shape[0]
@@ -300,24 +310,56 @@ def plan_from_hf(
     family = config.family
     expected = expected_shapes(config)
     planned: dict[str, OutTensor] = {}
+    # expert tensor -> its parts: (part, stored or quantized tensor)
+    experts: dict[str, list[tuple[weight_maps.ExpertPart, Union[TensorInfo, QuantizedTensor]]]] = {}
     embed_shape = (config.vocab_size, config.n_embd)
 
     def out_dtype(src: str) -> str:
         return DTYPES[dtype] if dtype is not None and src in ("F32", "F16", "BF16") else src
 
+    # quantized tensors are dequantized to bfloat16 unless --dtype says otherwise
+    quantized = _quantized_sources(infos, family, DTYPES[dtype or "bfloat16"])
     for info in infos:
         if weight_maps.is_ignored(info.name):
             continue
+        held = weight_maps.quantized_stem(family, info.name)
+        if held is not None:
+            if quantized[held[0]].blocks is not info:
+                continue  # planned once, at its blocks
+            info = quantized[held[0]]  # from here on the tensor its stem names, dequantized
         target = weight_maps.hf_to_toolkit_name(family, info.name)
-        names = target if isinstance(target, tuple) else (target,)
+        if isinstance(info, QuantizedTensor) and not isinstance(target, weight_maps.ExpertPart):
+            raise UserError(f"Weight {info.blocks.name!r} is stored quantized ({info.format}), which the toolkit "
+                            "reads for expert tensors only")
+        if isinstance(target, weight_maps.ExpertPart):
+            names: tuple[str, ...] = (target.target,)
+        else:
+            names = target if isinstance(target, tuple) else (target,)
         for name in names:
             if name not in expected and not (name == "lm_head.weight" and config.tie_embeddings):
                 raise UserError(
                     f"Weight {info.name!r} (toolkit {name!r}) is not part of a model with this config.json "
                     f"({config.family}, bias={config.bias}, attn_qkv_bias={config.attn_qkv_bias}); check config.json"
                 )
-            if name in planned:
+            if name in planned and not (isinstance(target, weight_maps.ExpertPart) and name in experts):
                 raise UserError(f"Weight {info.name!r} maps to {name!r}, which another weight already provides")
+        if isinstance(target, weight_maps.ExpertPart):
+            name = target.target
+            want = weight_maps.hf_expert_shape(target, expected[name])
+            if info.shape != want:
+                raise shape_mismatch(info.name, info.shape, want, "config.json")
+            if target.expert is not None and target.expert >= config.n_expert:
+                raise UserError(f"Weight {info.name!r} is expert {target.expert}, but config.json has "
+                                f"{config.n_expert} experts")
+            if name not in experts:
+                experts[name] = []
+                planned[name] = OutTensor(name, out_dtype(info.dtype), expected[name],
+                                          rows=lambda name=name: _expert_rows(planned[name], experts[name], reader))
+            elif out_dtype(info.dtype) != planned[name].dtype:
+                raise UserError(f"Weight {info.name!r} is {info.dtype}, other parts of {name!r} are not; "
+                                "convert with --dtype to store them as one")
+            experts[name].append((target, info))
+            continue
         if isinstance(target, tuple):
             sizes = tuple(expected[n][0] for n in names)
             want = (sum(sizes), *expected[names[0]][1:])
@@ -351,12 +393,132 @@ def plan_from_hf(
         if name == "lm_head.weight" and config.tie_embeddings:
             continue  # a tied head is the embedding; it is stored once
         planned[name] = OutTensor(name, out_dtype(info.dtype), info.shape, source=info)
+    for name, parts in experts.items():
+        _check_expert_cover(name, parts, expected[name], family)
     missing = [name for name in expected if name not in planned]
     if missing:
-        hf_names = [weight_maps.toolkit_to_hf_name(family, n)[0] for n in missing]
+        hf_names = [_hf_name_of(family, n) for n in missing]
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"The checkpoint lacks weight {hf_names[0]!r}{more}, which config.json implies")
     return list(planned.values())
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A Hugging Face tensor stored quantized (`weight_maps.QUANTIZED_PARTS`; MXFP4 blocks and scales,
+    see `toolkit.convert.mxfp4`), read as the tensor its stem names: `name` that name, `shape` and
+    `dtype` those it has dequantized. Read like a stored tensor, a slice of dim 0 (an expert) at a time."""
+
+    name: str
+    format: str
+    blocks: TensorInfo
+    scales: TensorInfo
+    shape: tuple[int, ...]
+    dtype: str
+
+    def load_rows(self, reader: TensorReader, start: int, stop: int) -> "torch.Tensor":
+        """Rows start:stop of the dequantized tensor (of the blocks and scales: the same rows)."""
+        from toolkit.convert import mxfp4
+
+        return mxfp4.dequantize(reader.load_rows(self.blocks, start, stop), reader.load_rows(self.scales, start, stop),
+                                torch_dtype(self.dtype))
+
+    def load(self, reader: TensorReader) -> "torch.Tensor":
+        return self.load_rows(reader, 0, self.blocks.shape[0])
+
+
+def _quantized_sources(infos: list[TensorInfo], family: str, dtype: str) -> dict[str, QuantizedTensor]:
+    """Stem name -> the quantized tensor its stored parts hold, dequantized to `dtype`; a part without
+    the others, or parts that are not of their format, are a UserError naming them."""
+    from toolkit.convert import mxfp4, weight_maps
+
+    found: dict[str, dict[int, TensorInfo]] = {}
+    formats: dict[str, str] = {}
+    for info in infos:
+        held = weight_maps.quantized_stem(family, info.name)
+        if held is not None:
+            stem, fmt, index = held
+            found.setdefault(stem, {})[index] = info
+            formats[stem] = fmt
+    sources = {}
+    for stem, parts in found.items():
+        suffixes = weight_maps.QUANTIZED_PARTS[family][formats[stem]]
+        absent = [stem + suffix for i, suffix in enumerate(suffixes) if i not in parts]
+        if absent:
+            raise UserError(f"The checkpoint has {next(iter(parts.values())).name!r} but lacks {absent[0]!r} "
+                            f"({formats[stem]} weights come in {' and '.join(suffixes)} parts)")
+        blocks, scales = parts[0], parts[1]  # the one format there is: mxfp4
+        if blocks.dtype != "U8" or scales.dtype != "U8" or len(blocks.shape) < 3 \
+                or blocks.shape[-1] != mxfp4.GROUP // 2 or blocks.shape[:-1] != scales.shape:
+            raise UserError(f"{blocks.name!r} {format_shape(blocks.shape)} {blocks.dtype} and {scales.name!r} "
+                            f"{format_shape(scales.shape)} {scales.dtype} are not MXFP4 blocks and scales (uint8, "
+                            "(..., rows, groups, 16) and (..., rows, groups))")
+        sources[stem] = QuantizedTensor(stem, formats[stem], blocks, scales, mxfp4.dequantized_shape(blocks.shape),
+                                        dtype)
+    return sources
+
+
+def _hf_name_of(family: str, name: str) -> str:
+    """The Hugging Face name of a toolkit tensor, for messages (an expert tensor: its first part's)."""
+    from toolkit.convert import weight_maps
+
+    parts = weight_maps.expert_parts(family, name)
+    if parts:
+        return parts[0][0].replace("{e}", "0")
+    return weight_maps.toolkit_to_hf_name(family, name)[0]
+
+
+def _check_expert_cover(name: str, parts: list, shape: tuple[int, ...], family: str) -> None:
+    """The parts of an expert tensor (X, R, ...) cover each expert's R rows exactly once."""
+    from toolkit.convert import weight_maps
+
+    n_expert, rows = shape[0], shape[1]
+    spans: list[list[tuple[int, int, str]]] = [[] for _ in range(n_expert)]
+    for part, info in parts:
+        size = rows if part.block is None else rows // part.blocks
+        start = 0 if part.block is None else part.block * size
+        for e in range(n_expert) if part.expert is None else (part.expert,):
+            spans[e].append((start, start + size, info.name))
+    for e, found in enumerate(spans):
+        end = 0
+        for start, stop, hf_name in sorted(found):
+            if start < end:
+                raise UserError(f"Weight {hf_name!r} maps to rows of {name!r} (expert {e}) that another weight "
+                                "already provides")
+            if start > end:
+                break
+            end = stop
+        if end < rows:
+            lacking = [hf.replace("{e}", str(e)) for hf, _ in weight_maps.expert_parts(family, name)]
+            held = {hf_name for *_, hf_name in found}
+            absent = next((hf for hf in lacking if hf not in held), f"rows {end}: of expert {e} of {name}")
+            raise UserError(f"The checkpoint lacks weight {absent!r}, which config.json implies")
+
+
+def _expert_rows(out: OutTensor, parts: list, reader: TensorReader) -> Iterator["torch.Tensor"]:
+    """An expert tensor (X, R, ...) from its Hugging Face parts, one expert's (1, R, ...) at a time:
+    only that expert's parts are read (rows e of a tensor holding all experts)."""
+    import torch
+
+    from toolkit.convert import weight_maps
+
+    n_expert, rows = out.shape[0], out.shape[1]
+    own: dict[int, list] = {}
+    shared = []
+    for part, info in parts:
+        (shared if part.expert is None else own.setdefault(part.expert, [])).append((part, info))
+    for e in range(n_expert):
+        expert = torch.empty(out.shape[1:], dtype=torch_dtype(out.dtype))
+        for part, info in [*shared, *own.get(e, [])]:
+            if isinstance(info, QuantizedTensor):  # dequantized, expert e's rows alone
+                piece = info.load(reader) if part.expert is not None else info.load_rows(reader, e, e + 1)[0]
+            else:
+                piece = reader.load(info) if part.expert is not None else reader.load_rows(info, e, e + 1)[0]
+            start = 0 if part.block is None else part.block * (rows // part.blocks)
+            held = weight_maps.expert_rows_from_hf(part, piece)
+            expert[start : start + held.shape[0]] = held  # converts the dtype where it differs
+            del piece, held
+        yield expert[None]
 
 
 # ---------------------------------------------------------------------------- entry points

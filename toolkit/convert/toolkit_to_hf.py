@@ -20,6 +20,7 @@ split some inputs differently.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import sys
@@ -64,6 +65,11 @@ def plan_to_hf(infos: list[TensorInfo], config, reader: TensorReader) -> list[Ou
 
     planned: dict[str, OutTensor] = {}
     for name in expected:
+        parts = weight_maps.expert_parts(family, name)
+        if parts:
+            for out in _expert_tensors(stored[name], parts, reader):
+                planned[out.name] = out
+            continue
         hf_name, _, n_parts = weight_maps.toolkit_to_hf_name(family, name)
         if n_parts == 1:
             info = stored[name]
@@ -84,6 +90,42 @@ def plan_to_hf(infos: list[TensorInfo], config, reader: TensorReader) -> list[Ou
 
         planned[hf_name] = OutTensor(hf_name, parts[0].dtype, shape, make=make)
     return list(planned.values())
+
+
+def _expert_tensors(info: TensorInfo, parts: list, reader: TensorReader) -> list[OutTensor]:
+    """The Hugging Face tensors of a toolkit expert tensor (X, R, ...): for the parts held per expert
+    (`{e}` in the name), expert 0's, then expert 1's...; each read from that expert's rows alone."""
+    from toolkit.convert import weight_maps
+
+    n_expert = info.shape[0]
+    out: list[OutTensor] = []
+    last: dict[str, Any] = {}  # the expert whose rows were read last, and those rows
+
+    def expert_rows(e: int):
+        if last.get("expert") != e:
+            last.clear()
+            last.update(expert=e, rows=reader.load_rows(info, e, e + 1)[0])
+        return last["rows"]
+
+    for hf_name, part in parts:
+        if "{e}" in hf_name:
+            continue
+        shape = weight_maps.hf_expert_shape(part, info.shape)
+
+        def rows(part=part):
+            for e in range(n_expert):
+                yield weight_maps.expert_rows_to_hf(part, expert_rows(e))[None]
+
+        out.append(OutTensor(hf_name, info.dtype, shape, rows=rows))
+    for e in range(n_expert):
+        for hf_name, part in parts:
+            if "{e}" not in hf_name:
+                continue
+            one = dataclasses.replace(part, expert=e)
+            shape = weight_maps.hf_expert_shape(one, info.shape)
+            out.append(OutTensor(hf_name.replace("{e}", str(e)), info.dtype, shape,
+                                 make=lambda e=e, one=one: weight_maps.expert_rows_to_hf(one, expert_rows(e))))
+    return out
 
 
 def _special_tokens(checkpoint_dir: Path) -> dict[str, Any]:

@@ -131,6 +131,7 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
     ("llama-3", "llama-3"),  # llama-3, llama-3.1, llama-3.2
     ("llama-2", "llama-2"),
     ("mistral", "llama-2"),  # Mistral's instruct format is [INST] ... [/INST]
+    ("mixtral", "llama-2"),
     ("qwen", "chatml"),  # qwen2.5, qwen3
     ("smollm3", "chatml"),
     ("gemma", "gemma"),
@@ -141,7 +142,8 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
 )
 # For a model name the table does not know (a custom config): by architecture family, then this.
 DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma",
-                                             "phi": "phi", "qwen3": "chatml", "smollm3": "chatml"}
+                                             "phi": "phi", "qwen3": "chatml", "smollm3": "chatml",
+                                             "mixtral": "llama-2", "qwen3_moe": "chatml"}
 FALLBACK_STYLE = "alpaca"
 
 

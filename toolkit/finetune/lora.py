@@ -31,7 +31,7 @@ from toolkit.training.preference_objectives import PreferenceObjective  # noqa: 
 from toolkit.errors import UserError, did_you_mean
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
 from toolkit.models.adapters import LoRAArgs
-from toolkit.models.param_names import unwrapped_name
+from toolkit.models.param_names import unwrapped_name, without_wrappers
 from toolkit.args import QUANTIZE_CHOICES, DistributedArgs, EvalArgs, LogArgs, QuantizeName, TrainArgs
 
 LORA_TRAIN = TrainArgs(
@@ -48,9 +48,14 @@ def is_adapter_weight(name: str) -> bool:
     return "lora_" in name
 
 
-def adapter_key(name: str) -> str:
-    """Toolkit name of an adapter weight: no wrapper prefixes, no adapter name."""
-    return unwrapped_name(name).replace(".default.", ".")
+def adapter_key(name: str, names: Optional[dict[str, str]] = None) -> str:
+    """Toolkit name of an adapter weight: no wrapper prefixes, no adapter name; with `names`
+    (`adapter_module_names` of the model) an adapter on a parameter is named after the parameter:
+    `blocks.0.mlp.experts.gate_up_proj.lora_A.weight`."""
+    if names is None:
+        return unwrapped_name(name).replace(".default.", ".")
+    module, _, rest = without_wrappers(name).partition(".lora_")
+    return f"{names[module]}.lora_{rest}".replace(".default.", ".")
 
 
 def init_adapters(model, seed: int) -> None:
@@ -192,6 +197,18 @@ def finetune_lora(
     def check_args(config, run_plan, meta_model) -> None:
         if quantize is not None and "head" in lora.targets:
             raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
+        if lora.parameter_names() and not config.is_moe:
+            raise UserError(f"--lora.targets experts: {config.name} has no mixture of experts; drop 'experts'.")
+        if lora.parameter_names() and quantize is not None:
+            raise UserError(
+                "--lora.targets experts cannot be combined with --quantize: peft's adapters on the experts are added "
+                "to their weights, which the 4-bit experts cannot hold; drop 'experts' (the experts stay frozen) or --quantize."
+            )
+        if config.is_moe and quantize is not None and quantize != "nf4":
+            raise UserError(
+                f"--quantize {quantize} quantizes Linear layers only and would leave the experts of {config.name} "
+                "(most of its weights) in 16 bits: use --quantize nf4."
+            )
         if quantize == "nf4" and run_plan.shard_size > 1:
             from toolkit.parallel.nf4 import check_nf4_shardable
 
@@ -257,6 +274,7 @@ def report_nf4_bytes(fabric, model) -> list[int]:
 def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize: Optional[str]) -> Path:
     """Write the adapter in toolkit and peft formats to `<out_dir>/final` (collective call)."""
     from toolkit.model_dir import atomic_directory, save_checkpoint_files
+    from toolkit.models.adapters import adapter_module_names
     from toolkit.safetensors_io import save_file
     from toolkit.training.checkpoint_io import full_state_dict
     from toolkit.training.failures import run_on_rank_zero
@@ -264,7 +282,8 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     fabric = session.fabric
     # Only the adapters are gathered on rank 0 (under FSDP they are sharded with the frozen base,
     # which is never gathered).
-    adapters = {adapter_key(k): v for k, v in full_state_dict(fabric, model, keep=is_adapter_weight).items()}
+    names = adapter_module_names(model)
+    adapters = {adapter_key(k, names): v for k, v in full_state_dict(fabric, model, keep=is_adapter_weight).items()}
     target = session.out_dir / "final"
 
     def write() -> None:
@@ -285,14 +304,44 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
 def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) -> Optional[str]:
     """peft's own adapter format, with the module names of the Hugging Face export of the base.
 
-    Returns why it could not be written (an adapter on a projection that Hugging Face fuses), or None.
+    An adapter on the experts' weights (`blocks.0.mlp.experts.gate_up_proj.lora_A.weight`) is
+    written as peft's LoRA on that parameter of transformers' model (`target_parameters`), which
+    holds all experts in one tensor too (`hf_whole_expert_tensor`): peft's factors (A (r * X, in),
+    B (out, r * X)) mean the same in either model, its own or transposed (peft reads a transposed
+    layout from the module's `is_transposed`); only rows of the weight that transformers orders
+    otherwise (gpt-oss's gate and up rows, alternating) are reordered, in B.
+
+    Returns why it could not be written (an adapter on a projection that Hugging Face fuses, or on
+    experts it keeps in no single tensor), or None.
     """
-    from toolkit.convert.weight_maps import toolkit_to_hf_name
+    import dataclasses
+
+    from toolkit.convert.weight_maps import expert_rows_to_hf, hf_whole_expert_tensor, toolkit_to_hf_name
+    from toolkit.models.adapters import PARAMETER_TARGETS, peft_parameter_paths
     from toolkit.safetensors_io import save_file
 
-    hf_weights, hf_modules = {}, set()
+    # the experts' parameters in the order their module registers them (peft's order of wrapping)
+    parameter_order = [p.rsplit(".", 1)[-1] for names in PARAMETER_TARGETS.values() for p in names]
+
+    def registration_order(name: str) -> int:
+        return parameter_order.index(name.rsplit(".", 1)[-1])
+
+    hf_weights, hf_modules, hf_parameters = {}, set(), set()
+    on_parameters: dict[str, dict[str, dict[str, object]]] = {}  # HF module -> parameter -> {lora part: tensor}
     for name, tensor in adapters.items():
         module, lora_part = name.split(".lora_")  # blocks.0.attn.q_proj, A.weight
+        if any(module.endswith("." + p) for names in PARAMETER_TARGETS.values() for p in names):
+            found = hf_whole_expert_tensor(config.family, module)
+            if found is None:
+                return (f"{config.family} keeps {module} in no single Hugging Face tensor, so this adapter has no "
+                        "peft-format copy; use `toolkit merge_lora` and export the merged model")
+            hf_param, part = found  # model.layers.0.mlp.experts.gate_up_proj
+            if part is not None and part.interleaved and lora_part.startswith("B"):
+                tensor = expert_rows_to_hf(dataclasses.replace(part, transposed=False), tensor)  # B's rows are the weight's
+            hf_module, _, parameter = hf_param.rpartition(".")
+            hf_parameters.add(hf_module.rsplit(".", 1)[-1] + "." + parameter)  # experts.gate_up_proj
+            on_parameters.setdefault(hf_module, {}).setdefault(parameter, {})[lora_part] = tensor
+            continue
         hf_name, index, parts = toolkit_to_hf_name(config.family, module + ".weight")
         if parts > 1:
             return (
@@ -302,8 +351,13 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
         hf_module = hf_name.removesuffix(".weight")
         hf_modules.add(hf_module.rsplit(".", 1)[-1])
         hf_weights[f"base_model.model.{hf_module}.lora_{lora_part}"] = tensor.contiguous()
+    for hf_module, parameters in on_parameters.items():
+        paths = peft_parameter_paths(hf_module, sorted(parameters, key=registration_order))
+        for parameter, tensors in parameters.items():
+            for lora_part, tensor in tensors.items():
+                hf_weights[f"base_model.model.{paths[parameter]}.lora_{lora_part}"] = tensor.contiguous()
     save_file(hf_weights, directory / "adapter_model.safetensors", metadata={"format": "pt"})
-    peft_config = lora.peft_config(sorted(hf_modules)).to_dict()
+    peft_config = lora.peft_config(sorted(hf_modules), sorted(hf_parameters, key=registration_order)).to_dict()
     peft_config["base_model_name_or_path"] = config.hf_repo_id or None
     peft_config["task_type"] = "CAUSAL_LM"
     for key, value in list(peft_config.items()):
@@ -334,9 +388,16 @@ def attach_adapter(model, adapter_dir: Path, lora: LoRAArgs):
 
     from toolkit.safetensors_io import load_file
 
+    from toolkit.models.adapters import adapter_module_names
+
     peft_model = get_peft_model(model, lora.peft_config())
     adapters = load_file(Path(adapter_dir) / ADAPTER_FILE)
-    result = set_peft_model_state_dict(peft_model, {f"base_model.model.{k}": v for k, v in adapters.items()})
+    paths = {toolkit: path for path, toolkit in adapter_module_names(peft_model).items()}
+    state = {}
+    for key, value in adapters.items():
+        module, _, part = key.partition(".lora_")
+        state[f"base_model.model.{paths.get(module, module)}.lora_{part}"] = value
+    result = set_peft_model_state_dict(peft_model, state)
     if result.unexpected_keys:
         raise UserError(f"The adapter in {adapter_dir} does not fit its base model: {result.unexpected_keys[0]} has no place in it.")
     return peft_model

@@ -137,7 +137,7 @@ class ParamSpec:
     shape: tuple[int, ...]
     unit: int  # the block index, or -1 outside the blocks
     trainable: bool
-    kind: Literal["embedding", "linear", "bias", "norm", "lora"]
+    kind: Literal["embedding", "linear", "bias", "norm", "lora", "router"]
     group: Group = "root"
 
     @property

@@ -104,13 +104,20 @@ def _read_specs(model, lora: bool) -> list[ParamSpec]:
         for i, module in enumerate(after):
             for p in module.parameters():
                 group_of.setdefault(id(p), (-1, "head" if i == len(after) - 1 else "output"))
+    from toolkit.models.moe import MoE, GroupedExperts
+
+    routers = {id(m.router) for m in model.modules() if isinstance(m, MoE)}
     kind_of: dict[int, str] = {}
     for module in model.modules():
         for leaf, p in module.named_parameters(recurse=False):
             if isinstance(module, nn.Embedding):
                 kind_of.setdefault(id(p), "embedding")
+            elif isinstance(module, nn.Linear) and id(module) in routers:
+                kind_of.setdefault(id(p), "router" if leaf == "weight" else "bias")
             elif isinstance(module, nn.Linear):
                 kind_of.setdefault(id(p), "linear" if leaf == "weight" else "bias")
+            elif isinstance(module, GroupedExperts):  # (X, out, in): X linear weights; their biases (X, out)
+                kind_of.setdefault(id(p), "linear" if p.ndim == 3 else "bias")
             else:
                 kind_of.setdefault(id(p), "norm")
     specs = []
@@ -167,20 +174,22 @@ def nf4_dequant_bytes(numel: int, compute_bytes: int) -> int:
 
 
 def quantized_names(opts: "Options", specs: list[ParamSpec]) -> set[str]:
-    """The parameters stored quantized: the linear weights of the blocks (not embedding, norms, head)."""
+    """The parameters stored quantized: the linear weights of the blocks, a mixture's experts
+    included (not embedding, norms, head, nor a mixture's router)."""
     return {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
 
 
 def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
     """The first block linear weight (toolkit name, shape) that does not split into `shards` row
-    ranges of whole NF4 groups (`toolkit.parallel.nf4.check_nf4_shardable`'s rule), or None."""
+    ranges of whole NF4 groups (`toolkit.parallel.nf4.check_nf4_shardable`'s rule: experts (X, out,
+    in) split by expert), or None."""
     from toolkit.parallel.nf4 import ROW_ALIGN
 
     for s in parameter_specs(config):
         if s.kind == "linear" and s.unit >= 0:
-            out, inp = s.shape
-            if out % shards or (out // shards) * inp % ROW_ALIGN:
-                return f"{s.name.removesuffix('.weight')} ({out} x {inp})"
+            rows, per_row = s.shape[0], s.numel // s.shape[0]
+            if rows % shards or (rows // shards) * per_row % ROW_ALIGN:
+                return f"{s.name.removesuffix('.weight')} ({' x '.join(str(n) for n in s.shape)})"
     return None
 
 

@@ -5,11 +5,11 @@ heads (query groups), D head size.
 
 Which keys a query sees is said in one place, `key_mask`: causal, a query's sliding window, a KV
 cache's earlier slots and left padding. Scores become outputs in one place, `attend`, which picks
-the kernel: plain causal attention is one SDPA call; a sliding window or a softcap never builds a
-(T, S) mask but runs block-sparse (flex_attention on CUDA; chunks of queries against the keys they
-reach elsewhere, `windowed_attention` and `softcapped_attention`). Packed samples
-(`document_segments`) are attended one sample at a time (`segment_attention`), each as a sequence
-of its length, so windows and softcaps compose with packing.
+the kernel: plain causal attention is one SDPA call; a sliding window, a softcap or attention
+sinks never build a (T, S) mask but run block-sparse (flex_attention on CUDA; chunks of queries
+against the keys they reach elsewhere, `windowed_attention` and `chunked_attention`). Packed
+samples (`document_segments`) are attended one sample at a time (`segment_attention`), each as a
+sequence of its length, so windows, softcaps and sinks compose with packing.
 
 Under torch.compile the per-sample loop runs eagerly between two compiled graphs (projections and
 rotary embedding before it, the output projection after it): traced, its Python loop over sample
@@ -70,14 +70,15 @@ def attention_mask(
 
 
 # ---------------------------------------------------------------------------- one attention call
-# Which kernel runs a window or a softcap: "flex" (flex_attention, compiled: block-sparse, the
-# softcap as a score_mod), "chunked" (the chunked paths below, over SDPA or, with a softcap, plain
-# products), or None: flex on CUDA, chunked elsewhere (torch 2.13's flex_attention has no backward
-# pass on the CPU). See `attention_backend` and benchmarks/README.md (Attention windows).
+# Which kernel runs a window, a softcap or sinks: "flex" (flex_attention, compiled: block-sparse, the
+# softcap as a score_mod, the sinks through its log-sum-exp), "chunked" (the chunked paths below,
+# over SDPA or, with a softcap or sinks, plain products), or None: flex on CUDA, chunked elsewhere
+# (torch 2.13's flex_attention has no backward pass on the CPU). See `attention_backend` and
+# benchmarks/README.md (Attention windows).
 BACKEND: dict[str, Optional[str]] = {"name": None}
 # Queries per SDPA call of a sliding-window layer: each call sees chunk + window - 1 keys.
 WINDOW_CHUNK = 256
-# Queries per chunk of the softcapped path, fewer where their float32 scores (batch x heads x queries
+# Queries per chunk of `chunked_attention`, fewer where their float32 scores (batch x heads x queries
 # x keys) would pass SCORE_CHUNK_BYTES. Measured at T=8192 (benchmarks/attention_window.py): 128
 # rows against 256 to 1024 was 14-55% faster with a 1024-token window and 8-28% without.
 SCORE_CHUNK_ROWS = 128
@@ -100,32 +101,32 @@ def attention_backend(name: Optional[str]) -> Iterator[None]:
 def attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float] = None, window: Optional[int] = None,
     softcap: Optional[float] = None, left_padding: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """softmax(cap(q k^T * scale) where the query sees the key) v: q (B, H, T, D) at the last T of
     the S key slots of k and v (B, G, S, D) -> (B, H, T, D).
 
     Which keys a query sees: `key_mask` (causal, the `window`, `left_padding`). `scale` defaults to
-    1 / sqrt(D); `softcap` c makes each score c * tanh(score / c). Plain causal attention is one SDPA
-    call. A window that matters, or a softcap, runs block-sparse, never through a (T, S) mask: on
-    CUDA through flex_attention; elsewhere a window through one SDPA call per chunk of queries
-    (`windowed_attention`), a softcap through `softcapped_attention`. Decoding (T = 1) looks at one
-    window of keys.
+    1 / sqrt(D); `softcap` c makes each score c * tanh(score / c). `sinks` (H,): attention sinks, a
+    learned logit per head joining every query's softmax as one more key whose value is zero (with
+    log Z the log-sum-exp of a query's scores, its output is y * sigmoid(log Z - sink)).
 
-    The place for attention sinks (a learned logit per head joining every query's softmax as one
-    more key whose value is zero): with log Z the log-sum-exp of a query's scores, its output
-    becomes y * sigmoid(log Z - sink); flex_attention and `softcapped_attention` have log Z at hand.
+    Plain causal attention is one SDPA call. A window that matters, a softcap or sinks run
+    block-sparse, never through a (T, S) mask: on CUDA through flex_attention; elsewhere a window
+    alone through one SDPA call per chunk of queries (`windowed_attention`), a softcap or sinks
+    through `chunked_attention`. Decoding (T = 1) looks at one window of keys.
     """
     T, S = q.shape[2], k.shape[2]
     window = None if window is not None and window >= S else window  # a window as long as the keys is none
-    if window is None and softcap is None:
+    if window is None and softcap is None and sinks is None:
         mask, is_causal = attention_mask(T, S, q.device, None, left_padding)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
         )
     if _use_flex(q, T, S, left_padding):
-        return flex_attend(q, k, v, scale, window, softcap)
-    if softcap is not None:
-        return softcapped_attention(q, k, v, scale, softcap, window, left_padding)
+        return flex_attend(q, k, v, scale, window, softcap, sinks=sinks)
+    if softcap is not None or sinks is not None:
+        return chunked_attention(q, k, v, scale, softcap, window, left_padding, sinks=sinks)
     return windowed_attention(q, k, v, scale, window, left_padding)
 
 
@@ -167,65 +168,82 @@ def windowed_attention(
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
 
-def softcapped_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], softcap: float,
+def chunked_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], softcap: Optional[float] = None,
     window: Optional[int] = None, left_padding: Optional[torch.Tensor] = None, rows: Optional[int] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Attention with softcapped scores, chunk by chunk of queries, as a flash-attention kernel does
-    it: the forward pass keeps each query's log-sum-exp (B, H, T) and its output, never the scores,
-    and the backward pass computes each chunk's scores again. A chunk holds `rows` queries (default:
-    SCORE_CHUNK_ROWS, or as many as SCORE_CHUNK_BYTES of float32 scores hold) against the keys it can
-    reach (all earlier ones, or its window). The products run in the inputs' dtype, the softmax and its gradient in float32.
-    Shapes as `attend`."""
+    """Attention chunk by chunk of queries, as a flash-attention kernel does it: the forward pass
+    keeps each query's log-sum-exp (B, H, T) and its output, never the scores, and the backward
+    pass computes each chunk's scores again. For what SDPA cannot do: softcapped scores and
+    attention sinks (`sinks` (H,): one more logit per head in every query's softmax, whose value is
+    zero). A chunk holds `rows` queries (default: SCORE_CHUNK_ROWS, or as many as SCORE_CHUNK_BYTES
+    of float32 scores hold) against the keys it can reach (all earlier ones, or its window). The
+    products run in the inputs' dtype, the softmax and its gradient in float32. Shapes as `attend`."""
     B, H, T, D = q.shape
     S = k.shape[2]
     if rows is None:  # a chunk of r queries reaches r + window - 1 keys (or all S)
         reach = S if window is None else min(S, SCORE_CHUNK_ROWS + window)
         rows = min(SCORE_CHUNK_ROWS, max(16, SCORE_CHUNK_BYTES // (4 * B * H * reach)))
     scale = D**-0.5 if scale is None else scale
-    return _SoftcappedAttention.apply(q, k, v, scale, softcap, window, left_padding, rows)
+    if sinks is None:
+        sinks = q.new_empty(0)  # autograd.Function takes tensors, not None, for a tensor it may differentiate
+    return _ChunkedAttention.apply(q, k, v, sinks, scale, softcap, window, left_padding, rows)
 
 
-class _SoftcappedAttention(torch.autograd.Function):
-    """`softcapped_attention`. Queries are grouped by their key/value head: q (B, G, H / G, T, D)
-    against k, v (B, G, 1, S, D), so grouped-query attention never copies a key."""
+class _ChunkedAttention(torch.autograd.Function):
+    """`chunked_attention`. Queries are grouped by their key/value head: q (B, G, H / G, T, D)
+    against k, v (B, G, 1, S, D), so grouped-query attention never copies a key.
+
+    With sinks, each query's log-sum-exp takes in its head's sink (lse = log(exp(lse) + exp(sink)))
+    and the probabilities of the real keys are exp(score - lse): they sum to less than one, the
+    rest going to the sink, whose value is zero. Its gradient is -sum over queries of p_sink * delta
+    (delta = sum over keys of probs * d(probs), as for any score whose d(prob) is zero)."""
 
     @staticmethod
-    def _probs(qc, kc, scale, softcap, mask, lse=None):
-        """Float32 tanh(scores / cap) and probabilities (B, G, R, rows, keys) of a chunk, with its
-        log-sum-exp (B, G, R, rows) (computed, or the forward pass's `lse`). Without `lse` (the
-        forward pass) the tanh is not kept: its buffer becomes the probabilities."""
-        tanh = (qc @ kc.transpose(-1, -2)).float().mul_(scale / softcap).tanh_()
-        scores = (tanh.mul_(softcap) if lse is None else tanh * softcap).masked_fill_(~mask, float("-inf"))
+    def _probs(qc, kc, scale, softcap, mask, lse=None, sinks=None):
+        """Float32 tanh(scores / cap) (None without a cap) and probabilities (B, G, R, rows, keys) of
+        a chunk, with its log-sum-exp (B, G, R, rows), the sinks' logits (G, R, 1) taken in (computed,
+        or the forward pass's `lse`). Without `lse` (the forward pass) the tanh is not kept: its
+        buffer becomes the probabilities."""
+        scores = (qc @ kc.transpose(-1, -2)).float().mul_(scale if softcap is None else scale / softcap)
+        tanh = None
+        if softcap is not None:
+            tanh = scores.tanh_()
+            scores = tanh.mul_(softcap) if lse is None else tanh * softcap
+        scores = scores.masked_fill_(~mask, float("-inf"))
         if lse is None:
             lse = torch.logsumexp(scores, dim=-1)
+            if sinks is not None:
+                lse = torch.logaddexp(lse, sinks)
         return tanh, scores.sub_(lse[..., None]).exp_(), lse
 
     @staticmethod
-    def forward(ctx, q, k, v, scale, softcap, window, left_padding, rows):
+    def forward(ctx, q, k, v, sinks, scale, softcap, window, left_padding, rows):
         B, H, T, D = q.shape
         G, S = k.shape[1], k.shape[2]
         qg = q.reshape(B, G, H // G, T, D)
         kg, vg = k[:, :, None], v[:, :, None]  # (B, G, 1, S, D)
+        sink = sinks.float().view(G, H // G, 1) if sinks.numel() else None  # (G, R, 1): per query head
         out = torch.empty_like(qg)
         lse = torch.empty((B, G, H // G, T), dtype=torch.float32, device=q.device)
         for first, end, lo, hi in _query_chunks(T, S, rows, window):
             mask = _chunk_mask(S - T + first, end - first, lo, hi - lo, q.device, window, left_padding)
-            _, probs, lse[..., first:end] = _SoftcappedAttention._probs(
-                qg[..., first:end, :], kg[..., lo:hi, :], scale, softcap, mask)
+            _, probs, lse[..., first:end] = _ChunkedAttention._probs(
+                qg[..., first:end, :], kg[..., lo:hi, :], scale, softcap, mask, sinks=sink)
             out[..., first:end, :] = probs.to(v.dtype) @ vg[..., lo:hi, :]
-        ctx.save_for_backward(q, k, v, out, lse, left_padding)
+        ctx.save_for_backward(q, k, v, sinks, out, lse, left_padding)
         ctx.settings = (scale, softcap, window, rows)
         return out.view(B, H, T, D)
 
     @staticmethod
     def backward(ctx, grad_out):
         with torch.autocast(grad_out.device.type, enabled=False):  # float32 throughout, whoever calls backward
-            return _SoftcappedAttention._backward(ctx, grad_out)
+            return _ChunkedAttention._backward(ctx, grad_out)
 
     @staticmethod
     def _backward(ctx, grad_out):
-        q, k, v, out, lse, left_padding = ctx.saved_tensors
+        q, k, v, sinks, out, lse, left_padding = ctx.saved_tensors
         scale, softcap, window, rows = ctx.settings
         B, H, T, D = q.shape
         G, S = k.shape[1], k.shape[2]
@@ -239,15 +257,22 @@ class _SoftcappedAttention(torch.autograd.Function):
         for first, end, lo, hi in _query_chunks(T, S, rows, window):
             mask = _chunk_mask(S - T + first, end - first, lo, hi - lo, q.device, window, left_padding)
             qc, kc, vc = qg[..., first:end, :], kg[..., lo:hi, :], vg[..., lo:hi, :]
-            capped, probs, _ = _SoftcappedAttention._probs(qc, kc, scale, softcap, mask, lse[..., first:end])
+            tanh, probs, _ = _ChunkedAttention._probs(qc, kc, scale, softcap, mask, lse[..., first:end])
             doc = dout[..., first:end, :]
             dv[:, :, lo:hi] += (probs.transpose(-1, -2) @ doc).sum(2)
-            # d(capped score) = probs * (d(probs) - delta); through cap * tanh(x / cap): * (1 - tanh^2)
+            # d(score) = probs * (d(probs) - delta); through cap * tanh(x / cap): * (1 - tanh^2)
             grad = probs.mul_((doc @ vc.float().transpose(-1, -2)).sub_(delta[..., first:end, None]))
-            grad.mul_(capped.square_().neg_().add_(1.0)).mul_(scale)
+            if tanh is not None:
+                grad.mul_(tanh.square_().neg_().add_(1.0))
+            grad.mul_(scale)
             dq[..., first:end, :] = grad @ kc.float()
             dk[:, :, lo:hi] += (grad.transpose(-1, -2) @ qc.float()).sum(2)
-        return dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
+        dsinks = None
+        if sinks.numel():  # p_sink (B, G, R, T) = exp(sink - lse); d(sink) = -sum of p_sink * delta
+            p_sink = (sinks.float().view(G, H // G, 1) - lse).exp_()
+            dsinks = -(p_sink * delta).sum(dim=(0, 3)).view(H).to(sinks.dtype)
+        return (dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks,
+                None, None, None, None, None)
 
 
 def _chunk_mask(q_start, n_queries, k_start, n_keys, device, window, left_padding) -> torch.Tensor:
@@ -262,13 +287,17 @@ _FLEX: dict = {}  # the compiled flex_attention
 
 def flex_attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: Optional[float], window: Optional[int],
-    softcap: Optional[float], document_ids: Optional[torch.Tensor] = None,
+    softcap: Optional[float], document_ids: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """`attend` (T = S, no padding) through flex_attention: the causal mask, the window and the
     documents of a packed row (`document_ids` (B, T)) as a block mask, whose blocks that no query
     sees are skipped (O(T * window) work for a window), and the softcap as a score_mod. Compiled
-    (`torch.compile(flex_attention)`; inside a compiled model, traced into its graph)."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    (`torch.compile(flex_attention)`; inside a compiled model, traced into its graph).
+
+    `sinks` (H,): the output scaled by sigmoid(lse - sink) with the kernel's log-sum-exp (B, H, T),
+    through which gradients flow (torch 2.13's Triton backward takes d(lse); its experimental
+    "FLASH" backend, which the toolkit does not ask for, refuses it)."""
+    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
     B, H, T, D = q.shape
 
@@ -293,8 +322,13 @@ def flex_attend(
                 _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
             _BLOCK_MASKS[key] = block_mask
     kernel = flex_attention if compiling or q.device.type != "cuda" else _compiled_flex()
-    return kernel(q, k, v, score_mod=None if softcap is None else cap, block_mask=block_mask, scale=scale,
-                  enable_gqa=k.shape[1] != H)
+    score_mod = None if softcap is None else cap
+    if sinks is None:
+        return kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != H)
+    out, aux = kernel(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != H,
+                      return_aux=AuxRequest(lse=True))
+    kept = torch.sigmoid(aux.lse - sinks.float()[:, None])  # (B, H, T): the share of the real keys
+    return (out.float() * kept[..., None]).to(out.dtype)
 
 
 def _compiled_flex():
@@ -328,6 +362,8 @@ class CausalSelfAttention(nn.Module):
         self.rope_kind = "local" if layer.window is not None and config.rope_local_base is not None else "global"
         self.scale = None if config.query_pre_attn_scalar is None else config.query_pre_attn_scalar**-0.5
         self.softcap = config.attn_logit_softcap
+        # (H,) one logit per query head that joins each query's softmax as a key whose value is zero
+        self.sinks = nn.Parameter(torch.zeros(H)) if config.attention_sinks else None
         self.kv_cache: Optional[KVCache] = None
 
     def forward(
@@ -352,14 +388,14 @@ class CausalSelfAttention(nn.Module):
 
         if segments is not None:
             per_sample = torch.compiler.disable(segment_attention) if torch.compiler.is_compiling() else segment_attention
-            y = per_sample(q, k, v, segments, self.scale, self.window, self.softcap)  # (B, H, T, D)
+            y = per_sample(q, k, v, segments, self.scale, self.window, self.softcap, self.sinks)  # (B, H, T, D)
         else:
             padding = None
             if self.kv_cache is not None:
                 start = 0 if input_pos is None else input_pos
                 k, v = self.kv_cache.update(start, k, v)  # (B, G, start + T, D)
                 padding = None if self.kv_cache.left_padding is None else self.kv_cache.left_padding[:B]
-            y = attend(q, k, v, self.scale, self.window, self.softcap, padding)  # (B, H, T, D)
+            y = attend(q, k, v, self.scale, self.window, self.softcap, padding, self.sinks)  # (B, H, T, D)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_size))
 
 
@@ -388,13 +424,13 @@ def document_segments(document_ids: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 def segment_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: torch.Tensor, scale: Optional[float] = None,
-    window: Optional[int] = None, softcap: Optional[float] = None,
+    window: Optional[int] = None, softcap: Optional[float] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention within each segment of each row: q (B, H, T, D), k and v (B, G, T, D) -> (B, H, T, D).
     `segments` (B, R): each row's segment lengths, then zeros (`document_segments`).
 
     Each sample of n tokens is attended as a sequence of n tokens (`attend`, with the layer's
-    `scale`, `window` and `softcap`), so windows and softcaps compose with packing.
+    `scale`, `window`, `softcap` and `sinks`), so windows, softcaps and sinks compose with packing.
 
     One call per sample, the CPU form of a variable-length ("varlen") kernel: a sample of n tokens
     costs n^2 / 2, never the T^2 of a block-diagonal mask over the whole row. Measured on CPU
@@ -402,18 +438,18 @@ def segment_attention(
     per row, one call per sample took 189 ms forward + backward, SDPA with a boolean
     block-diagonal mask 1320 ms, plain causal SDPA over the row 812 ms; flex_attention has no
     backward on CPU in torch 2.13. Where `attend` would use flex_attention (CUDA), a row with a
-    window or a softcap is one flex_attention call whose block mask holds the documents.
+    window, a softcap or sinks is one flex_attention call whose block mask holds the documents.
     """
     T = q.shape[2]
-    if (window is not None or softcap is not None) and _use_flex(q, T, T, None):
+    if (window is not None or softcap is not None or sinks is not None) and _use_flex(q, T, T, None):
         document_ids = torch.repeat_interleave(  # (B, T): the index of each token's sample in its row
             torch.arange(segments.shape[1]).expand_as(segments).reshape(-1), segments.reshape(-1)
         ).view(q.shape[0], T).to(q.device)
-        return flex_attend(q, k, v, scale, window, softcap, document_ids)
+        return flex_attend(q, k, v, scale, window, softcap, document_ids, sinks)
     rows = []
     for b, row in enumerate(segments.tolist()):
         lengths = [n for n in row if n]
         qs, ks, vs = (t[b : b + 1].split(lengths, dim=2) for t in (q, k, v))
-        parts = [attend(qi, ki, vi, scale, window, softcap) for qi, ki, vi in zip(qs, ks, vs)]
+        parts = [attend(qi, ki, vi, scale, window, softcap, sinks=sinks) for qi, ki, vi in zip(qs, ks, vs)]
         rows.append(torch.cat(parts, dim=2) if len(parts) > 1 else parts[0])
     return torch.cat(rows, dim=0) if len(rows) > 1 else rows[0]

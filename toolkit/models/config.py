@@ -47,7 +47,7 @@ class Config:
     hf_repo_id: str = ""
     # Architecture family: selects the weight-name map for Hugging Face conversion.
     family: Literal["llama", "mistral", "qwen2", "gemma", "gemma2", "gemma3", "phi", "gpt_neox",
-                    "qwen3", "olmo2", "smollm3", "phi3"] = "llama"
+                    "qwen3", "olmo2", "smollm3", "phi3", "mixtral", "qwen3_moe", "olmoe", "gpt_oss"] = "llama"
 
     # --- sizes
     vocab_size: int = 32000  # rows of the embedding and of the output head
@@ -313,6 +313,8 @@ class Config:
         from toolkit.models.presets import find_preset
 
         preset = find_preset(name)
+        if "n_layer" in overrides:
+            preset = resize_layer_lists(preset, overrides["n_layer"], keep=set(overrides))
         return cls.from_dict({**preset, **overrides})
 
     @classmethod
@@ -376,3 +378,40 @@ class Config:
     @property
     def kv_heads(self) -> int:
         return self.n_query_groups  # type: ignore[return-value]
+
+
+# Fields that say something per layer: a list of n_layer entries, or a list of layer indices.
+PER_LAYER_LISTS = ("layer_types",)
+LAYER_INDEX_LISTS = ("no_rope_layers", "moe_layers")
+
+
+def _period(pattern: list) -> int:
+    """The shortest p with pattern[i] == pattern[i % p] for every i."""
+    return next(p for p in range(1, len(pattern) + 1) if all(v == pattern[i % p] for i, v in enumerate(pattern)))
+
+
+def resize_layer_lists(values: dict[str, Any], n_layer: Any, keep: set[str]) -> dict[str, Any]:
+    """`values` with its per-layer fields fitted to `n_layer` layers, so that `--model_overrides
+    '{n_layer: 4}'` gives a smaller model of the same kind: each per-layer pattern (Gemma's five local
+    layers and one global, SmolLM3's NoPE every fourth layer, Qwen3-MoE's dense layers) is repeated or
+    cut at its period. A pattern that does not repeat within the preset is cut, never invented: a
+    deeper model with one is refused, naming the field to set. Fields in `keep` (overridden too) are
+    left as given."""
+    if isinstance(n_layer, bool) or not isinstance(n_layer, int) or n_layer < 1:
+        return values  # Config's own checks name the problem
+    values = dict(values)
+    old = values.get("n_layer")
+    for name in PER_LAYER_LISTS + LAYER_INDEX_LISTS:
+        entries = values.get(name)
+        if name in keep or entries is None or not isinstance(old, int) or old == n_layer:
+            continue
+        pattern = entries if name in PER_LAYER_LISTS else [i in entries for i in range(old)]
+        period = _period(pattern)
+        if n_layer > old and period == len(pattern) and len(pattern) > 1:
+            raise UserError(
+                f"--model_overrides sets n_layer={n_layer}, but the preset's {name} ({len(pattern)} layers) has no "
+                f"repeating pattern to extend: set {name} too"
+            )
+        fitted = [pattern[i % period] for i in range(n_layer)]
+        values[name] = fitted if name in PER_LAYER_LISTS else [i for i, chosen in enumerate(fitted) if chosen]
+    return values

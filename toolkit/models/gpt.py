@@ -336,7 +336,7 @@ def init_specs(model: nn.Module, n_layer: int, std: float = 0.02) -> dict[str, t
 
     Linear and embedding weights ~ N(0, std); the projections that write into the residual stream
     (attention output, MLP output) use std / sqrt(2 * n_layer) so the residual's variance does not
-    grow with depth. Biases start at zero, norms at identity.
+    grow with depth. Biases and attention sinks start at zero, norms at identity.
     """
     residual_std = std / math.sqrt(2 * n_layer)
     specs: dict[str, tuple[str, float]] = {}
@@ -351,6 +351,8 @@ def init_specs(model: nn.Module, n_layer: int, std: float = 0.02) -> dict[str, t
             specs[prefix + "weight"], specs[prefix + "bias"] = ("ones", 0.0), ("zeros", 0.0)
         elif isinstance(module, RMSNorm):
             specs[prefix + "weight"] = ("zeros", 0.0) if module.unit_offset else ("ones", 0.0)
+        elif isinstance(module, CausalSelfAttention) and module.sinks is not None:
+            specs[prefix + "sinks"] = ("zeros", 0.0)  # a sink starts as one more key of score 0
         elif isinstance(module, GroupedExperts):
             specs[prefix + "gate_up_proj"], specs[prefix + "down_proj"] = ("normal", std), ("normal", residual_std)
             if module.gate_up_bias is not None:

@@ -31,8 +31,8 @@ from toolkit.models.config import Config
 from toolkit.models.mlp import gated_activation
 
 # Which kernel runs the experts: "grouped" (torch._grouped_mm: one product per weight for all
-# experts), "loop" (a product per expert), None: grouped where torch has it for the weights' device
-# and dtype (CPU; CUDA bf16 on compute capability 9.0+), else loop.
+# experts), "loop" (a product per expert), None: grouped for bf16 weights where torch has it (CPU;
+# CUDA on compute capability 9.0+), else loop.
 BACKEND: dict[str, Optional[str]] = {"name": None}
 
 
@@ -50,15 +50,15 @@ def expert_backend(name: Optional[str]) -> Iterator[None]:
 
 
 def _use_grouped(weight: torch.Tensor) -> bool:
+    """Grouped products take bf16 weights (CUDA: compute capability 9.0+); torch's CPU kernel also
+    runs float32 eagerly, but its shape function (compiled blocks, the simulated step) does not."""
     if BACKEND["name"] is not None:
         return BACKEND["name"] == "grouped"
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or weight.dtype != torch.bfloat16:
         return False
-    if weight.device.type == "cpu":
-        return True
     if weight.device.type == "cuda":
-        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device)[0] >= 9
-    return False
+        return torch.cuda.get_device_capability(weight.device)[0] >= 9
+    return weight.device.type in ("cpu", "meta")
 
 
 class GroupedExperts(nn.Module):
@@ -84,31 +84,36 @@ class GroupedExperts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(X, C)) if config.bias else None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if _use_grouped(self.gate_up_proj):
-            return self._grouped(x, counts)
-        return self._looped(x, counts)
-
-    def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
-        h = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=ends)  # (M, 2I)
+        grouped = _use_grouped(self.gate_up_proj)
+        experts = None  # (M,) each row's expert, for the biases
         if self.gate_up_bias is not None:
             experts = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
+        h = self.product(x, self.gate_up_proj, counts, grouped)  # (M, 2I)
+        if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[experts]
         h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config).contiguous()  # (M, I)
-        y = torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=ends)  # (M, C)
+        y = self.product(h, self.down_proj, counts, grouped)  # (M, C)
         if self.down_bias is not None:
             y = y + self.down_bias[experts]
         return y
 
-    def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        outputs = []
-        for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
-            if not rows.shape[0]:
-                continue
-            h = F.linear(rows, self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
-            h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config)
-            outputs.append(F.linear(h, self.down_proj[e], None if self.down_bias is None else self.down_bias[e]))
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
+    def product(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+        """x (M, in) sorted by expert, weight (X, out, in) -> (M, out). The seam a subclass that stores
+        the weights otherwise (`toolkit.parallel.nf4`'s 4-bit experts) changes."""
+        return expert_product(x, weight, counts, grouped)
+
+
+def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
+    """x (M, in), rows sorted by expert, counts (X,) rows per expert, weight (X, out, in) -> (M, out):
+    each expert's run of rows times its matrix, as one grouped product or one product per expert."""
+    if grouped:
+        ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
+        return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    # unbind, not indexing: the backward of weight[e] would write a zero gradient of the whole
+    # (X, ...) tensor per expert, X times; unbind's stacks the X gradients once
+    matrices = weight.unbind(0)
+    outputs = [F.linear(rows, matrices[e]) for e, rows in enumerate(x.split(counts.tolist(), dim=0)) if rows.shape[0]]
+    return torch.cat(outputs) if outputs else x.new_zeros(0, weight.shape[1])
 
 
 @dataclass
@@ -150,7 +155,10 @@ class MoE(nn.Module):
         logits, probs, chosen, weights = self.route(flat)
         assignments = chosen.reshape(-1)  # (M,): token n's k-th expert at n * K + k
         order = assignments.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
-        counts = torch.bincount(assignments, minlength=self.n_expert)  # (X,)
+        # (X,) assignments per expert; a fixed-size sum rather than bincount, whose size depends on the
+        # values, so that compiled blocks see static shapes
+        counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).index_add_(
+            0, assignments, torch.ones_like(assignments))
         token_of_row = order // self.top_k  # (M,)
         y = self.experts(flat[token_of_row], counts)  # (M, C)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)

@@ -365,7 +365,85 @@ SMOLLM3 = [
          no_rope_layers=list(range(3, 36, 4)), expected_params=3_075_098_624),
 ]
 
-PRESETS: list[dict[str, Any]] = [*LLAMA, *MISTRAL, *QWEN2, *GEMMA, *GEMMA_2_3, *PHI, *PHI3, *PYTHIA, *QWEN3, *OLMO2, *SMOLLM3, *DEBUG]
+# Mixtures of experts. Mixtral: Mistral's layer with 8 experts of intermediate_size per layer, top 2,
+# renormalised; the 8x22B repositories hold the v3 tokenizer's 32768 tokens. Parameter counts are
+# those of transformers' own classes built from the published config.json files.
+_MIXTRAL = dict(family="mixtral", rope_base=1000000.0, n_query_groups=8, n_expert=8, n_expert_per_token=2)
+_MIXTRAL_8X7B = dict(_MIXTRAL, vocab_size=32000, block_size=32768, n_layer=32, n_embd=4096, n_head=32,
+                     intermediate_size=14336, router_aux_loss_coef=0.02, expected_params=46_702_792_704)
+_MIXTRAL_8X22B = dict(_MIXTRAL, vocab_size=32768, block_size=65536, n_layer=56, n_embd=6144, n_head=48,
+                      intermediate_size=16384, router_aux_loss_coef=0.001, expected_params=140_630_071_296)
+MIXTRAL = [
+    dict(_MIXTRAL_8X7B, name="mixtral-8x7b", aliases=["mixtral-8x7b-v0.1"], hf_repo_id="mistralai/Mixtral-8x7B-v0.1"),
+    dict(_MIXTRAL_8X7B, name="mixtral-8x7b-instruct", aliases=["mixtral-8x7b-instruct-v0.1"],
+         hf_repo_id="mistralai/Mixtral-8x7B-Instruct-v0.1"),
+    dict(_MIXTRAL_8X22B, name="mixtral-8x22b", aliases=["mixtral-8x22b-v0.1"],
+         hf_repo_id="mistralai/Mixtral-8x22B-v0.1"),
+    dict(_MIXTRAL_8X22B, name="mixtral-8x22b-instruct", aliases=["mixtral-8x22b-instruct-v0.1"],
+         hf_repo_id="mistralai/Mixtral-8x22B-Instruct-v0.1"),
+]
+
+# Qwen3-MoE: Qwen3's attention (head size 128, per-head QK norm) and 128 experts per layer, top 8,
+# renormalised; every layer sparse. The 2507 release reads 256K tokens with a larger RoPE base.
+_QWEN3_MOE = dict(family="qwen3_moe", vocab_size=151936, block_size=40960, head_size=128, n_query_groups=4,
+                  rope_base=1000000.0, norm_eps=1e-6, qk_norm="head", n_expert=128, n_expert_per_token=8,
+                  router_aux_loss_coef=0.001)
+_QWEN3_30B_A3B = dict(_QWEN3_MOE, n_layer=48, n_embd=2048, n_head=32, intermediate_size=6144, moe_intermediate_size=768,
+                      expected_params=30_532_122_624)
+QWEN3_MOE = [
+    dict(_QWEN3_30B_A3B, name="qwen3-30b-a3b", hf_repo_id="Qwen/Qwen3-30B-A3B"),
+    dict(_QWEN3_30B_A3B, name="qwen3-30b-a3b-instruct-2507", hf_repo_id="Qwen/Qwen3-30B-A3B-Instruct-2507",
+         block_size=262144, rope_base=10000000.0),
+    dict(_QWEN3_MOE, name="qwen3-235b-a22b", hf_repo_id="Qwen/Qwen3-235B-A22B", n_layer=94, n_embd=4096, n_head=64,
+         intermediate_size=12288, moe_intermediate_size=1536, expected_params=235_093_634_560),
+]
+
+# OLMoE: Llama's pre-norm layer with QK norms over the whole projections, 64 experts of 1024, top 8,
+# not renormalised.
+_OLMOE = dict(family="olmoe", vocab_size=50304, block_size=4096, n_layer=16, n_embd=2048, n_head=16,
+              intermediate_size=1024, qk_norm="projection", n_expert=64, n_expert_per_token=8, router_norm_topk=False,
+              router_aux_loss_coef=0.01, expected_params=6_919_161_856)
+OLMOE = [
+    dict(_OLMOE, name="olmoe-1b-7b", aliases=["olmoe-1b-7b-0924"], hf_repo_id="allenai/OLMoE-1B-7B-0924"),
+    dict(_OLMOE, name="olmoe-1b-7b-instruct", aliases=["olmoe-1b-7b-0924-instruct"],
+         hf_repo_id="allenai/OLMoE-1B-7B-0924-Instruct"),
+]
+
+# Tiny mixtures of experts: one per family, each layer kind present (Qwen3-MoE: a dense layer too)
+DEBUG_MOE = [
+    dict(name="debug-mixtral", family="mixtral", vocab_size=512, block_size=256, n_layer=2, n_embd=64, n_head=4,
+         n_query_groups=2, intermediate_size=96, rope_base=1000000.0, n_expert=4, n_expert_per_token=2,
+         router_aux_loss_coef=0.02),
+    dict(name="debug-qwen3-moe", family="qwen3_moe", vocab_size=512, block_size=256, n_layer=3, n_embd=64, n_head=4,
+         n_query_groups=2, head_size=32, intermediate_size=128, moe_intermediate_size=48, norm_eps=1e-6, qk_norm="head",
+         n_expert=8, n_expert_per_token=2, moe_layers=[0, 2], router_aux_loss_coef=0.001),
+    dict(name="debug-olmoe", family="olmoe", vocab_size=512, block_size=256, n_layer=2, n_embd=64, n_head=4,
+         intermediate_size=48, qk_norm="projection", n_expert=8, n_expert_per_token=2, router_norm_topk=False,
+         router_aux_loss_coef=0.01),
+]
+
+# gpt-oss: every layer a mixture of 2880-wide experts (top-4, biased router and experts, clamped
+# SwiGLU), attention with biases and a sink per head, layers alternating a 128-token window and full
+# attention from the first, YaRN (factor 32 over 4096 tokens, not truncated) on base 150000. The
+# published checkpoints store the experts as MXFP4, dequantized to bf16 at conversion.
+# router_aux_loss_coef: 0.9 in the published config.json files.
+_GPT_OSS = dict(
+    family="gpt_oss", vocab_size=201088, block_size=131072, n_embd=2880, n_head=64, n_query_groups=8, head_size=64,
+    intermediate_size=2880, n_expert_per_token=4, norm_eps=1e-5, mlp="clamped_swiglu", bias=True,
+    attention_sinks=True, rope_base=150000.0, sliding_window=128,
+    rope_scaling={"rope_type": "yarn", "factor": 32.0, "original_max_seq_len": 4096, "beta_fast": 32.0,
+                  "beta_slow": 1.0, "attention_factor": 0.1 * math.log(32.0) + 1.0, "truncate": False},
+    router_aux_loss_coef=0.9, swiglu_limit=7.0, swiglu_alpha=1.702,
+)
+GPT_OSS = [
+    dict(name="gpt-oss-20b", hf_repo_id="openai/gpt-oss-20b", **_GPT_OSS, n_layer=24, n_expert=32,
+         layer_types=_every_nth_global(24, 2), expected_params=20_914_757_184),
+    dict(name="gpt-oss-120b", hf_repo_id="openai/gpt-oss-120b", **_GPT_OSS, n_layer=36, n_expert=128,
+         layer_types=_every_nth_global(36, 2), expected_params=116_829_156_672),
+]
+
+PRESETS: list[dict[str, Any]] = [*LLAMA, *MISTRAL, *QWEN2, *GEMMA, *GEMMA_2_3, *PHI, *PHI3, *PYTHIA, *QWEN3, *OLMO2,
+                                 *SMOLLM3, *MIXTRAL, *QWEN3_MOE, *OLMOE, *GPT_OSS, *DEBUG, *DEBUG_MOE]
 
 
 # Family id (Config.family) -> the name `toolkit list` shows; a family not listed shows its id.
@@ -373,6 +451,8 @@ FAMILY_TITLES: dict[str, str] = {
     "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2.5", "qwen3": "Qwen3", "gemma": "Gemma", "gemma2": "Gemma 2",
     "gemma3": "Gemma 3",
     "phi": "Phi", "phi3": "Phi-3 and Phi-4", "gpt_neox": "GPT-NeoX (Pythia)", "olmo2": "OLMo 2", "smollm3": "SmolLM3",
+    "mixtral": "Mixtral (mixture of experts)", "qwen3_moe": "Qwen3-MoE (mixture of experts)",
+    "olmoe": "OLMoE (mixture of experts)", "gpt_oss": "gpt-oss (mixture of experts)",
 }
 # The title of the group of presets that mirror no published model (tests, the CPU quick start).
 TINY_TITLE = "Tiny models for tests and the CPU quick start"

@@ -4,6 +4,11 @@
 `linear_nf4` (dequantize to the input's dtype, then `F.linear`). torchao's tensor subclass knows how
 FSDP2 shards and gathers it, so the 4-bit base is sharded like every other frozen weight.
 
+A mixture of experts' 3-D weights (X, out, in) are stored the same way as 2-D NF4Tensors (X, out * in),
+one row per expert (torchao's NF4 shards and gathers 2-D tensors only), so FSDP2 shards them by
+expert; `NF4Experts` dequantizes a layer's experts for each product and again in its backward pass.
+The router stays as it is: a small matrix whose rounding would move tokens to other experts.
+
 The format (torchao's, QLoRA's defaults):
 
     weight (out, in), flattened  ->  blocks of BLOCK = 64 values, each scaled by its absmax
@@ -81,9 +86,12 @@ def nf4_quantize(weight: Tensor, dtype: Any):
     return nf4_from_rows(weight, dtype, block_absmax_sum(weight, dtype), weight.numel() // BLOCK)
 
 
-def _nf4_linear_class() -> type:
+def _nf4_classes() -> tuple[type, type]:
+    import torch
     import torch.nn as nn
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4
+
+    from toolkit.models.moe import GroupedExperts, expert_product
 
     class NF4Linear(nn.Linear):
         """A frozen Linear whose weight is an NF4Tensor (an nn.Linear, so that peft wraps it with LoRA)."""
@@ -92,7 +100,38 @@ def _nf4_linear_class() -> type:
             out = linear_nf4(x, self.weight)  # dequantized to x's dtype; autocast then computes in its dtype
             return out if self.bias is None else out + self.bias
 
-    return NF4Linear
+    class NF4ExpertProduct(torch.autograd.Function):
+        """x (M, in) sorted by expert times the NF4 experts `weight` (X, out * in) -> (M, out).
+
+        Only the NF4 weight is kept for the backward pass, which dequantizes it again for the input's
+        gradient (the weight gets none), as `linear_nf4` does: a layer's dequantized experts live
+        for one product, not from the forward pass to the backward pass."""
+
+        @staticmethod
+        def forward(ctx, x, weight, counts, grouped):
+            ctx.save_for_backward(counts)
+            ctx.weight, ctx.grouped = weight, grouped
+            return expert_product(x, _dequantized(weight, x), counts, grouped)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (counts,) = ctx.saved_tensors
+            weight = _dequantized(ctx.weight, grad, rows=grad.shape[1])  # (X, out, in)
+            # each run of rows times its expert's (out, in) matrix untransposed: (M, out) -> (M, in)
+            return expert_product(grad, weight.transpose(-2, -1), counts, ctx.grouped), None, None, None
+
+    def _dequantized(weight, like, rows=None):
+        """The NF4 experts (X, out * in) as (X, out, in) in `like`'s dtype (`in` from `like` unless `rows` gives `out`)."""
+        dense = weight.to(like.dtype)
+        return dense.view(weight.shape[0], rows, -1) if rows is not None else dense.view(weight.shape[0], -1, like.shape[1])
+
+    class NF4Experts(GroupedExperts):
+        """Frozen experts whose weights are NF4Tensors (X, out * in), one row per expert."""
+
+        def product(self, x, weight, counts, grouped):
+            return NF4ExpertProduct.apply(x, weight, counts, grouped)
+
+    return NF4Linear, NF4Experts
 
 
 _CLASSES: list = []
@@ -100,12 +139,18 @@ _CLASSES: list = []
 
 def nf4_linear_class() -> type:
     if not _CLASSES:
-        _CLASSES.append(_nf4_linear_class())
+        _CLASSES.extend(_nf4_classes())
     return _CLASSES[0]
 
 
+def nf4_experts_class() -> type:
+    nf4_linear_class()
+    return _CLASSES[1]
+
+
 def quantize_blocks_nf4(model, dtype: Any, device: Any = "cpu") -> None:
-    """Replace every Linear inside the blocks by an NF4Linear holding its weight in NF4 (`dtype` to compute).
+    """Replace every Linear inside the blocks by an NF4Linear holding its weight in NF4 (`dtype` to
+    compute), and every mixture of experts' experts by NF4Experts; a router stays as it is.
 
     On the meta device (how finetune_lora builds it) the NF4 weights are empty, filled later weight
     by weight as they are read (`toolkit.training.model_setup.setup_model`: each rank's own rows
@@ -117,33 +162,61 @@ def quantize_blocks_nf4(model, dtype: Any, device: Any = "cpu") -> None:
     import torch
     import torch.nn as nn
 
-    cls = nf4_linear_class()
+    from toolkit.models.moe import GroupedExperts, MoE
+
+    linear_cls, experts_cls = nf4_linear_class(), nf4_experts_class()
+
+    def nf4_parameter(weight):
+        # experts (X, out, in) as (X, out * in): the same values in the same order, one row per expert
+        quantized = nf4_quantize(weight.detach().reshape(weight.shape[0], -1), dtype)
+        if quantized.is_meta:
+            quantized.scaler_mean = torch.zeros((), dtype=dtype, device=device)
+            quantized.nf4 = torch.zeros(len(NF4_LEVELS), dtype=dtype, device=device)
+        return nn.Parameter(quantized, requires_grad=False)
+
+    def frozen(param):
+        return nn.Parameter(param.detach().to(dtype), requires_grad=False)
+
     for block in model.blocks:
         for parent in list(block.modules()):
             for child_name, child in list(parent.named_children()):
-                if not isinstance(child, nn.Linear) or isinstance(child, cls):
-                    continue
-                layer = cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
-                weight = nf4_quantize(child.weight.detach(), dtype)
-                if weight.is_meta:
-                    weight.scaler_mean = torch.zeros((), dtype=dtype, device=device)
-                    weight.nf4 = torch.zeros(len(NF4_LEVELS), dtype=dtype, device=device)
-                layer.weight = nn.Parameter(weight, requires_grad=False)
-                if child.bias is not None:
-                    layer.bias = nn.Parameter(child.bias.detach().to(dtype), requires_grad=False)
-                setattr(parent, child_name, layer)
+                if isinstance(child, GroupedExperts) and not isinstance(child, experts_cls):
+                    with torch.device("meta"):
+                        experts = experts_cls(child.config)
+                    for name, param in child.named_parameters(recurse=False):  # 3-D weights; biases (X, out) stay
+                        setattr(experts, name, nf4_parameter(param) if param.ndim == 3 else frozen(param))
+                    setattr(parent, child_name, experts)
+                elif isinstance(child, nn.Linear) and not isinstance(child, linear_cls) and not isinstance(parent, MoE):
+                    layer = linear_cls(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                    layer.weight = nf4_parameter(child.weight)
+                    if child.bias is not None:
+                        layer.bias = frozen(child.bias)
+                    setattr(parent, child_name, layer)
 
 
 def check_nf4_shardable(model, shards: int) -> None:
-    """Raise UserError unless every block Linear weight splits into `shards` row ranges of whole groups."""
+    """Raise UserError unless every weight `quantize_blocks_nf4` quantizes splits into `shards` row
+    ranges of whole groups: a block Linear's (out, in) rows, a mixture's experts (X, out * in) by expert."""
     import torch.nn as nn
 
+    from toolkit.models.moe import GroupedExperts, MoE
+
+    routers = {id(m.router) for m in model.modules() if isinstance(m, MoE)}
     for name, module in model.named_modules():
-        if not name.startswith("blocks.") or not isinstance(module, nn.Linear):
+        if not name.startswith("blocks."):
             continue
-        out, inp = module.weight.shape
-        if out % shards or (out // shards) * inp % ROW_ALIGN:
-            raise UserError(
-                f"--quantize nf4 cannot split {name} ({out} x {inp}) over {shards} shard(s): each needs whole groups "
-                f"of {ROW_ALIGN} values (NF4's {SCALER_BLOCK} blocks of {BLOCK}); use fewer devices or bnb.nf4."
-            )
+        if isinstance(module, GroupedExperts):
+            for leaf, p in module.named_parameters(recurse=False):
+                if p.ndim == 3 and (p.shape[0] % shards or (p.shape[0] // shards) * p[0].numel() % ROW_ALIGN):
+                    raise UserError(
+                        f"--quantize nf4 cannot split {name}.{leaf} ({p.shape[0]} experts of {p.shape[1]} x {p.shape[2]}) "
+                        f"over {shards} shard(s): each needs whole experts making whole groups of {ROW_ALIGN} values "
+                        f"(NF4's {SCALER_BLOCK} blocks of {BLOCK}); use fewer devices."
+                    )
+        elif isinstance(module, nn.Linear) and id(module) not in routers:
+            out, inp = module.weight.shape
+            if out % shards or (out // shards) * inp % ROW_ALIGN:
+                raise UserError(
+                    f"--quantize nf4 cannot split {name} ({out} x {inp}) over {shards} shard(s): each needs whole groups "
+                    f"of {ROW_ALIGN} values (NF4's {SCALER_BLOCK} blocks of {BLOCK}); use fewer devices or bnb.nf4."
+                )

@@ -395,11 +395,11 @@ def check_compatible(checkpoint: Path, run_shape: dict) -> None:
     different = []
     for key, value in run_shape.items():
         old = saved.get(key)
-        if old == value or key == "world_size":
+        if old == value or key == "world_size" or key not in saved:  # not recorded by older checkpoints
             continue
-        if isinstance(old, dict) and isinstance(value, dict):  # the model config: name the fields
+        if isinstance(old, dict) and isinstance(value, dict):  # the model config, the objective: name the fields
             fields = sorted(k for k in set(old) | set(value) if old.get(k) != value.get(k))
-            different += [f"model {k}: checkpoint has {old.get(k)!r}, this run {value.get(k)!r}" for k in fields]
+            different += [f"{key} {k}: checkpoint has {old.get(k)!r}, this run {value.get(k)!r}" for k in fields]
         else:
             different.append(f"{key}: checkpoint has {old!r}, this run {value!r}")
     if different:

@@ -97,7 +97,9 @@ def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: Re
 
     from toolkit.parallel.nf4 import BLOCK, block_absmax_sum, nf4_from_rows
 
+    # A mixture's experts are read as stored, (X, out, in), and kept as NF4 (X, out * in).
     rows = read_rows(name, start, stop).to(local.device)
+    rows = rows.reshape(rows.shape[0], *param.shape[1:])
     total = block_absmax_sum(rows, local.dtype)
     shard_dims = [i for i, p in enumerate(param.placements) if p.is_shard()]
     for dim in shard_dims:
@@ -146,7 +148,7 @@ def materialize(model: nn.Module, read_rows: ReadRows, policy_applied: bool = Fa
         if not param.is_meta:
             return None
         if is_nf4(param):
-            return _quantize_nf4_weight(param, read_rows(names[id(param)], 0, None))
+            return _quantize_nf4_weight(param, read_rows(names[id(param)], 0, None).reshape(param.shape))
         value = read_rows(names[id(param)], 0, None)
         return value.to(param.dtype) if policy_applied else value
 

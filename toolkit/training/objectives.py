@@ -27,6 +27,7 @@ training, such as a preference loss's reference model), and pass an instance to 
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -108,6 +109,16 @@ class Objective(ABC):
         """Set up what the objective needs beside the trained model, once, before the loop starts (and
         before a resumed run loads its checkpoint): check that the data fits it, build or compute a
         reference. Every rank calls it; collectives are allowed. Nothing to do here."""
+
+    def record(self) -> dict[str, Any]:
+        """What a resumed run must share with the run it continues: the objective's name and its
+        numeric settings (a DPO beta, a loss coefficient). Switches that leave the loss unchanged
+        (where a reference is computed) are free to change."""
+        numbers = {}
+        if dataclasses.is_dataclass(self):
+            numbers = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                       if isinstance(getattr(self, f.name), (int, float)) and not isinstance(getattr(self, f.name), bool)}
+        return {"name": type(self).__name__, **numbers}
 
     def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
         loss_sum, metrics = self.loss(model, batch)

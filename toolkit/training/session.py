@@ -315,11 +315,13 @@ class Session:
         from toolkit.models.gpt import flops_per_token
         from toolkit.training import checkpoint
         from toolkit.parallel.compile import compile_blocks, compile_seconds, should_compile
+        from toolkit.training.objectives import CausalLM
         from toolkit.training.throughput import device_peak_flops
 
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
         state = TrainState()
         run_shape = self.run_shape()
+        run_shape["objective"] = (objective or CausalLM()).record()
         resume_from = self.resume_from
         if resume_from is not None:
             checkpoint.check_compatible(resume_from, run_shape)
