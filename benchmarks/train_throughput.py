@@ -684,10 +684,11 @@ def machine_info() -> dict:
         info["memory_gib"] = round(int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal"))) / 2**20, 1)
     except (OSError, StopIteration):
         pass
-    for name, python in (("toolkit_env", sys.executable),):
-        out = subprocess.run([python, "-c", "import torch, lightning; print('torch', torch.__version__, 'lightning', lightning.__version__)"],
-                             capture_output=True, text=True)
-        info[name] = out.stdout.strip()
+    # This interpreter's environment: the installed versions from package metadata (importing torch
+    # and Lightning only to print them would cost a process and seconds of CPU per call).
+    from importlib.metadata import version
+
+    info["toolkit_env"] = f"torch {version('torch')} lightning {version('lightning')}"
     return info
 
 

@@ -133,6 +133,30 @@ def run_toolkit(args: list[str]) -> str:
     return result.stdout
 
 
+def run_as_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)` in a session
+    of its own: past `timeout` the whole process group (a launcher and the ranks it started) is
+    killed, not its first process alone, so a run that hangs leaves no ranks behind to hold the
+    cores for the rest of the suite. TimeoutExpired is raised as subprocess.run raises it."""
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               **kwargs)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_group(process.pid)
+        process.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, process.returncode, out, err)
+
+
+def kill_group(pid: int) -> None:
+    """SIGKILL to the process group led by `pid` (started with start_new_session=True), if any of it is left."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def torchrun_nodes(args: list[str], nodes: int, per_node: int) -> list[str]:
     """`toolkit <args>` under torchrun, as `nodes` machines of `per_node` processes; each node's output."""
     port, env = free_port(), launch_env()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ASSETS
+from conftest import ASSETS, kill_group, run_as_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,8 +57,7 @@ def test_bad_data_on_rank_zero_stops_every_rank_with_one_line(tmp_path, devices)
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), PYTHONPATH=str(REPO))
     script = REPO / "tests" / "scripts" / "run_and_count_process_groups.py"
     command = [sys.executable, str(script), *_pretrain(out_dir, data, devices, "--train.max_steps", "2")[3:]]
-    result = subprocess.run(command, capture_output=True, text=True, env=env,
-                            timeout=30 + 15 * devices)  # start-up of N processes on 2 busy cores
+    result = run_as_group(command, env=env, timeout=30 + 15 * devices)  # start-up of N processes on 2 busy cores
     line = f"toolkit pretrain: error: {data}:2 is not valid JSON (Expecting value); each line must be one JSON object"
     assert result.returncode != 0
     assert result.stderr.count(line) == devices, result.stderr[-3000:]  # every rank, the same line
@@ -76,7 +75,7 @@ def test_killed_rank_stops_the_others_with_a_message(tmp_path, victim):
     cmd = _pretrain(tmp_path / "out", ASSETS / "tinyshakespeare.txt", 2, "--train.max_steps", "100000",
                     "--distributed.timeout", str(timeout))
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         for line in proc.stdout:  # wait until training runs
             if line.startswith("step 1"):
@@ -87,7 +86,7 @@ def test_killed_rank_stops_the_others_with_a_message(tmp_path, victim):
         # Output ends when every process that holds the pipes (rank 0 and rank 1) has exited.
         _, stderr = proc.communicate(timeout=timeout)
     finally:
-        proc.kill()
+        kill_group(proc.pid)  # the launcher and whichever rank is left
     assert proc.returncode != 0
     if victim == "rank 1":
         assert f"toolkit pretrain: error: rank 1 (process {dead}) was killed by SIGKILL" in stderr, stderr[-3000:]
@@ -99,7 +98,7 @@ def test_killed_rank_stops_the_others_with_a_message(tmp_path, victim):
 def test_two_nodes_without_a_launcher_fail_before_any_work(tmp_path):
     out_dir = tmp_path / "out"
     cmd = _pretrain(out_dir, ASSETS / "tinyshakespeare.txt", 1, "--num_nodes", "2", "--train.global_batch_size", "2")
-    result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=60)
+    result = run_as_group(cmd, env=_env(), timeout=60)
     assert result.returncode != 0
     (line,) = result.stderr.strip().splitlines()
     assert line.startswith("toolkit pretrain: error: --num_nodes 2 needs a launcher"), line
@@ -114,7 +113,7 @@ def test_rendezvous_that_never_completes_names_address_and_port(tmp_path):
     cmd = _pretrain(tmp_path / "out", ASSETS / "tinyshakespeare.txt", 1, "--num_nodes", "2", "--train.global_batch_size", "2",
                     "--distributed.timeout", "3")
     env = _env(NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=90)
+    result = run_as_group(cmd, env=env, timeout=90)
     assert result.returncode != 0
     assert f"toolkit pretrain: error: the processes did not all meet at 127.0.0.1:{port}" in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
@@ -123,8 +122,7 @@ def test_rendezvous_that_never_completes_names_address_and_port(tmp_path):
 def test_ranks_agree_on_the_end_of_data(tmp_path):
     """Rank 1's data ends a step before rank 0's: both stop after the same step, neither hangs."""
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "uneven_data.py")], capture_output=True,
-                            text=True, env=env, timeout=90)
+    result = run_as_group([sys.executable, str(REPO / "tests" / "scripts" / "uneven_data.py")], env=env, timeout=90)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert "rank 0 stopped at step 2" in result.stdout and "rank 1 stopped at step 2" in result.stdout
     assert "end of data after 1 epoch(s) on 1 of 2 ranks" in result.stdout
@@ -135,8 +133,7 @@ def test_a_step_costs_one_all_reduce_and_one_host_sync(tmp_path):
     the token count, the end-of-data flag and the time flag travel in one all-reduce per step (plus
     the one that finds the data ended), with no barrier and no pickled broadcast of a tensor."""
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "count_syncs.py")], capture_output=True,
-                            text=True, env=env, timeout=90)
+    result = run_as_group([sys.executable, str(REPO / "tests" / "scripts" / "count_syncs.py")], env=env, timeout=90)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in reports) == [0, 1]
