@@ -3,10 +3,10 @@ with `--distributed.expert_parallel 2`, on a small Qwen3-MoE-like shape.
 
     python benchmarks/expert_parallel.py --results benchmarks/results/expert-parallel.json
 
-The shape keeps Qwen3-30B-A3B's proportions at a CPU's size: 4 layers of width 512, 8 query heads
-of 64 over 2 key/value heads with per-head QK norm, every layer a mixture of 64 experts of hidden
-width 256 with 8 per token, a tied 32,000-token embedding (the Llama-2 tokenizer of tests/assets):
-120 M parameters, 101 M of them in the experts.
+The shape is the qwen3-30b-a3b preset at a CPU's size: 4 layers of width 512 (48 of 2048), 8 query
+heads of 64 over 2 key/value heads (32 of 128 over 4) with per-head QK norm, every layer a mixture
+of 64 experts (128) of hidden width 256 (768) with 8 per token, an untied 32,000-token embedding
+and head (the Llama-2 tokenizer of tests/assets; 151,936): 136 M parameters, 101 M of them in experts.
 
 Each run is the toolkit's own `pretrain` command (32-true, micro-batch 1, global batch = processes,
 256 tokens, a few steps, a checkpoint and the export at the end), measured per rank process by
@@ -41,10 +41,9 @@ from fsdp_memory import RankedRun, checkpoint_rank_files, generate_text  # noqa:
 from toolkit.models.config import Config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-PRESET = "debug-qwen3"
+PRESET = "qwen3-30b-a3b"
 SHAPE = {"vocab_size": 32000, "block_size": 4096, "n_layer": 4, "n_embd": 512, "n_head": 8, "n_query_groups": 2,
-         "head_size": 64, "intermediate_size": 1536, "n_expert": 64, "n_expert_per_token": 8,
-         "moe_intermediate_size": 256}
+         "head_size": 64, "n_expert": 64, "moe_intermediate_size": 256}
 RUNS = [  # (name, processes, expert_parallel)
     ("one process", 1, 1),
     ("2 processes, FSDP", 2, 1),

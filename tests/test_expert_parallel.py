@@ -181,6 +181,18 @@ def test_lora_on_attention_with_expert_parallel_2_trains_as_one_process(runs):
     torch.testing.assert_close(torch.tensor(_train_losses(two)), torch.tensor(_train_losses(one)), atol=1e-5, rtol=0)
 
 
+def test_adapters_on_the_experts_are_refused_with_expert_parallelism_before_anything_starts(runs, capsys):
+    from toolkit.cli import run
+
+    out = runs["root"] / "lora-experts"
+    args = _finetune_lora(runs["one"] / "final", out, 2, 2)[3:]
+    args[args.index("--lora.targets") + 1] = "[query, experts]"
+    assert run(args) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--lora.targets experts cannot be combined with --distributed.expert_parallel 2" in err[0], err
+    assert not out.exists()
+
+
 def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path):
     """tests/scripts/expert_parallel_step.py: every gradient, the loss, the clipped norm, the rows
     each shard holds and the experts' export, on FULL_SHARD with the experts also FSDP-sharded,

@@ -10,11 +10,12 @@ scaled as the loop scales it (summed over its tokens, times world size, over the
 against the reference on the whole batch:
 
     full_shard   FULL_SHARD, expert_parallel 2: experts split over pairs and FSDP-sharded over the
-                 other pair (an _StridedShard layout)
+                 other pair (an _StridedShard layout); grouped products (`expert_backend("grouped")`,
+                 which float32 weights do not choose by themselves)
     hybrid       HYBRID_SHARD as 2 nodes x 2 devices, expert_parallel 2, activation checkpointing
                  (the all-to-alls run again in the recomputation)
     uneven       FULL_SHARD, expert_parallel 2, 2 experts (top-1): one expert per pair, FSDP pads
-                 its second shard to nothing
+                 its second shard to nothing; grouped products
     lora         FULL_SHARD, expert_parallel 2, peft LoRA on attention: experts frozen, the adapters'
                  gradients cross the all-to-all backward
     idle         FULL_SHARD, expert_parallel 2, every token routed to experts 0 and 1 (a hook on
@@ -47,9 +48,9 @@ import torch.multiprocessing as mp  # noqa: E402
 WORLD = 4
 BATCH, SEQ, VOCAB = 8, 16, 64
 LAYOUTS = {
-    "full_shard": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2),
+    "full_shard": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, backend="grouped"),
     "hybrid": dict(sharding="HYBRID_SHARD", nodes=2, experts=4, top_k=2, checkpointing=True),
-    "uneven": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1),
+    "uneven": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, backend="grouped"),
     "lora": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True),
     "idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, idle=True, backend="loop"),
 }
