@@ -105,7 +105,10 @@ class GroupedExperts(nn.Module):
 
 def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
     """x (M, in), rows sorted by expert, counts (X,) rows per expert, weight (X, out, in) -> (M, out):
-    each expert's run of rows times its matrix, as one grouped product or one product per expert."""
+    each expert's run of rows times its matrix, as one grouped product or one product per expert.
+    The rows take the weight's dtype: under FSDP's mixed precision the experts are gathered in bf16
+    while the activations may arrive in float32, and neither product casts."""
+    x = x.to(weight.dtype)
     if grouped:
         ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
