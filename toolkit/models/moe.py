@@ -49,6 +49,25 @@ def expert_backend(name: Optional[str]) -> Iterator[None]:
         BACKEND["name"] = saved
 
 
+# Whether MoE layers keep what they routed (`MoE.router_stats`); `router_stats_off` clears it for
+# forward passes whose routing no loss reads.
+RECORDING: dict[str, bool] = {"on": True}
+
+
+@contextlib.contextmanager
+def router_stats_off() -> Iterator[None]:
+    """Inside the block, MoE layers route without keeping `router_stats`: a preference loss's reference
+    pass (the trained model with its adapters off must not replace the policy's stats), a checkpointed
+    block's recomputation in the backward pass (its stats would outlive the step, holding the router's
+    logits through their graph)."""
+    saved = RECORDING["on"]
+    RECORDING["on"] = False
+    try:
+        yield
+    finally:
+        RECORDING["on"] = saved
+
+
 def _use_grouped(weight: torch.Tensor) -> bool:
     if BACKEND["name"] is not None:
         return BACKEND["name"] == "grouped"
@@ -57,8 +76,21 @@ def _use_grouped(weight: torch.Tensor) -> bool:
     if weight.device.type == "cpu":
         return True
     if weight.device.type == "cuda":
-        return weight.dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device)[0] >= 9
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else weight.dtype
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device)[0] >= 9
     return False
+
+
+def _as_linear_computes(*tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """The tensors in the dtype a Linear layer would compute them in: autocast's where it is on for
+    their device (autocast casts `F.linear`'s operands but leaves `_grouped_mm` alone), else as they
+    are. Under "*-mixed" the rows arrive in float32 (the residual stream's dtype) and the weights
+    in float32 (one device) or 16 bits (gathered by FSDP): both are cast, as a Linear's would be."""
+    device = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 class GroupedExperts(nn.Module):
@@ -89,15 +121,17 @@ class GroupedExperts(nn.Module):
         return self._looped(x, counts)
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        x, gate_up, down, gate_up_bias, down_bias = _as_linear_computes(
+            x, self.gate_up_proj, self.down_proj, self.gate_up_bias, self.down_bias)
         ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
-        h = torch._grouped_mm(x, self.gate_up_proj.transpose(-2, -1), offs=ends)  # (M, 2I)
-        if self.gate_up_bias is not None:
+        h = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=ends)  # (M, 2I)
+        if gate_up_bias is not None:
             experts = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
-            h = h + self.gate_up_bias[experts]
+            h = h + gate_up_bias[experts]
         h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config).contiguous()  # (M, I)
-        y = torch._grouped_mm(h, self.down_proj.transpose(-2, -1), offs=ends)  # (M, C)
-        if self.down_bias is not None:
-            y = y + self.down_bias[experts]
+        y = torch._grouped_mm(h, down.transpose(-2, -1), offs=ends)  # (M, C)
+        if down_bias is not None:
+            y = y + down_bias[experts]
         return y
 
     def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -150,15 +184,21 @@ class MoE(nn.Module):
         logits, probs, chosen, weights = self.route(flat)
         assignments = chosen.reshape(-1)  # (M,): token n's k-th expert at n * K + k
         order = assignments.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
-        counts = torch.bincount(assignments, minlength=self.n_expert)  # (X,)
+        # (X,) rows per expert; a shape known before the data (bincount's is not), so the model runs on
+        # fake tensors (the memory estimate and simulation)
+        counts = assignments.new_zeros(self.n_expert).index_add_(0, assignments, torch.ones_like(assignments))
         token_of_row = order // self.top_k  # (M,)
         y = self.experts(flat[token_of_row], counts)  # (M, C)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(flat).index_add_(0, token_of_row, y.to(flat.dtype))
-        self.router_stats = RouterStats(
+        # Computed whether kept or not: a checkpointed block's recomputation must save what its
+        # forward pass saved.
+        stats = RouterStats(
             counts=counts.detach().float(), prob_sum=probs.sum(dim=0),
             z_sum=torch.logsumexp(logits.float(), dim=-1).square().sum(), tokens=flat.shape[0],
         )
+        if RECORDING["on"]:
+            self.router_stats = stats
         return out.view(B, T, C)
 
 
