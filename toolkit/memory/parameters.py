@@ -86,10 +86,24 @@ def parameter_specs(config: Config, lora_modules: tuple[str, ...] = (), lora_r: 
     return specs
 
 
+def run_specs(opts: "Options") -> list[ParamSpec]:
+    """`parameter_specs` of what one rank of the run stores: with expert parallelism over N ranks,
+    each expert tensor's rows (experts) divided by N, FSDP sharding that part over shard_size / N."""
+    from dataclasses import replace
+
+    specs = parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
+    N = opts.expert_parallel
+    if N == 1:
+        return specs
+    return [replace(s, shape=(s.shape[0] // N, *s.shape[1:]), expert_parallel=N) if s.kind == "experts" else s
+            for s in specs]
+
+
 def _read_specs(model, lora: bool) -> list[ParamSpec]:
     from torch import nn
 
     from toolkit.models.gpt import Block
+    from toolkit.models.moe import GroupedExperts
 
     blocks, edges = _units(model, Block)
     group_of: dict[int, tuple[int, Group]] = {}
@@ -109,6 +123,8 @@ def _read_specs(model, lora: bool) -> list[ParamSpec]:
         for leaf, p in module.named_parameters(recurse=False):
             if isinstance(module, nn.Embedding):
                 kind_of.setdefault(id(p), "embedding")
+            elif isinstance(module, GroupedExperts):
+                kind_of.setdefault(id(p), "experts")
             elif isinstance(module, nn.Linear):
                 kind_of.setdefault(id(p), "linear" if leaf == "weight" else "bias")
             else:
@@ -227,14 +243,16 @@ def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") 
     states = [0] * W
     quantized = quantized_names(opts, specs)
     for s in specs:
-        shard = shard_bytes(s, W, opts, quantized)
+        group = s.shard_group(W)  # W, or W / N for experts split over N expert-parallel ranks
+        shard = shard_bytes(s, group, opts, quantized)
         params += shard
         if s.name in quantized:
             quantized_base += shard
         if s.trainable:
-            grads += padded_shard_numel(s, W) * opts.trainable_bytes
+            grads += padded_shard_numel(s, group) * opts.trainable_bytes
             row = s.numel // s.shape[0]
-            for r, rows in enumerate(shard_rows(s.shape[0], W)):
-                states[r] += 2 * rows * row * opts.trainable_bytes
+            rows_of = shard_rows(s.shape[0], group)
+            for r in range(W):
+                states[r] += 2 * rows_of[r % group] * row * opts.trainable_bytes
     return [{"parameters": params, "gradients": grads, "optimizer_state": n, "quantized_base": quantized_base}
             for n in states]
