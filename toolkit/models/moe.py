@@ -135,13 +135,18 @@ class GroupedExperts(nn.Module):
         return y
 
     def _looped(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        # One unbind per weight, not an index per expert: the backward pass of `weight[e]` writes a
+        # whole (X, ...) gradient for each expert (X^2 work), unbind's stacks the X pieces once.
+        gate_up, down = self.gate_up_proj.unbind(0), self.down_proj.unbind(0)
+        gate_up_bias = self.gate_up_bias.unbind(0) if self.gate_up_bias is not None else None
+        down_bias = self.down_bias.unbind(0) if self.down_bias is not None else None
         outputs = []
         for e, rows in enumerate(x.split(counts.tolist(), dim=0)):
             if not rows.shape[0]:
                 continue
-            h = F.linear(rows, self.gate_up_proj[e], None if self.gate_up_bias is None else self.gate_up_bias[e])
+            h = F.linear(rows, gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
             h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config)
-            outputs.append(F.linear(h, self.down_proj[e], None if self.down_bias is None else self.down_bias[e]))
+            outputs.append(F.linear(h, down[e], None if down_bias is None else down_bias[e]))
         return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[1])
 
 
