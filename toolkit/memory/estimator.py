@@ -500,7 +500,16 @@ def _max_micro_batch(opts: Options, column: Column, checkpointing: bool, budget:
     two = column_memory(opts, column, 2)
     per_sample = two[key] - one[key]
     if per_sample <= 0:
-        return 1 << 20, one
+        # The peak at one and two is a moment the micro-batch does not change (the optimizer step
+        # of a large model: its scratch beside the state): double, then halve the step, up to 4096.
+        fits, step = 2, 2
+        while fits < 4096 and column_memory(opts, column, fits + step)[key] <= budget:
+            fits, step = fits + step, step * 2
+        while step > 1:
+            step //= 2
+            if fits + step <= 4096 and column_memory(opts, column, fits + step)[key] <= budget:
+                fits += step
+        return fits, column_memory(opts, column, fits)
     m = 1 + (budget - one[key]) // per_sample
     while m > 1 and column_memory(opts, column, m)[key] > budget:
         m -= 1
