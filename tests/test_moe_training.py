@@ -6,7 +6,7 @@ micro-batch weighted by its target tokens); the logged loss stays the cross-entr
 terms and the experts' load are metrics, in the CSV log and the console line of `toolkit pretrain`,
 for training and validation; the coefficients come from the config unless `--train.*` overrides
 them; a preference loss's reference pass and a checkpointed block's recomputation add nothing and
-leave nothing behind.
+leave nothing behind; two FSDP processes train what one process trains.
 """
 
 from __future__ import annotations
@@ -264,3 +264,41 @@ def test_pretrain_refuses_a_negative_coefficient_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.endswith("--train.router_aux_loss_coef must be 0 or more, got -0.5") and "\n" not in err
     assert not (tmp_path / "run").exists()
+
+
+# ------------------------------------------------------------------ two FSDP processes
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_two_fsdp_processes_train_a_mixture_of_experts_as_one_does(tmp_path, checkpointing):
+    """The same global batch on 1 process (4 accumulation steps) and 2 FSDP processes (2 each):
+    the same weights, losses and router metrics (tests/scripts/moe_ranks.py). The experts' weights
+    are sharded along the experts; each rank's router terms join its gradient before the reduction."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    script = Path(__file__).parent / "scripts" / "moe_ranks.py"
+    outs = []
+    for devices in (1, 2):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env.pop("LOCAL_RANK", None)
+        out = tmp_path / f"devices{devices}"
+        result = subprocess.run([sys.executable, str(script), str(out), str(devices), json.dumps(checkpointing)],
+                                capture_output=True, text=True, env=env, timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+        outs.append(out)
+    a, b = (load_file(str(out / "final" / "model.safetensors")) for out in outs)
+    assert a.keys() == b.keys() and any("experts.gate_up_proj" in name for name in a)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=1e-5, rtol=0, msg=name)
+    names = [f"{split}/{m}" for split in ("train", "val") for m in ("loss",) + METRICS]
+    logs = [{(r["step"], n): float(r[n]) for r in logged_metrics(out) for n in names if r.get(n)} for out in outs]
+    assert logs[0].keys() == logs[1].keys() and {n for _, n in logs[0]} == set(names)
+    for key, value in logs[0].items():
+        assert logs[1][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
