@@ -25,6 +25,7 @@ FINETUNE_MODELS = (
 )
 EXPECTED = {
     "pretrain/debug.yaml",
+    "pretrain/debug-moe.yaml",
     "pretrain/tinyllama.yaml",
     "pretrain/pythia-160m.yaml",
     *(f"finetune/{model}/{kind}.yaml" for model in FINETUNE_MODELS for kind in ("full", "lora", "qlora")),

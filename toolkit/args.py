@@ -37,6 +37,10 @@ class TrainArgs:
     # torch.compile each transformer block (CPU and GPU). null (auto): GPU runs of 100 steps or more;
     # eager on a CPU, where it was measured no faster. See tutorials/compile.md.
     compile: Optional[bool] = None
+    # Mixture-of-experts models: coefficients of the router's load-balancing loss and z-loss, added
+    # to every objective's (tutorials/moe.md). None: the model config's (its family's own).
+    router_aux_loss_coef: Optional[float] = None
+    router_z_loss_coef: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size"):
@@ -62,6 +66,10 @@ class TrainArgs:
                 raise UserError(f"--train.{name} must be in [0, 1), got {getattr(self, name)}")
         if self.max_norm is not None and not self.max_norm > 0:
             raise UserError(f"--train.max_norm must be positive (or null to disable clipping), got {self.max_norm}")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise UserError(f"--train.{name} must be 0 or more, got {value}")
         if self.max_time is not None and not parse_duration(self.max_time) > 0:
             raise UserError(f"--train.max_time must be a positive duration, got {self.max_time!r}")
 

@@ -57,6 +57,16 @@ class Activations:
     block_weight_copies: list[int]  # those of each block (what a checkpointed block re-creates)
     dequant_scratch: int  # a quantized block weight dequantized (bitsandbytes, torchao NF4): the largest, one at a time
     head_input: int = 0  # the final norm's output, alive from the final norm through the loss
+    # expert parallelism: one MoE layer's all-to-all send and receive buffers of its routed rows,
+    # beside what it saves, while it computes (`toolkit.memory.estimator.micro_batch_activations`)
+    all_to_all: int = 0
+    # `backward_in_flight` with the block's weights' gradients as they are made (FSDP takes them
+    # when the block's backward pass ends; one device and DDP hold them all step)
+    backward_grads_in_flight: int = 0
+    # the most a block's forward pass holds, its output included: what it has saved so far and
+    # what it computes with (a mixture of experts combines its routed rows in transients as large
+    # as what it saves), autocast's weight copies apart (recorded)
+    forward_in_flight: int = 0
 
     @property
     def stored(self) -> int:
@@ -120,6 +130,8 @@ class Recording:
     hidden: int  # the final norm's output (bytes)
     head: _Head
     in_flight: int  # the most the last recorded block's backward pass holds beyond what it saved
+    in_flight_grads: int = 0  # and with the block's weights' gradients as they are made
+    forward_peak: int = 0  # the most the last recorded block's forward pass holds: what it saved so far and its transients
 
 
 _RECORDINGS: dict = {}
@@ -194,13 +206,14 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
             recorder.forward_done()
             if h.requires_grad:
                 h.backward(torch.ones_like(h))
-        in_flight = recorder.in_flight()
+        in_flight, in_flight_grads = recorder.in_flight()
         before_head = (recorder.outside, recorder.outside_copies)
         if known is not None:
             return replace(known, blocks=tuple(recorder.blocks), block_inputs=tuple(recorder.inputs),
                            block_copies=tuple(recorder.copies), outside=before_head[0],
                            outside_copies=before_head[1] + known.head_copies, hidden=h.numel() * h.element_size(),
-                           in_flight=in_flight)  # fmt: skip
+                           in_flight=in_flight, in_flight_grads=in_flight_grads,
+                           forward_peak=recorder.forward_peak)  # fmt: skip
         # The head and the loss (`GPT.head_loss`), on one and on two rows: what they keep is affine
         # in the rows (a chunked loss over thousands of rows costs seconds on fake tensors).
         loss_saved = []
@@ -224,7 +237,7 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
     per_row = loss_saved[1] - loss_saved[0]
     return Recording(tuple(recorder.blocks), tuple(recorder.inputs), tuple(recorder.copies), before_head[0],
                      before_head[1] + loss_copies, loss_copies, loss_saved[0] - per_row, per_row,
-                     h.numel() * h.element_size(), head, in_flight)  # fmt: skip
+                     h.numel() * h.element_size(), head, in_flight, in_flight_grads, recorder.forward_peak)  # fmt: skip
 
 
 @contextmanager
@@ -285,7 +298,10 @@ def _dispatch_mode_class():
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             import torch
 
-            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._grouped_mm.default and args[0].dtype != torch.bfloat16:
+                out = grouped_mm_output(*args, **(kwargs or {}))
+            else:
+                out = func(*args, **(kwargs or {}))
             r = self.r
             name = func._overloadpacket.__name__
             # Both kept alive here: a freed storage's key may come back for another tensor.
@@ -294,14 +310,33 @@ def _dispatch_mode_class():
                 r.weight_copies[r.key(out)] = out
             elif name == "bernoulli_":
                 r.noise[r.key(args[0])] = args[0]
-            if r.watching:
+            if r.watching or r.forward_watching:
                 inputs = {r.key(t) for t in flat_tensors(list(args) + list((kwargs or {}).values()))}
                 for t in flat_tensors(out):
                     if r.key(t) not in inputs:  # a new storage (not an in-place op's, not a view's)
-                        r.allocated(t)
+                        if r.watching:
+                            r.allocated(t)
+                        elif r.key(t) not in r.weight_copies:  # those are counted apart
+                            r.forward_allocated(t)
             return out
 
     return _Watch
+
+
+def grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    """The output `torch._grouped_mm` would make, for fake tensors of any dtype: torch's meta kernel
+    (2.13) is CUDA's and refuses all but bfloat16, while the CPU's kernel multiplies float32 (a 32-true
+    mixture of experts). Shapes by the meta kernel's rule; the inputs' dtype, as the CPU's kernel gives.
+    What autograd saves is decided above this, by the op's own derivative: the recording stays exact."""
+    if mat_a.dim() == 2 and mat_b.dim() == 2:  # groups along the shared dimension (a weight's gradient)
+        shape = (offs.shape[0], mat_a.shape[0], mat_b.shape[1])
+    elif mat_a.dim() == 2:  # rows in groups, one matrix per group
+        shape = (mat_a.shape[0], mat_b.shape[-1])
+    elif mat_b.dim() == 2:
+        shape = (mat_a.shape[1], mat_b.shape[1])
+    else:
+        shape = (mat_a.shape[0], mat_a.shape[1], mat_b.shape[-1])
+    return mat_a.new_empty(shape, dtype=out_dtype or mat_a.dtype)
 
 
 def flat_tensors(x) -> list:
@@ -338,6 +373,9 @@ class _Recorder:
         self.logits_bytes = 0
         self.logits_grad = False
         self.watching = False
+        # the watched block's forward pass: bytes of the storages it made that are alive, and their most
+        self.forward_watching = False
+        self.forward_live = self.forward_peak = 0
         self.events: list[tuple[int, int]] = []  # (number, bytes) in the watched backward pass: + made, - freed
         self.alive: dict[int, int] = {}  # number -> storage key of what was made there and is still alive
         self.handles: list = []
@@ -392,6 +430,8 @@ class _Recorder:
             self.shared = {self.key(a) for a in rest if hasattr(a, "untyped_storage")}
             if index == self.watched and x.requires_grad:
                 x.register_hook(self._watch_end)
+            if index == self.watched:
+                self.forward_watching, self.forward_live = True, 0
 
         return hook
 
@@ -399,6 +439,8 @@ class _Recorder:
         def hook(_module, _args, out):
             self.current = None
             self.shared = set()
+            if index == self.watched:
+                self.forward_watching = False
             if index == self.watched and out.requires_grad:
                 out.register_hook(self._watch_start)
 
@@ -431,6 +473,19 @@ class _Recorder:
     def _watch_end(self, grad):
         self.watching = False
 
+    def forward_allocated(self, t) -> None:
+        """A storage made in the watched block's forward pass: + its bytes now, - when it is freed
+        within it (what it saves stays: `keep` holds it)."""
+        nbytes = t.untyped_storage().nbytes()
+        self.forward_live += nbytes
+        self.forward_peak = max(self.forward_peak, self.forward_live)
+
+        def freed() -> None:
+            if self.forward_watching:
+                self.forward_live -= nbytes
+
+        weakref.finalize(t.untyped_storage(), freed)
+
     def allocated(self, t) -> None:
         """A storage made in the watched backward pass: + its bytes now, - when it is freed."""
         number = len(self.events)
@@ -451,18 +506,23 @@ class _Recorder:
 
         weakref.finalize(t.untyped_storage(), freed)
 
-    def in_flight(self) -> int:
+    def in_flight(self) -> tuple[int, int]:
         """The most that was alive beyond the block's saved tensors in its backward pass: what it
-        made (its weights' gradients aside, which FSDP takes: the storages still alive as .grad)
-        less what of its saved it freed."""
+        made less what of its saved it freed; without its weights' gradients (the storages still
+        alive as .grad: the gradients a single device or DDP keep all step), and with them as they
+        are made (FSDP's unsharded gradients, which it takes only when the block's backward pass
+        ends: a mixture of experts makes its experts' large gradients first, while most of the
+        block's activations are still there)."""
         grads = {self.key(p.grad) for p in self.model.parameters() if p.grad is not None}
         kept_as_grads = {number for number, key in self.alive.items() if key in grads}
-        live = peak = 0
+        live = peak = live_grads = peak_grads = 0
         for number, nbytes in self.events:
+            live_grads += nbytes
+            peak_grads = max(peak_grads, live_grads)
             if number not in kept_as_grads:
                 live += nbytes
                 peak = max(peak, live)
-        return peak
+        return peak, peak_grads
 
 
 class _QuantizedStandIn:
@@ -553,6 +613,8 @@ def activations(opts: "Options", gathered: bool, micro_batch_size: int, dequant_
         loss_kept=kept,
         hidden_grad=hidden if one.head.hidden_grad else 0,
         backward_in_flight=f(one.in_flight, two.in_flight),
+        backward_grads_in_flight=f(one.in_flight_grads, two.in_flight_grads),
+        forward_in_flight=f(one.forward_peak, two.forward_peak),
         weight_copies=sum(copies) + one.outside_copies,
         block_weight_copies=copies,
         dequant_scratch=dequant_scratch,

@@ -33,6 +33,7 @@ runs) and those of fake tensors on the CPU ("fake", the simulation).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal, Optional, get_args
 
@@ -47,10 +48,12 @@ from toolkit.memory.parameters import (
     nf4_dequant_bytes,
     nf4_unshardable,
     parameter_specs,
+    run_specs,
     quantized_bytes,
     quantized_names,
 )
 from toolkit.models.config import CONFIG_FILENAME, Config
+from toolkit.models.gpt import count_parameters, flops_per_token
 
 # The preference objectives (`toolkit.training.preference_objectives`, which this package does not import) and
 # whether each keeps a reference model (its `uses_reference`; tests/test_preference_memory.py holds them equal).
@@ -70,8 +73,7 @@ from toolkit.parallel.precision import PRECISION_ALIASES, PRECISIONS
 def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[str, int]:
     """Bytes per device of every component for one strategy. The totals are the parameters,
     gradients and optimizer state plus the largest moment of `step_moments`."""
-    c = opts.config
-    specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
+    specs = run_specs(opts)
     quantized = quantized_names(opts, specs)
 
     def stored(s: ParamSpec) -> int:
@@ -123,7 +125,7 @@ def reference_copy_bytes(opts: Options, column: Column, specs: list[ParamSpec]) 
     trained model is: what `Session.build_model(frozen=True)` builds beside it."""
     from dataclasses import replace
 
-    frozen = [replace(s, trainable=False) for s in parameter_specs(opts.config)]
+    frozen = [replace(s, trainable=False) for s in run_specs(replace(opts, lora_modules=()))]
     if column.kind != "fsdp":
         return sum(s.numel * opts.frozen_bytes for s in frozen)
     plain = replace(opts, quantize=None)  # the copy is never quantized (full fine-tuning)
@@ -132,7 +134,7 @@ def reference_copy_bytes(opts: Options, column: Column, specs: list[ParamSpec]) 
 
 def peak_moment(opts: Options, column: Column, micro_batch_size: int, checkpointed: bool) -> tuple[str, Moment]:
     """The moment of `step_moments` at which the step peaks, and what is alive then by category."""
-    specs = parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
+    specs = run_specs(opts)
     act = micro_batch_activations(opts, column, micro_batch_size * opts.rows_per_sample, specs, quantized_names(opts, specs))
     scratch = column_memory(opts, column, micro_batch_size)["step_scratch"]
     moments = step_moments(opts, column, act, checkpointed, specs, scratch)
@@ -143,14 +145,27 @@ def micro_batch_activations(opts: Options, column: Column, micro_batch_size: int
                             quantized: set[str]) -> Activations:  # fmt: skip
     """What a micro-batch of `micro_batch_size` rows leaves for the backward pass on one device
     (`toolkit.memory.activations`), with the weights as the column's strategy shows them to the
-    forward pass (`Options.gathered_bytes`), and the largest quantized weight dequantized."""
+    forward pass (`Options.gathered_bytes`), and the largest quantized weight dequantized.
+
+    With expert parallelism, the routed rows are taken as balanced over the ranks: each rank's
+    experts compute on as many rows as they would without it (what they save is the recording's),
+    and one MoE layer's all-to-alls hold a send and a receive buffer of those rows, in the hidden
+    states' dtype, beside them (`Activations.all_to_all`). A router that sends more of the tokens
+    to one rank's experts puts more rows there (`router/load_max` in the training log says how
+    many more)."""
     largest = max((s.numel for s in specs if s.name in quantized), default=0)
     if opts.quantize == "nf4":
         # torchao's `linear_nf4` dequantizes the whole weight in every call (`nf4_dequant_bytes`)
         scratch = nf4_dequant_bytes(largest, opts.compute_bytes)
     else:  # bitsandbytes dequantizes the weight into the compute dtype
         scratch = largest * opts.compute_bytes
-    return activations(opts, column.kind == "fsdp", micro_batch_size, scratch)
+    act = activations(opts, column.kind == "fsdp", micro_batch_size, scratch)
+    c = opts.config
+    if opts.expert_parallel > 1 and c.is_moe:
+        tokens = micro_batch_size * opts.max_seq_length
+        hidden_bytes = act.block_inputs[-1] // (tokens * c.n_embd)  # the residual stream's dtype
+        act = replace(act, all_to_all=2 * tokens * c.n_expert_per_token * c.n_embd * hidden_bytes)
+    return act
 
 
 # --------------------------------------------------------------------------------------------
@@ -179,6 +194,7 @@ def estimate(
     cpu_offload: bool = False,
     objective: ObjectiveName = "sft",
     precompute_reference: bool = False,
+    expert_parallel: int = 1,
 ) -> dict[str, Any]:
     """Estimate the memory per device of a training step, for each distributed strategy.
 
@@ -216,11 +232,16 @@ def estimate(
             a frozen copy of the model as its reference (LoRA's reference is its own base).
         precompute_reference: dpo, ipo: the reference's log-probabilities computed before training,
             so that no reference model is alive while training (--objective.precompute_reference).
+        expert_parallel: A mixture of experts' experts split over this many ranks of each FSDP shard
+            group (--distributed.expert_parallel): each rank keeps n_expert / N experts of every MoE
+            layer, sharded over the shard group / N ranks, and gathers only those; tokens travel to
+            their experts' ranks and back by all-to-all (balanced routing assumed). N divides the
+            experts and the shard group (the devices, or the devices per node under HYBRID_SHARD).
     """
     opts, columns, notes, chosen_ckpt = _resolve(
         model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
         lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
-        cpu_offload, objective, precompute_reference,
+        cpu_offload, objective, precompute_reference, expert_parallel,
     )  # fmt: skip
     c = opts.config
     specs = parameter_specs(c, opts.lora_modules, opts.lora_r)
@@ -239,6 +260,12 @@ def estimate(
         "activation_checkpointing": activation_checkpointing,
         "cpu_offload": opts.cpu_offload,
         "objective": objective,
+        "expert_parallel": opts.expert_parallel,
+        # per token: the weights it computes with (of a mixture of experts, its K experts) and the
+        # training FLOPs (what MFU counts, `toolkit.models.gpt.flops_per_token`)
+        "active_parameters": count_parameters(c, active=True),
+        "flops_per_token": flops_per_token(c, opts.max_seq_length,
+                                           sum(s.numel for s in specs if s.trainable) / sum(s.numel for s in specs)),
         "columns": [col.name for col in columns],
         "strategies": {col.name: column_memory(opts, col, micro_batch_size) for col in columns},
         "notes": notes,
@@ -269,6 +296,14 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
     if devices * num_nodes == 1:
         print("note: the simulation runs FSDP over more than one device; for one device the analytic figures stand.")
         return None
+    if opts.precision == "32-true" and opts.config.is_moe:
+        print("note: a mixture of experts cannot be simulated in 32-true (torch's fake grouped products take bf16 "
+              "only): the figures above are the analytic estimate.")
+        return None
+    if opts.expert_parallel > 1:
+        print("note: expert parallelism is not simulated (the all-to-alls need the training set-up): the figures "
+              "above are the analytic estimate; simulate with expert_parallel 1 to check the rest.")
+        return None
     from toolkit.memory.simulation import simulate
 
     lora = None
@@ -286,7 +321,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
 def _resolve(
     model_name, devices, num_nodes, micro_batch_size, max_seq_length, precision, strategy, sharding, finetune,
     lora_r, lora_targets, lora_dropout, quantize, activation_checkpointing, memory_budget_gb, model_overrides,
-    cpu_offload=False, objective="sft", precompute_reference=False,
+    cpu_offload=False, objective="sft", precompute_reference=False, expert_parallel=1,
 ):  # fmt: skip
     """Validate the arguments (UserError) and decide the columns to show."""
     for name, value in (("devices", devices), ("num_nodes", num_nodes), ("micro_batch_size", micro_batch_size)):
@@ -407,6 +442,7 @@ def _resolve(
                     )
     if cpu_offload and not any(col.kind == "fsdp" for col in columns):
         notes.append("cpu_offload applies to FSDP only (more than one device, not DDP): ignored.")
+    columns = _expert_parallel_columns(config, expert_parallel, columns, world, notes)
     columns.sort(key=lambda col: COLUMN_ORDER.index(col.name))
     frozen_copy = finetune == "full" and PREFERENCE_REFERENCE.get(objective, False) and not precompute_reference
     if objective != "sft":
@@ -418,8 +454,36 @@ def _resolve(
                      f"and rejected) in one forward pass; reference: {reference}.")
     opts = Options(config, name, finetune, lora_modules, lora_r, quantize, max_seq_length,
                    lora_dropout=float(lora_dropout) if finetune == "lora" else 0.0, cpu_offload=cpu_offload,
-                   pairs=objective != "sft", frozen_copy=frozen_copy)  # fmt: skip
+                   pairs=objective != "sft", frozen_copy=frozen_copy, expert_parallel=expert_parallel)  # fmt: skip
     return opts, columns, notes, activation_checkpointing
+
+
+def _expert_parallel_columns(config: Config, n: Any, columns: list[Column], world: int, notes: list[str]) -> list[Column]:
+    """The columns expert parallelism over `n` ranks can run in (UserError where none): FSDP with a
+    shard group that `n` divides, for a mixture of experts whose experts `n` divides."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise UserError(f"expert_parallel must be a positive whole number, got {n!r}.")
+    if n == 1:
+        return columns
+    if not config.is_moe:
+        raise UserError(f"expert_parallel applies to a mixture of experts; {config.name} has no experts (leave it at 1).")
+    if config.n_expert % n:
+        raise UserError(f"expert_parallel {n} must divide the {config.n_expert} experts of {config.name}.")
+    if world == 1:
+        raise UserError(f"expert_parallel {n} needs more than one device.")
+    if world % n:
+        raise UserError(f"expert_parallel {n} must divide the number of devices ({world}).")
+    kept = [col for col in columns if col.kind == "fsdp" and col.shard_size % n == 0]
+    if not kept:
+        raise UserError(f"expert_parallel runs under FSDP sharding whose shard group {n} divides (FULL_SHARD, "
+                        "HYBRID_SHARD with the devices of a node, SHARD_GRAD_OP); not DDP or NO_SHARD.")
+    if len(kept) < len(columns):
+        dropped = ", ".join(col.name for col in columns if col not in kept)
+        notes.append(f"expert_parallel {n}: {dropped} left out (expert parallelism runs under FSDP, over ranks of "
+                     "one shard group).")
+    notes.append(f"expert_parallel {n}: each rank keeps {config.n_expert // n} of the {config.n_expert} experts of "
+                 "every MoE layer and gathers only those; routed rows taken as balanced over the ranks.")
+    return kept
 
 
 # --------------------------------------------------------------------------------------------
@@ -436,7 +500,16 @@ def _max_micro_batch(opts: Options, column: Column, checkpointing: bool, budget:
     two = column_memory(opts, column, 2)
     per_sample = two[key] - one[key]
     if per_sample <= 0:
-        return 1 << 20, one
+        # The peak at one and two is a moment the micro-batch does not change (the optimizer step
+        # of a large model: its scratch beside the state): double, then halve the step, up to 4096.
+        fits, step = 2, 2
+        while fits < 4096 and column_memory(opts, column, fits + step)[key] <= budget:
+            fits, step = fits + step, step * 2
+        while step > 1:
+            step //= 2
+            if fits + step <= 4096 and column_memory(opts, column, fits + step)[key] <= budget:
+                fits += step
+        return fits, column_memory(opts, column, fits)
     m = 1 + (budget - one[key]) // per_sample
     while m > 1 and column_memory(opts, column, m)[key] > budget:
         m -= 1
@@ -473,12 +546,12 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
             "max_micro_batch_size": m,
             "total": total,
             "budget": budget,
-            "options": _training_options(col, micro, ckpt, opts.cpu_offload),
+            "options": _training_options(col, micro, ckpt, opts.cpu_offload, opts.expert_parallel),
             "message": (
                 f"Fits in {budget_gb:g} GiB per device: {_describe(col)}, micro batch {micro}"
                 f"{'' if micro == m else f' (up to {m} fits)'}, activation checkpointing "
                 f"{'on' if ckpt else 'off'}: {total / GiB:.2f} GiB.\n"
-                f"Training options: {_training_options(col, micro, ckpt, opts.cpu_offload)}"
+                f"Training options: {_training_options(col, micro, ckpt, opts.cpu_offload, opts.expert_parallel)}"
             ),
         }
     # Nothing fits: say by how much and what would help.
@@ -523,7 +596,7 @@ def _devices_needed(opts: Options, budget: int) -> Optional[int]:
     while world <= 8192:
         if opts.quantize == "nf4" and nf4_unshardable(opts.config, world):
             return None
-        if column_memory(opts, make_column("FULL_SHARD", world, 1), 1)["total_checkpointed"] <= budget:
+        if world % opts.expert_parallel == 0 and column_memory(opts, make_column("FULL_SHARD", world, 1), 1)["total_checkpointed"] <= budget:
             return world
         world *= 2
     return None
@@ -533,7 +606,8 @@ def _describe(col: Column) -> str:
     return {"single": "one device", "ddp": "DDP"}.get(col.kind, f"FSDP {col.name}")
 
 
-def _training_options(col: Column, micro_batch_size: int, checkpointing: bool, cpu_offload: bool = False) -> str:
+def _training_options(col: Column, micro_batch_size: int, checkpointing: bool, cpu_offload: bool = False,
+                      expert_parallel: int = 1) -> str:  # fmt: skip
     """The same set-up as options of the training commands."""
     options = []
     if col.kind == "ddp":
@@ -542,6 +616,8 @@ def _training_options(col: Column, micro_batch_size: int, checkpointing: bool, c
         options.append(f"--distributed.sharding {col.name}")
         if cpu_offload:
             options.append("--distributed.cpu_offload true")
+        if expert_parallel > 1:
+            options.append(f"--distributed.expert_parallel {expert_parallel}")
     options.append(f"--train.micro_batch_size {micro_batch_size}")
     options.append(f"--distributed.activation_checkpointing {'true' if checkpointing else 'false'}")
     return " ".join(options)
@@ -584,12 +660,17 @@ def format_table(result: dict[str, Any]) -> str:
         what = f"QLoRA ({result['quantize']})"
     if rows_per_sample == 2:
         what += f", {result['objective'].upper()} on pairs"
+    if result.get("expert_parallel", 1) > 1:
+        what += f", expert parallel {result['expert_parallel']}"
     lines = [
         f"{result['model']}: {result['parameters']:,} parameters ({result['trainable_parameters']:,} trainable), "
         f"{what}, {result['precision']}",
         f"micro batch {result['micro_batch_size']}{' pair(s) x 2 rows' if rows_per_sample == 2 else ''} x "
         f"{result['max_seq_length']} tokens = {tokens:,} tokens per device, "
         f"{result['devices']} device(s) x {result['num_nodes']} node(s). Memory per device, {unit}:",
+        *([f"mixture of experts: {result['active_parameters']:,} parameters active per token; "
+           f"{result['flops_per_token'] / 1e9:.2f} GFLOP per trained token (what MFU counts)"]
+          if result.get("active_parameters", result["parameters"]) != result["parameters"] else []),
         "",
         "".ljust(width) + "".join(c.rjust(cell) for c in cols),
     ]

@@ -72,21 +72,22 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
         padded to the shard group."""
         if s.name in quantized:
             return quantized_bytes(s.shape, opts.quantize)  # type: ignore[arg-type]
-        return padded_shard_numel(s, W) * W * opts.gathered_bytes(s, column)
+        group = s.shard_group(W)  # experts split over expert-parallel ranks: this rank's, over W / N
+        return padded_shard_numel(s, group) * group * opts.gathered_bytes(s, column)
 
     def copies(members: list[ParamSpec]) -> int:
         return sum(gathered(s) for s in members)
 
     def flat(members: list[ParamSpec]) -> int:
-        return copies(members) if W > 1 else 0
+        return sum(gathered(s) for s in members if s.shard_group(W) > 1)
 
     def sent(members: list[ParamSpec]) -> int:
         """The all-gather's inputs made for it: the shards stored in another dtype than the one they
         are gathered in (float32 under "*-mixed"), cast to it (a frozen 16-bit or NF4 shard is sent
         as stored); under CPU offload every shard copied to the device first."""
-        cast = sum(gathered(s) // W for s in members
+        cast = sum(gathered(s) // s.shard_group(W) for s in members
                    if s.name not in quantized and opts.gathered_bytes(s, column) != opts.param_bytes(s))  # fmt: skip
-        return cast + (sum(shard_bytes(s, W, opts, quantized) for s in members) if opts.cpu_offload else 0)
+        return cast + (sum(shard_bytes(s, s.shard_group(W), opts, quantized) for s in members) if opts.cpu_offload else 0)
 
     def in_flight(members: list[ParamSpec]) -> int:
         """An all-gather before its copy-out: its flat output (twice under gloo) and its inputs (`sent`)."""
@@ -96,7 +97,8 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
         return sum(s.numel * opts.gathered_bytes(s, column) for s in members if s.trainable)
 
     def reduce_input(members: list[ParamSpec]) -> int:
-        return sum(padded_shard_numel(s, W) * W * opts.trainable_bytes for s in members if s.trainable)
+        return sum(padded_shard_numel(s, s.shard_group(W)) * s.shard_group(W) * opts.trainable_bytes
+                   for s in members if s.trainable)
 
     def larger(*moments: Moment) -> Moment:
         return max(moments, key=lambda m: sum(m.values()))
@@ -126,6 +128,8 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     m["block 0 gathered"] = gather(first, root or embed, held_root + (copies(embed) if keep_all else 0))
     m["last block gathered"] = gather(last, blocks[-2] if len(blocks) > 1 else root or embed,
                                       held_root + (every_unit - copies(last) if keep_all else 0))  # fmt: skip
+    # its forward pass: gathered, the flat output of the block before it freed by its copy-out
+    m["last block forward"] = {GATHERED: held_root + (every_unit if keep_all else copies(last)), ALL_GATHER: flat(last)}
     at_loss = held_root + copies(output) + every_unit
     if head:  # the head gathered after the final norm, whose flat output its hook freed
         m["head gathered"] = gather(head, [], at_loss - copies(head))
@@ -188,7 +192,7 @@ def strategy_moments(specs: list[ParamSpec], column: "Column", opts: "Options") 
     if column.kind == "fsdp":
         return fsdp_moments(specs, column, opts)
     buckets = sum(s.numel * opts.trainable_bytes for s in specs if s.trainable) if column.kind == "ddp" else 0
-    return {name: {BUCKETS: buckets} for name in ("loss forward", "loss backward", "last block backward")}
+    return {name: {BUCKETS: buckets} for name in ("last block forward", "loss forward", "loss backward", "last block backward")}
 
 
 # The moments of `step_moments` at which a block computes (a quantized base's weight dequantized).
@@ -204,7 +208,8 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
     Activations: in the forward pass a checkpointed block keeps only its input; in the backward
     pass it is recomputed (its activations and weight copies made again, temporaries then) beside
     the most its backward pass holds beyond what it saved (`Activations.backward_in_flight`,
-    recorded). The loss's saved gradients go with its backward pass, the last
+    recorded), and under expert parallelism a MoE layer's all-to-all buffers (`Activations.all_to_all`).
+    The loss's saved gradients go with its backward pass, the last
     block's activations (or input) with its own. The strategy's part is `strategy_moments`. A
     quantized base's dequantized weight (`Activations.dequant_scratch`) exists while a block
     computes: in its forward pass (counted at its gathering) and its backward pass.
@@ -212,7 +217,10 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
     saved_forward = sum(act.block_inputs) if checkpointed else act.stored
     saved_backward = sum(act.block_inputs) if checkpointed else act.stored
     copies = act.copies_in_backward(checkpointed)
-    recomputed = max(act.blocks) if checkpointed else 0  # one block's activations, again
+    # FSDP holds a block's weights' gradients unsharded until its backward pass ends
+    in_flight = (act.backward_grads_in_flight if column.kind == "fsdp" else act.backward_in_flight) + act.all_to_all
+    if checkpointed:  # a block recomputed (its forward pass, transients and all), then its backward pass
+        in_flight = max(act.forward_in_flight, max(act.blocks) + in_flight)
     last_block = act.block_inputs[-1] if checkpointed else act.blocks[-1]  # what the last block keeps
     activations: dict[str, Moment] = {
         # the head gathered beside the final norm's output (FSDP, untied head)
@@ -225,10 +233,10 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
                          TEMPORARIES: act.hidden_grad},
         # the last block's backward pass, with every block's activations (or inputs) still there
         "last block backward": {ACTIVATIONS: saved_backward + act.loss_kept + copies,
-                                TEMPORARIES: recomputed + act.backward_in_flight},
+                                TEMPORARIES: in_flight},
         # the block before it (the reduce-scatter input of the last one alive), and each one's end
         "block backward": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
-                           TEMPORARIES: recomputed + act.backward_in_flight},
+                           TEMPORARIES: in_flight},
         "block reduced": {ACTIVATIONS: saved_backward - last_block + act.loss_kept + copies,
                           TEMPORARIES: act.hidden_grad},
         # the end of a block's backward pass: its activations gone but its input's, the gradient
@@ -238,10 +246,14 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
         "block 0 backward end": {ACTIVATIONS: act.block_inputs[0] + act.loss_kept, TEMPORARIES: 2 * act.hidden_grad},
         # block 0's backward pass: only its own activations are left
         "block 0 backward": {ACTIVATIONS: (act.block_inputs[0] if checkpointed else act.blocks[0]) + act.loss_kept,
-                             TEMPORARIES: (act.blocks[0] if checkpointed else 0) + act.backward_in_flight},
+                             TEMPORARIES: in_flight},
         "block 0 gathered": {ACTIVATIONS: act.block_inputs[0]},
         "last block gathered": {ACTIVATIONS: saved_forward - (act.block_inputs[-1] if checkpointed else act.blocks[-1])
                                 + act.block_inputs[-1]},
+        # in its forward pass, at the most it holds (`Activations.forward_in_flight`); checkpointed, what
+        # it saves is freed as its forward pass goes: less than that
+        "last block forward": {ACTIVATIONS: saved_forward - (act.block_inputs[-1] if checkpointed else act.blocks[-1])
+                               + act.forward_in_flight + act.weight_copies, TEMPORARIES: act.all_to_all},
     }  # fmt: skip
     moments: dict[str, Moment] = {}
     for name, held in strategy_moments(specs, column, opts).items():

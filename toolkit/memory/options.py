@@ -59,6 +59,11 @@ class Options:
     # the compute dtype and sharded like the trained one. LoRA's reference is its own base with the
     # adapters off, reference-free losses and precomputed references need none.
     frozen_copy: bool = False
+    # Expert parallelism (`--distributed.expert_parallel N`, FSDP only): each MoE layer's experts split
+    # over N ranks of the shard group, each rank's experts sharded by FSDP over the other
+    # shard_size / N ranks (`toolkit.memory.parameters.run_specs`), tokens sent to their experts'
+    # ranks and back by all-to-alls (`Activations.all_to_all`).
+    expert_parallel: int = 1
 
     @property
     def rows_per_sample(self) -> int:
@@ -137,9 +142,17 @@ class ParamSpec:
     shape: tuple[int, ...]
     unit: int  # the block index, or -1 outside the blocks
     trainable: bool
-    kind: Literal["embedding", "linear", "bias", "norm", "lora", "router"]
+    # router: a mixture's router (kept in 16 bits under QLoRA); experts: a mixture's 3-D weights and biases
+    kind: Literal["embedding", "linear", "bias", "norm", "lora", "router", "experts"]
     group: Group = "root"
+    # Ranks the tensor's experts (dim 0) are split over: `shape` is one rank's part, which FSDP
+    # shards over `shard_group(shard_size)` ranks (`toolkit.memory.parameters.run_specs`).
+    expert_parallel: int = 1
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def shard_group(self, shard_size: int) -> int:
+        """Ranks FSDP shards this tensor over, in a shard group of `shard_size`."""
+        return shard_size // self.expert_parallel

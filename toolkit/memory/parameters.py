@@ -86,10 +86,24 @@ def parameter_specs(config: Config, lora_modules: tuple[str, ...] = (), lora_r: 
     return specs
 
 
+def run_specs(opts: "Options") -> list[ParamSpec]:
+    """`parameter_specs` of what one rank of the run stores: with expert parallelism over N ranks,
+    each expert tensor's rows (experts) divided by N, FSDP sharding that part over shard_size / N."""
+    from dataclasses import replace
+
+    specs = parameter_specs(opts.config, opts.lora_modules, opts.lora_r)
+    N = opts.expert_parallel
+    if N == 1:
+        return specs
+    return [replace(s, shape=(s.shape[0] // N, *s.shape[1:]), expert_parallel=N) if s.kind == "experts" else s
+            for s in specs]
+
+
 def _read_specs(model, lora: bool) -> list[ParamSpec]:
     from torch import nn
 
     from toolkit.models.gpt import Block
+    from toolkit.models.moe import GroupedExperts
 
     blocks, edges = _units(model, Block)
     group_of: dict[int, tuple[int, Group]] = {}
@@ -104,7 +118,7 @@ def _read_specs(model, lora: bool) -> list[ParamSpec]:
         for i, module in enumerate(after):
             for p in module.parameters():
                 group_of.setdefault(id(p), (-1, "head" if i == len(after) - 1 else "output"))
-    from toolkit.models.moe import MoE, GroupedExperts
+    from toolkit.models.moe import MoE
 
     routers = {id(m.router) for m in model.modules() if isinstance(m, MoE)}
     kind_of: dict[int, str] = {}
@@ -114,10 +128,10 @@ def _read_specs(model, lora: bool) -> list[ParamSpec]:
                 kind_of.setdefault(id(p), "embedding")
             elif isinstance(module, nn.Linear) and id(module) in routers:
                 kind_of.setdefault(id(p), "router" if leaf == "weight" else "bias")
+            elif isinstance(module, GroupedExperts):
+                kind_of.setdefault(id(p), "experts")
             elif isinstance(module, nn.Linear):
                 kind_of.setdefault(id(p), "linear" if leaf == "weight" else "bias")
-            elif isinstance(module, GroupedExperts):  # (X, out, in): X linear weights; their biases (X, out)
-                kind_of.setdefault(id(p), "linear" if p.ndim == 3 else "bias")
             else:
                 kind_of.setdefault(id(p), "norm")
     specs = []
@@ -176,7 +190,12 @@ def nf4_dequant_bytes(numel: int, compute_bytes: int) -> int:
 def quantized_names(opts: "Options", specs: list[ParamSpec]) -> set[str]:
     """The parameters stored quantized: the linear weights of the blocks, a mixture's experts
     included (not embedding, norms, head, nor a mixture's router)."""
-    return {s.name for s in specs if opts.quantize and s.kind == "linear" and s.unit >= 0}
+    return {s.name for s in specs if opts.quantize and is_quantizable(s)}
+
+
+def is_quantizable(s: ParamSpec) -> bool:
+    """A block's linear weight, or a mixture's 3-D expert weights (X linear weights; not their biases)."""
+    return s.unit >= 0 and (s.kind == "linear" or (s.kind == "experts" and len(s.shape) == 3))
 
 
 def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
@@ -186,7 +205,7 @@ def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
     from toolkit.parallel.nf4 import ROW_ALIGN
 
     for s in parameter_specs(config):
-        if s.kind == "linear" and s.unit >= 0:
+        if is_quantizable(s):
             rows, per_row = s.shape[0], s.numel // s.shape[0]
             if rows % shards or (rows // shards) * per_row % ROW_ALIGN:
                 return f"{s.name.removesuffix('.weight')} ({' x '.join(str(n) for n in s.shape)})"
@@ -236,14 +255,16 @@ def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") 
     states = [0] * W
     quantized = quantized_names(opts, specs)
     for s in specs:
-        shard = shard_bytes(s, W, opts, quantized)
+        group = s.shard_group(W)  # W, or W / N for experts split over N expert-parallel ranks
+        shard = shard_bytes(s, group, opts, quantized)
         params += shard
         if s.name in quantized:
             quantized_base += shard
         if s.trainable:
-            grads += padded_shard_numel(s, W) * opts.trainable_bytes
+            grads += padded_shard_numel(s, group) * opts.trainable_bytes
             row = s.numel // s.shape[0]
-            for r, rows in enumerate(shard_rows(s.shape[0], W)):
-                states[r] += 2 * rows * row * opts.trainable_bytes
+            rows_of = shard_rows(s.shape[0], group)
+            for r in range(W):
+                states[r] += 2 * rows_of[r % group] * row * opts.trainable_bytes
     return [{"parameters": params, "gradients": grads, "optimizer_state": n, "quantized_base": quantized_base}
             for n in states]

@@ -19,7 +19,7 @@ def check_fits(
     device_bytes: int, config: Any, devices: int, num_nodes: int, micro_batch_size: int, max_seq_length: int,
     precision: str, sharding: str, activation_checkpointing: bool, finetune: Optional[str] = None,
     lora: Any = None, quantize: Optional[str] = None, headroom: float = 0.95, cpu_offload: bool = False,
-    pairs: bool = False, frozen_copy: bool = False,
+    pairs: bool = False, frozen_copy: bool = False, expert_parallel: int = 1,
 ) -> str:
     """Refuse (UserError, one line) a training set-up whose per-device peak exceeds `headroom` x
     `device_bytes`; return the line saying it fits otherwise.
@@ -44,6 +44,11 @@ def check_fits(
 
     `pairs`, `frozen_copy`: a preference objective's micro-batch of pairs (two rows each) and a
     frozen copy of the model as its reference (`toolkit.memory.options.Options`).
+
+    `expert_parallel`: a mixture of experts' experts split over this many ranks of the shard group
+    (`Options.expert_parallel`). For a mixture of experts under FSDP the refusal also tries each
+    larger degree that divides the experts and the shard group, before any other change (it gathers
+    fewer experts per block and sends tokens instead of weights: no slower, unlike the others).
     """
     lora_modules: tuple[str, ...] = ()
     lora_dropout = 0.0
@@ -56,40 +61,53 @@ def check_fits(
         shard = effective_sharding(shard, num_nodes, devices)[0]
     sharded = shard not in ("single", "DDP")
 
-    def options(offload: bool) -> Options:
+    def options(offload: bool, ep: int) -> Options:
         return Options(config, precision, finetune, lora_modules, lora.r if lora_modules else 8, quantize,
                        max_seq_length, lora_dropout=lora_dropout, cpu_offload=offload and sharded, pairs=pairs,
-                       frozen_copy=frozen_copy)  # fmt: skip
+                       frozen_copy=frozen_copy, expert_parallel=ep)  # fmt: skip
 
     budget = int(device_bytes * headroom)
 
-    def need(shard: str, ckpt: bool, micro: int, offload: bool = cpu_offload) -> int:
-        figures = column_memory(options(offload), make_column(shard, devices, num_nodes), micro)
+    def need(shard: str, ckpt: bool, micro: int, offload: bool = cpu_offload, ep: int = expert_parallel) -> int:
+        figures = column_memory(options(offload, ep), make_column(shard, devices, num_nodes), micro)
         return figures["total_checkpointed" if ckpt else "total"]
+
+    def degrees(shard: str) -> list[int]:
+        """The expert-parallel degrees to try with `shard`: the run's, and each larger one that divides
+        the experts and the shard group (a mixture of experts under FSDP)."""
+        group = make_column(shard, devices, num_nodes).shard_size if sharded else 1
+        larger = [n for n in range(expert_parallel + 1, group + 1)
+                  if config.is_moe and config.n_expert % n == 0 and group % n == 0 and n % expert_parallel == 0]
+        return [expert_parallel] + larger
 
     wanted = need(shard, activation_checkpointing, micro_batch_size)
     line = (f"memory pre-flight: about {wanted / GiB:.1f} GiB per device at the peak of a step "
             f"(estimate) of {device_bytes / GiB:.1f} GiB")
     if wanted <= budget:
         return line + ": fits."
-    # (offload turned on, sharding changed, checkpointing turned on, micro-batch lowered): the fewest changes first
+    # (offload turned on, sharding changed, checkpointing turned on, micro-batch lowered, expert
+    # parallelism raised): the fewest changes first, the costliest avoided first
     tries = []
     shards = [shard] + (["FULL_SHARD"] if shard == "HYBRID_SHARD" else [])
     for offload in sorted({cpu_offload, cpu_offload or sharded}):
         for s in shards:
-            for ckpt in sorted({activation_checkpointing, True}):
-                micro = micro_batch_size
-                while micro >= 1:
-                    if (offload, s, ckpt, micro) != (cpu_offload, shard, activation_checkpointing, micro_batch_size):
-                        total = need(s, ckpt, micro, offload)
-                        if total <= budget:
-                            tries.append((offload != cpu_offload, s != shard, ckpt != activation_checkpointing,
-                                          micro_batch_size - micro, offload, s, ckpt, micro, total))  # fmt: skip
-                            break
-                    micro //= 2
+            for ep in degrees(s):
+                for ckpt in sorted({activation_checkpointing, True}):
+                    micro = micro_batch_size
+                    while micro >= 1:
+                        if (offload, s, ep, ckpt, micro) != (cpu_offload, shard, expert_parallel, activation_checkpointing,
+                                                             micro_batch_size):
+                            total = need(s, ckpt, micro, offload, ep)
+                            if total <= budget:
+                                tries.append((offload != cpu_offload, s != shard, ckpt != activation_checkpointing,
+                                              micro_batch_size - micro, ep, offload, s, ckpt, micro, total))  # fmt: skip
+                                break
+                        micro //= 2
     if tries:
-        *_, offload, s, ckpt, micro, total = min(tries)
+        *_, ep, offload, s, ckpt, micro, total = min(tries)
         changes = []
+        if ep != expert_parallel:
+            changes.append(f"--distributed.expert_parallel {ep}")
         if s != shard:
             changes.append(f"--distributed.sharding {s}")
         if ckpt != activation_checkpointing:
@@ -107,15 +125,17 @@ def check_fits(
 
 
 def check_run_fits(device_bytes: int, config: Any, run_plan: Any, finetune: Optional[str] = None, lora: Any = None,
-                   pairs: bool = False, frozen_copy: bool = False) -> str:
+                   pairs: bool = False, frozen_copy: bool = False, expert_parallel: int = 1) -> str:
     """`check_fits` for a run's plan (`toolkit.parallel.plan.RunPlan`): the one call training makes.
     The plan says the devices, precision, strategy and sharding, checkpointing, CPU offload, batch
     and the quantized base; `finetune` and `lora` say what trains, `pairs` and `frozen_copy` what the
-    objective adds (`Objective.memory_profile`)."""
+    objective adds (`Objective.memory_profile`), `expert_parallel` the run's expert parallelism
+    (`--distributed.expert_parallel`)."""
     strategy, batches = run_plan.strategy, run_plan.batches
     sharding = strategy.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
     return check_fits(
         device_bytes, config, strategy.devices, strategy.num_nodes, batches.micro_batch_size, batches.max_seq_length,
         strategy.precision, sharding, strategy.activation_checkpointing, finetune=finetune, lora=lora,
         quantize=run_plan.quantize, cpu_offload=strategy.cpu_offload, pairs=pairs, frozen_copy=frozen_copy,
+        expert_parallel=expert_parallel,
     )

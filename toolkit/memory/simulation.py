@@ -145,6 +145,11 @@ def simulate(
         raise UserError(f"max_seq_length {max_seq_length} is larger than the context of {config.name} ({config.block_size}).")
     if precision.startswith("16-"):
         raise UserError(f"precision {precision} (float16) cannot be simulated on a CPU build; simulate bf16-mixed or bf16-true.")
+    if precision == "32-true" and config.is_moe:
+        # The estimate's recording gives them their shapes (`toolkit.memory.activations.grouped_mm_output`);
+        # here torch's FSDPMemTracker must see every op as torch runs it.
+        raise UserError("a mixture of experts cannot be simulated in 32-true: torch's fake kernel of grouped products "
+                        "takes bf16 only; simulate bf16-mixed or bf16-true (the estimate covers 32-true).")
     plan = fsdp_plan(devices, num_nodes, precision, sharding, activation_checkpointing)
     if plan.kind != "fsdp":
         raise UserError("simulate runs FSDP on more than one device in total; use the estimate for one device.")

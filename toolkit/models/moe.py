@@ -49,16 +49,49 @@ def expert_backend(name: Optional[str]) -> Iterator[None]:
         BACKEND["name"] = saved
 
 
+# Whether MoE layers keep what they routed (`MoE.router_stats`); `router_stats_off` clears it for
+# forward passes whose routing no loss reads.
+RECORDING: dict[str, bool] = {"on": True}
+
+
+@contextlib.contextmanager
+def router_stats_off() -> Iterator[None]:
+    """Inside the block, MoE layers route without keeping `router_stats`: a preference loss's reference
+    pass (the trained model with its adapters off must not replace the policy's stats), a checkpointed
+    block's recomputation in the backward pass (its stats would outlive the step, holding the router's
+    logits through their graph)."""
+    saved = RECORDING["on"]
+    RECORDING["on"] = False
+    try:
+        yield
+    finally:
+        RECORDING["on"] = saved
+
+
 def _use_grouped(weight: torch.Tensor) -> bool:
     """Grouped products take bf16 weights (CUDA: compute capability 9.0+); torch's CPU kernel also
     runs float32 eagerly, but its shape function (compiled blocks, the simulated step) does not."""
     if BACKEND["name"] is not None:
         return BACKEND["name"] == "grouped"
-    if not hasattr(torch, "_grouped_mm") or weight.dtype != torch.bfloat16:
+    device = weight.device.type
+    dtype = torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device) else weight.dtype
+    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
         return False
     if weight.device.type == "cuda":
         return torch.cuda.get_device_capability(weight.device)[0] >= 9
     return weight.device.type in ("cpu", "meta")
+
+
+def _as_linear_computes(*tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
+    """The tensors in the dtype a Linear layer would compute them in: autocast's where it is on for
+    their device (autocast casts `F.linear`'s operands but leaves `_grouped_mm` alone), else as they
+    are. Under "*-mixed" the rows arrive in float32 (the residual stream's dtype) and the weights
+    in float32 (one device) or 16 bits (gathered by FSDP): both are cast, as a Linear's would be."""
+    device = next(t for t in tensors if t is not None).device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(None if t is None else t.to(dtype) for t in tensors)
 
 
 class GroupedExperts(nn.Module):
@@ -106,8 +139,9 @@ class GroupedExperts(nn.Module):
 def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
     """x (M, in), rows sorted by expert, counts (X,) rows per expert, weight (X, out, in) -> (M, out):
     each expert's run of rows times its matrix, as one grouped product or one product per expert.
-    The rows take the weight's dtype: under FSDP's mixed precision the experts are gathered in bf16
-    while the activations may arrive in float32, and neither product casts."""
+    Under autocast both take its dtype (`_as_linear_computes`), else the rows take the weight's: under
+    FSDP's mixed precision the experts are gathered in bf16 while the rows may arrive in float32."""
+    x, weight = _as_linear_computes(x, weight)
     x = x.to(weight.dtype)
     if grouped:
         ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
@@ -158,18 +192,21 @@ class MoE(nn.Module):
         logits, probs, chosen, weights = self.route(flat)
         assignments = chosen.reshape(-1)  # (M,): token n's k-th expert at n * K + k
         order = assignments.argsort(stable=True)  # assignments sorted by expert, tokens in order within one
-        # (X,) assignments per expert; a fixed-size sum rather than bincount, whose size depends on the
-        # values, so that compiled blocks see static shapes
-        counts = torch.zeros(self.n_expert, dtype=torch.long, device=x.device).index_add_(
-            0, assignments, torch.ones_like(assignments))
+        # (X,) rows per expert; a shape known before the data (bincount's is not), so the model runs on
+        # fake tensors (the memory estimate and simulation)
+        counts = assignments.new_zeros(self.n_expert).index_add_(0, assignments, torch.ones_like(assignments))
         token_of_row = order // self.top_k  # (M,)
         y = self.experts(flat[token_of_row], counts)  # (M, C)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(flat).index_add_(0, token_of_row, y.to(flat.dtype))
-        self.router_stats = RouterStats(
+        # Computed whether kept or not: a checkpointed block's recomputation must save what its
+        # forward pass saved.
+        stats = RouterStats(
             counts=counts.detach().float(), prob_sum=probs.sum(dim=0),
             z_sum=torch.logsumexp(logits.float(), dim=-1).square().sum(), tokens=flat.shape[0],
         )
+        if RECORDING["on"]:
+            self.router_stats = stats
         return out.view(B, T, C)
 
 

@@ -8,7 +8,7 @@ the memory simulation (`toolkit.memory`) calls `shard_model` directly on a fake 
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Iterator
 
@@ -21,16 +21,24 @@ if TYPE_CHECKING:
 
 
 def checkpoint_blocks(module: nn.Module, block_cls: type[nn.Module]) -> None:
+    """Each `block_cls` recomputed in the backward pass (torch's non-reentrant checkpoint). The
+    recomputation routes again without keeping a mixture of experts' router stats: the loss has
+    read them in the forward pass, and kept they would hold the router's logits past the step."""
+    from functools import partial
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointWrapper,
         apply_activation_checkpointing,
         checkpoint_wrapper,
     )
 
+    from toolkit.models.moe import router_stats_off
+
     if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
         return  # already checkpointed (e.g. set up twice)
     apply_activation_checkpointing(
-        module, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: isinstance(m, block_cls)
+        module, checkpoint_wrapper_fn=partial(checkpoint_wrapper, context_fn=lambda: (nullcontext(), router_stats_off())),
+        check_fn=lambda m: isinstance(m, block_cls),
     )
 
 

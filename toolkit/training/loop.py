@@ -161,7 +161,7 @@ def fit(
             accumulating = i < accumulation - 1
             with fabric.no_backward_sync(model, enabled=accumulating):
                 output = objective(model, batch)
-                fabric.backward(output.loss_sum * scale)
+                fabric.backward(output.trained_sum * scale)
             running.add(output)
             state.micro_step += 1
         optimizer_step(fabric, model, optimizer, train.max_norm)

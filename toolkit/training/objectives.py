@@ -7,7 +7,7 @@ keys itself; it only adds up what the objective returns:
 
 - Gradients. Before a step's backward passes the loop asks `normaliser(batch)` of every
   micro-batch of the step, adds them up over micro-batches and ranks (the step's one all-reduce)
-  and backpropagates `loss_sum * world_size / total` for each micro-batch (the strategy averages
+  and backpropagates `(loss_sum + penalty_sum) * world_size / total` for each micro-batch (the strategy averages
   gradients over ranks; the factor world_size undoes that). The step's gradient is then that of
   (the loss summed over every unit of the step) / (its units), whatever the split into
   micro-batches and ranks: N processes give what one process gives at the same global batch, and
@@ -17,6 +17,14 @@ keys itself; it only adds up what the objective returns:
   (its sums over micro-batches and ranks, divided by the summed normaliser). Validation logs
   `val/loss` and `val/m` over its batches alike, and `val/ppl` = exp(val/loss) for objectives whose
   loss is a mean token cross-entropy (`reports_perplexity`).
+
+A mixture-of-experts model trains every objective with its router's losses (`WithRouterLosses`,
+which `Session.fit` wraps around the objective): the load-balancing loss and the router z-loss of
+each micro-batch, times their coefficients and its normaliser, join the gradient through
+`ObjectiveOutput.penalty_sum`, so the step's gradient is that of (the loss summed over its units
+plus each micro-batch's router terms weighted by its units) / (its units); on one micro-batch,
+transformers' `loss + router_aux_loss_coef * aux_loss`. The logged loss stays the objective's own
+(val/ppl its exp); the router terms and the experts' load are metrics (`router/...`).
 
 Adding an objective: subclass `Objective`, implement `normaliser` and `loss` (and `real_tokens`
 if batches are padded or hold no `input_ids`; `prepare` if it sets something up once before
@@ -28,6 +36,7 @@ training, such as a preference loss's reference model), and pass an instance to 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +57,14 @@ class ObjectiveOutput:
     # name -> a sum over the same units, detached or not; logged as train/<name> and val/<name>
     # divided by the summed normaliser. "loss" and "ppl" are taken.
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Summed over the same units, trained with the loss but logged apart (a mixture of experts'
+    # router losses, `WithRouterLosses`): the gradient is that of loss_sum + penalty_sum.
+    penalty_sum: Optional[torch.Tensor] = None
+
+    @property
+    def trained_sum(self) -> torch.Tensor:
+        """What the loop backpropagates (scaled): the loss and the penalty."""
+        return self.loss_sum if self.penalty_sum is None else self.loss_sum + self.penalty_sum
 
 
 @dataclass
@@ -159,6 +176,99 @@ class CausalLM(Objective):
 @dataclass
 class SFT(CausalLM):
     """Supervised fine-tuning (`--objective sft`, the fine-tuning default): `CausalLM` on the responses."""
+
+
+class WithRouterLosses(Objective):
+    """`objective` on a mixture-of-experts model, with its router's losses (the module's docstring).
+
+    For each micro-batch of n units (the objective's normaliser), over every MoE layer the model
+    routed through in the objective's forward pass (`toolkit.models.moe.router_losses`):
+
+        penalty_sum = n * (aux_coef * load-balancing loss + z_coef * z-loss)
+        metrics     router/aux_loss, router/z_loss: n * each loss
+                    router/load_min, router/load_max, router/load_cv: n * `load_summary` of the
+                    experts' load (assignments per expert over an even share: 1.0 is balanced)
+
+    so each is logged as the unit-weighted mean over the micro-batches (of every rank) since the
+    last log, like the loss. The stats are cleared before the objective runs and once read, so no
+    micro-batch sees another's; forward passes that must not count (a preference loss's reference,
+    a checkpointed block's recomputation) route under `router_stats_off`. Padding tokens are routed
+    as every token, and count in the router terms too.
+    """
+
+    def __init__(self, objective: Objective, aux_coef: float, z_coef: float) -> None:
+        if aux_coef < 0 or z_coef < 0:
+            raise UserError(f"Router loss coefficients must not be negative, got aux {aux_coef} and z {z_coef}")
+        self.objective, self.aux_coef, self.z_coef = objective, float(aux_coef), float(z_coef)
+        self.reports_perplexity = objective.reports_perplexity  # type: ignore[misc]
+        self._layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def normaliser(self, batch: dict[str, Any]) -> torch.Tensor:
+        return self.objective.normaliser(batch)
+
+    def loss(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.objective.loss(model, batch)
+
+    def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
+        return self.objective.real_tokens(batch)
+
+    def memory_profile(self, frozen_base: bool) -> dict[str, bool]:
+        return self.objective.memory_profile(frozen_base)
+
+    def prepare(self, setup: ObjectiveSetup) -> None:
+        self.objective.prepare(setup)
+
+    def describe(self) -> str:
+        return (f"router losses: load balancing x {self.aux_coef:g}, z-loss x {self.z_coef:g} "
+                "(--train.router_aux_loss_coef, --train.router_z_loss_coef)")
+
+    def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
+        from toolkit.models.moe import clear_router_stats, load_summary, router_losses
+
+        layers = self._moe_layers(model)
+        clear_router_stats(layers)  # nothing routed before this micro-batch counts
+        output = self.objective(model, batch)
+        losses = router_losses(layers)
+        clear_router_stats(layers)
+        if losses is None:
+            raise RuntimeError(f"{type(self.objective).__name__} ran no MoE layer of the model: no router losses")
+        units = output.normaliser.to(losses.aux.dtype)
+        penalty = None
+        if self.aux_coef or self.z_coef:
+            penalty = units * (self.aux_coef * losses.aux + self.z_coef * losses.z)
+        load = load_summary(losses.load)
+        metrics = {
+            **output.metrics,
+            "router/aux_loss": units * losses.aux.detach(),
+            "router/z_loss": units * losses.z.detach(),
+            **{f"router/load_{name}": units * value for name, value in load.items()},
+        }
+        return ObjectiveOutput(loss_sum=output.loss_sum, normaliser=output.normaliser, metrics=metrics,
+                               penalty_sum=_add(output.penalty_sum, penalty))
+
+    def _moe_layers(self, model) -> list:
+        layers = self._layers.get(model)
+        if layers is None:
+            from toolkit.models.moe import moe_layers
+
+            layers = self._layers[model] = moe_layers(model)
+        return layers
+
+
+def with_router_losses(objective: Optional[Objective], config: Any, train: Any) -> Objective:
+    """`objective` (None: `CausalLM()`) as a run of `config` trains it: with its router's losses
+    (`WithRouterLosses`) when some layer is a mixture of experts, each coefficient
+    `train.router_*_loss_coef` where given, else the config's."""
+    objective = objective if objective is not None else CausalLM()
+    if not config.is_moe:
+        return objective
+    aux, z = train.router_aux_loss_coef, train.router_z_loss_coef
+    return WithRouterLosses(objective, config.router_aux_loss_coef if aux is None else aux,
+                            config.router_z_loss_coef if z is None else z)
+
+
+def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    return b if a is None else a if b is None else a + b
 
 
 def peek_batch(loader: Any) -> Optional[dict[str, Any]]:

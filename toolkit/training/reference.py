@@ -24,6 +24,7 @@ import torch
 
 from toolkit.errors import UserError
 from toolkit.models.adapters import adapters_switched_off
+from toolkit.models.moe import router_stats_off
 from toolkit.parallel.fsdp import release_gathered
 from toolkit.training.objectives import ObjectiveSetup
 
@@ -43,7 +44,9 @@ class Reference:
 
 
 def _summed_log_probs(model, batch: dict[str, Any]) -> torch.Tensor:
-    return model(batch["input_ids"], labels=batch["labels"], per_token=True).sum(-1)
+    # A mixture of experts' router stats are the policy's: the reference's routing adds no router loss.
+    with router_stats_off():
+        return model(batch["input_ids"], labels=batch["labels"], per_token=True).sum(-1)
 
 
 class AdaptersOff(Reference):

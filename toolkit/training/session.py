@@ -315,7 +315,7 @@ class Session:
         from toolkit.models.gpt import flops_per_token
         from toolkit.training import checkpoint
         from toolkit.parallel.compile import compile_blocks, compile_seconds, should_compile
-        from toolkit.training.objectives import CausalLM
+        from toolkit.training.objectives import CausalLM, WithRouterLosses, with_router_losses
         from toolkit.training.throughput import device_peak_flops
 
         peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
@@ -364,6 +364,9 @@ class Session:
             compiled = compile_blocks(model, Block, self.fabric.device, dynamic=variable_lengths, print_fn=self.fabric.print)
         elif self.train.compile is None:
             self.fabric.print(f"torch.compile: off ({why}); --train.compile true forces it")
+        objective = with_router_losses(objective, self.config, self.train)
+        if isinstance(objective, WithRouterLosses):
+            self.fabric.print(f"Mixture of experts: {objective.describe()}.")
         hooks = LoopHooks(
             save_checkpoint=save,
             flops_per_token=flops_per_token(self.config, self.plan.max_seq_length, _trainable_fraction(model)),
