@@ -31,8 +31,7 @@ from toolkit.models.config import Config
 from toolkit.models.mlp import gated_activation
 
 # Which kernel runs the experts: "grouped" (torch._grouped_mm: one product per weight for all
-# experts), "loop" (a product per expert), None: grouped for bf16 weights where torch has it (CPU;
-# CUDA on compute capability 9.0+), else loop.
+# experts), "loop" (a product per expert), None: grouped where torch has it (`_use_grouped`), else loop.
 BACKEND: dict[str, Optional[str]] = {"name": None}
 
 
@@ -69,17 +68,18 @@ def router_stats_off() -> Iterator[None]:
 
 
 def _use_grouped(weight: torch.Tensor) -> bool:
-    """Grouped products take bf16 weights (CUDA: compute capability 9.0+); torch's CPU kernel also
-    runs float32 eagerly, but its shape function (compiled blocks, the simulated step) does not."""
+    """Grouped products where torch has them for the weights: on the CPU eagerly in any dtype, compiled
+    in bf16 only (the shape function that compiled blocks trace takes bf16 alone); on CUDA in bf16 on
+    compute capability 9.0+. The dtype is autocast's where it is on."""
     if BACKEND["name"] is not None:
         return BACKEND["name"] == "grouped"
+    if not hasattr(torch, "_grouped_mm"):
+        return False
     device = weight.device.type
     dtype = torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device) else weight.dtype
-    if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
-        return False
-    if weight.device.type == "cuda":
-        return torch.cuda.get_device_capability(weight.device)[0] >= 9
-    return weight.device.type in ("cpu", "meta")
+    if device == "cuda":
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(weight.device)[0] >= 9
+    return device in ("cpu", "meta") and (dtype == torch.bfloat16 or not torch.compiler.is_compiling())
 
 
 def _as_linear_computes(*tensors: Optional[torch.Tensor]) -> tuple[Optional[torch.Tensor], ...]:
