@@ -14,7 +14,9 @@ The shapes (`SHAPES`), sequences of 512 tokens, 2 per micro-batch, vocabulary 32
   norm, 64 experts of width 192 with 8 per token, renormalised (its norm_topk_prob).
 - mixtral: 4 layers, 256 wide, 4 heads (2 key/value groups), 8 experts of width 512, 2 per token.
 Both tools' models compute the same function (LitGPT's router takes the softmax of the top-k
-logits, which is the renormalised top-k of the full softmax) with the same parameter count. Both run
+logits, which is the renormalised top-k of the full softmax) with the same parameter count and
+the same initial distribution (N(0, 0.02), residual projections scaled), so that both routers
+spread tokens alike: the cost of a step on a CPU depends on how evenly tokens are routed. Both run
 eagerly in the weights' dtype (bf16 or float32, no autocast); the loss is each tool's own (LitGPT's
 `chunked_cross_entropy` over its logits, the toolkit's fused head loss).
 """
@@ -54,7 +56,17 @@ def build(tool: str, shape_name: str, dtype):
         config = Config(name=shape_name, padded_vocab_size=shape.pop("vocab_size"), bias=False, norm_class_name="RMSNorm",
                         mlp_class_name="LLaMAMoE", rotary_percentage=1.0, parallel_residual=False, norm_qk=qk_norm,
                         moe_intermediate_size=shape["intermediate_size"], **shape)
-        model = GPT(config).to(dtype)
+        model = GPT(config)
+        # the toolkit's initial distribution (`init_weights`: N(0, 0.02), the residual projections
+        # scaled by 1 / sqrt(2 n_layer)), so that both routers start alike: LitGPT's default init gives
+        # the router larger logits, which route most tokens to few experts, and fewer, larger products
+        # cost less on a CPU than the balanced routing a trained router keeps
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if p.dim() >= 2:
+                    residual = name.endswith(".proj.weight")  # attention output, each expert's down projection
+                    p.normal_(0.0, 0.02 / (2 * config.n_layer) ** 0.5 if residual else 0.02)
+        model.to(dtype)
 
         def loss_fn(ids, targets):
             return chunked_cross_entropy(model(ids), targets)
