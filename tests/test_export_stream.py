@@ -49,27 +49,38 @@ def test_a_streamed_safetensors_file_equals_save_file(tmp_path):
 # (tied, export dtype, n_layer n_embd vocab chunk bytes [shard bytes]): the default messages hold
 # whole shards; the third run sends a row per message, and its odd vocabulary gives shards of 49 and
 # 48 rows; the fourth writes files of at most 12 kB (Hugging Face's sharded layout).
-@pytest.mark.parametrize("tied, dtype, shape", [("untied", "bfloat16", []), ("tied", "none", []),
-                                                ("untied", "bfloat16", ["2", "32", "97", "64"]),
-                                                ("tied", "bfloat16", ["2", "32", "96", "256", "12000"])])
-def test_streamed_export_on_two_processes_equals_the_former_export_byte_for_byte(tmp_path, tied, dtype, shape):
-    env = launch_env()
-    result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path), tied, dtype, *shape], env=env,
-                            capture_output=True, text=True, timeout=300)
+EXPORT_CASES = [("untied", "bfloat16", []), ("tied", "none", []), ("untied", "bfloat16", ["2", "32", "97", "64"]),
+                ("tied", "bfloat16", ["2", "32", "96", "256", "12000"])]
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory) -> Path:
+    """Every case of EXPORT_CASES exported by one pair of FSDP processes, case i in case-i/."""
+    root = tmp_path_factory.mktemp("export_stream")
+    cases = [":".join([tied, dtype, *shape]) for tied, dtype, shape in EXPORT_CASES]
+    result = subprocess.run([sys.executable, str(SCRIPT), str(root), "--cases", *cases], env=launch_env(),
+                            capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    former = (tmp_path / "former" / "model.safetensors").read_bytes()
+    return root
+
+
+@pytest.mark.parametrize("case", range(len(EXPORT_CASES)), ids=["-".join([t, d, f"shape{i}"]) for i, (t, d, _) in enumerate(EXPORT_CASES)])
+def test_streamed_export_on_two_processes_equals_the_former_export_byte_for_byte(exports, tmp_path, case):
+    shape = EXPORT_CASES[case][2]
+    out = exports / f"case-{case}"
+    former = (out / "former" / "model.safetensors").read_bytes()
     assert len(former) > 20_000  # the model: 40k parameters
-    assert json.loads((tmp_path / "memory.json").read_text())["rank0_growth"]["streamed"] >= 0
+    assert json.loads((out / "memory.json").read_text())["rank0_growth"]["streamed"] >= 0
     if len(shape) < 5:
-        assert (tmp_path / "streamed" / "model.safetensors").read_bytes() == former
-        assert not (tmp_path / "streamed" / "model.safetensors.index.json").exists()
+        assert (out / "streamed" / "model.safetensors").read_bytes() == former
+        assert not (out / "streamed" / "model.safetensors.index.json").exists()
         return
     # Sharded: each file is `save_file` of its tensors, the index names each tensor's file, and
     # together they hold the former file's tensors exactly.
-    files = sorted((tmp_path / "streamed").glob("*.safetensors"))
-    assert len(files) >= 3 and not (tmp_path / "streamed" / "model.safetensors").exists()
-    index = json.loads((tmp_path / "streamed" / "model.safetensors.index.json").read_text())
-    expected = load_file(str(tmp_path / "former" / "model.safetensors"))
+    files = sorted((out / "streamed").glob("*.safetensors"))
+    assert len(files) >= 3 and not (out / "streamed" / "model.safetensors").exists()
+    index = json.loads((out / "streamed" / "model.safetensors.index.json").read_text())
+    expected = load_file(str(out / "former" / "model.safetensors"))
     assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in expected.values())
     streamed = {}
     for file in files:

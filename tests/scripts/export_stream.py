@@ -1,8 +1,11 @@
 """The final export on N gloo processes under FSDP: streamed (`stream_weights`) and the former way.
 
     python tests/scripts/export_stream.py OUT_DIR TIED EXPORT_DTYPE [N_LAYER N_EMBD VOCAB [CHUNK_BYTES [SHARD_BYTES]]]
+    python tests/scripts/export_stream.py OUT_DIR --cases CASE [CASE ...]
 
-Started once; Fabric's launcher starts the other rank. A tiny GPT is set up sharded with random
+Started once; Fabric's launcher starts the other rank. With `--cases`, each CASE is the arguments
+after OUT_DIR joined by ":" (`untied:bfloat16:2:32:97:64`) and case i writes into OUT_DIR/case-i/:
+several exports for the price of one pair of processes. A tiny GPT is set up sharded with random
 weights; then rank 0 writes OUT_DIR/streamed/ through `Session.export_final`'s streaming path
 (model.safetensors, or shards of at most SHARD_BYTES and their index) and
 OUT_DIR/former/model.safetensors as the export did before (the whole model
@@ -36,17 +39,18 @@ from toolkit.parallel.plan import plan_strategy  # noqa: E402
 from toolkit.training.fabric import build_fabric  # noqa: E402
 
 
-def main() -> None:
-    out, tied, dtype_name = Path(sys.argv[1]), sys.argv[2] == "tied", sys.argv[3]
-    n_layer, n_embd, vocab = (int(x) for x in sys.argv[4:7]) if len(sys.argv) > 4 else (2, 32, 96)
-    if len(sys.argv) > 7:
-        checkpoint_io.EXPORT_CHUNK_BYTES = int(sys.argv[7])
-    shard_bytes = int(sys.argv[8]) if len(sys.argv) > 8 else None
+DEFAULT_CHUNK_BYTES = checkpoint_io.EXPORT_CHUNK_BYTES
+
+
+def export_case(fabric, out: Path, args: list[str]) -> None:
+    """Both exports of one case (`args`: TIED EXPORT_DTYPE [N_LAYER N_EMBD VOCAB [CHUNK_BYTES [SHARD_BYTES]]])."""
+    tied, dtype_name = args[0] == "tied", args[1]
+    n_layer, n_embd, vocab = (int(x) for x in args[2:5]) if len(args) > 2 else (2, 32, 96)
+    checkpoint_io.EXPORT_CHUNK_BYTES = int(args[5]) if len(args) > 5 else DEFAULT_CHUNK_BYTES
+    shard_bytes = int(args[6]) if len(args) > 6 else None
     dtype = None if dtype_name == "none" else getattr(torch, dtype_name)
     config = Config(name="export", vocab_size=vocab, block_size=16, n_layer=n_layer, n_embd=n_embd,
                     n_head=4, tie_embeddings=tied, bias=True, lm_head_bias=not tied)
-    fabric = build_fabric(plan_strategy(2, 1, "32-true", DistributedArgs(), "cpu"), block_cls=Block)
-    fabric.launch()
     with torch.device("meta"):
         model = GPT(config)
     apply_precision_policy(model, "32-true")
@@ -84,6 +88,18 @@ def main() -> None:
         (out / "memory.json").write_text(json.dumps({"rank0_growth": memory, "model_float32_bytes": fp32,
                                                      "largest_float32_bytes": largest,
                                                      "chunk_bytes": checkpoint_io.EXPORT_CHUNK_BYTES}))
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    if sys.argv[2] == "--cases":
+        cases = [(out / f"case-{i}", case.split(":")) for i, case in enumerate(sys.argv[3:])]
+    else:
+        cases = [(out, sys.argv[2:])]
+    fabric = build_fabric(plan_strategy(2, 1, "32-true", DistributedArgs(), "cpu"), block_cls=Block)
+    fabric.launch()
+    for case_dir, args in cases:
+        export_case(fabric, case_dir, args)
     torch.distributed.destroy_process_group()
 
 
