@@ -133,6 +133,17 @@ def run_toolkit(args: list[str]) -> str:
     return result.stdout
 
 
+def load_script(path: Path):
+    """A tests/scripts program imported as a module, to call its one-process entry in this process:
+    no interpreter to start and nothing to import again (several ranks need processes of their own)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"test_script_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def run_as_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)` in a session
     of its own: past `timeout` the whole process group (a launcher and the ranks it started) is

@@ -55,6 +55,15 @@ def _run(cmd: list[str]) -> str:
     return result.stdout
 
 
+def _run_here(cmd: list[str]) -> None:
+    """A one-process command in this process (no interpreter to start, nothing to import again):
+    the reference the processes are compared with."""
+    from toolkit.cli import run
+
+    assert cmd[:3] == [sys.executable, "-m", "toolkit"] and "--devices" in cmd and cmd[cmd.index("--devices") + 1] == "1"
+    assert run(cmd[3:]) == 0
+
+
 def _checkpoint(out: Path, step: int) -> Path:
     return out / "checkpoints" / f"step-{step:08d}"
 
@@ -105,7 +114,7 @@ def runs(tmp_path_factory) -> dict:
     """One process, and two with expert_parallel 2 (a checkpoint at every step, all kept)."""
     root = tmp_path_factory.mktemp("expert_parallel")
     one, two = root / "one", root / "two"
-    _run(_pretrain(one, 1, 1))
+    _run_here(_pretrain(one, 1, 1))
     return {"root": root, "one": one, "two": two, "two_stdout": _run(_pretrain(two, 2, 2))}
 
 
@@ -171,7 +180,7 @@ def test_lora_on_attention_with_expert_parallel_2_trains_as_one_process(runs):
     all-to-alls backwards. (Adapters on the experts themselves do not exist yet.)"""
     base = runs["one"] / "final"
     one, two = runs["root"] / "lora-one", runs["root"] / "lora-two"
-    _run(_finetune_lora(base, one, 1, 1))
+    _run_here(_finetune_lora(base, one, 1, 1))
     _run(_finetune_lora(base, two, 2, 2))
     a = load_file(str(one / "final" / "lora_adapter.safetensors"))
     b = load_file(str(two / "final" / "lora_adapter.safetensors"))

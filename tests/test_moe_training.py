@@ -19,7 +19,7 @@ import torch
 from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 
-from conftest import ASSETS, logged_metrics
+from conftest import ASSETS, launch_env, load_script, logged_metrics
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.cli import run
 from toolkit.errors import UserError
@@ -273,26 +273,17 @@ def test_two_fsdp_processes_train_a_mixture_of_experts_as_one_does(tmp_path, che
     the same weights, losses and router metrics (tests/scripts/moe_ranks.py). The experts' weights
     are sharded along the experts; each rank's router terms join its gradient before the reduction."""
     import json
-    import os
-    import socket
     import subprocess
     import sys
 
     from safetensors.torch import load_file
 
     script = Path(__file__).parent / "scripts" / "moe_ranks.py"
-    outs = []
-    for devices in (1, 2):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env.pop("LOCAL_RANK", None)
-        out = tmp_path / f"devices{devices}"
-        result = subprocess.run([sys.executable, str(script), str(out), str(devices), json.dumps(checkpointing)],
-                                capture_output=True, text=True, env=env, timeout=300)
-        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-        outs.append(out)
+    outs = [tmp_path / "devices1", tmp_path / "devices2"]
+    load_script(script).run(outs[0], 1, checkpointing)
+    result = subprocess.run([sys.executable, str(script), str(outs[1]), "2", json.dumps(checkpointing)],
+                            capture_output=True, text=True, env=launch_env(), timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     a, b = (load_file(str(out / "final" / "model.safetensors")) for out in outs)
     assert a.keys() == b.keys() and any("experts.gate_up_proj" in name for name in a)
     for name in a:

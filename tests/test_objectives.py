@@ -8,8 +8,6 @@ what it gives on one.
 
 import copy
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +19,7 @@ from lightning.fabric import Fabric
 from lightning.fabric.loggers import CSVLogger
 from safetensors.torch import load_file
 
-from conftest import logged_metrics
+from conftest import launch_env, load_script, logged_metrics
 from toolkit.models import IGNORE_INDEX
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, init_weights
@@ -185,18 +183,14 @@ def test_causal_lm_through_the_objective_is_the_step_the_loop_always_took(tmp_pa
 
 
 # ------------------------------------------------------------------ N processes, a frozen reference model
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_ranks(out_dir: Path, devices: int) -> list[dict]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    env.pop("LOCAL_RANK", None)
-    result = subprocess.run([sys.executable, str(REPO / "tests" / "scripts" / "objective_ranks.py"), str(out_dir), str(devices)],
-                            capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    script = REPO / "tests" / "scripts" / "objective_ranks.py"
+    if devices == 1:
+        load_script(script).run(out_dir, 1)
+    else:
+        result = subprocess.run([sys.executable, str(script), str(out_dir), str(devices)], capture_output=True, text=True,
+                                env=launch_env(), timeout=300)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return [json.loads((out_dir / f"report-{rank}.json").read_text()) for rank in range(devices)]
 
 

@@ -14,7 +14,6 @@ run in a subprocess, which Fabric relaunches.
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, REPO, launch_env, logged_metrics
+from conftest import ASSETS, REPO, launch_env, load_script, logged_metrics
 from pair_data import SyntheticPairs, rule_pairs
 
 SCRIPT = REPO / "tests" / "scripts" / "preference_run.py"
@@ -31,15 +30,8 @@ STEPS = 4
 METRICS = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen", "logps/rejected")
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("preference_run", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _in_process(checkpoint: Path, out_dir: Path, kind: str, precompute: bool, steps: int = STEPS) -> None:
-    _script().run(checkpoint, out_dir, 1, kind, precompute, steps)
+    load_script(SCRIPT).run(checkpoint, out_dir, 1, kind, precompute, steps)
 
 
 def _two_processes(checkpoint: Path, out_dir: Path, kind: str, precompute: bool) -> str:

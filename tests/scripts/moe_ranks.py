@@ -50,8 +50,8 @@ def sequences(count: int, seed: int) -> list[dict]:
     return out
 
 
-def main() -> None:
-    out_dir, devices, checkpointing = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "true"
+def run(out_dir: Path, devices: int, checkpointing: bool) -> None:
+    """Train on `devices` processes (this one and, past one device, those Fabric starts)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = LogArgs(interval=1, loggers=("csv",))
     train = TrainArgs(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, max_seq_length=SEQ, max_steps=STEPS,
@@ -74,4 +74,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "true")
