@@ -12,30 +12,20 @@ loss's reference model would be). Every rank writes `report-<rank>.json` on how 
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
-
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # session_ranks, beside this file
 
+from session_ranks import STEPS, shares, start_session  # noqa: E402
 from toolkit.models import IGNORE_INDEX  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
-from toolkit.models.gpt import GPT, Block  # noqa: E402
-from toolkit.args import DistributedArgs, EvalArgs, LogArgs, TrainArgs  # noqa: E402
+from toolkit.models.gpt import GPT  # noqa: E402
 from toolkit.training.objectives import Objective  # noqa: E402
-from toolkit.training.session import Session  # noqa: E402
-from toolkit.parallel.plan import plan_run  # noqa: E402
-from toolkit.training.fabric import build_fabric  # noqa: E402
-from toolkit.training.trackers import make_loggers  # noqa: E402
 
-SEQ = 16
-GLOBAL_BATCH = 4
-STEPS = 3
 CONFIG = Config.from_name("debug-neox", vocab_size=128)
 
 
@@ -66,32 +56,10 @@ class LossAboveReference(Objective):
         return (trained - reference).sum(), {"reference_loss": reference.sum(), "model_loss": trained.detach().sum()}
 
 
-def sequences(count: int, seed: int) -> list[dict]:
-    """`count` sequences of SEQ tokens, the last (i % 5) * 2 of sequence i padding (labels ignored)."""
-    generator = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(count):
-        tokens = torch.randint(0, CONFIG.vocab_size, (1, SEQ + 1), generator=generator)
-        labels = tokens[:, 1:].clone()
-        padding = (i % 5) * 2
-        if padding:
-            labels[:, -padding:] = IGNORE_INDEX
-        out.append({"input_ids": tokens[:, :-1], "labels": labels})
-    return out
-
-
 def run(out_dir: Path, devices: int) -> None:
     """Train and report on `devices` processes (this one and, past one device, those Fabric starts)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log = LogArgs(interval=1, loggers=("csv",))
-    train = TrainArgs(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, max_seq_length=SEQ, max_steps=STEPS,
-                      learning_rate=0.5, warmup_steps=0, max_norm=None, save_interval=None)
-    run_plan = plan_run(devices, 1, "32-true", DistributedArgs(sharding="FULL_SHARD", timeout=120), train, SEQ, accelerator="cpu")
-    fabric = build_fabric(run_plan.strategy, block_cls=Block, loggers=make_loggers(out_dir, log, False))
-    fabric.launch()
-    session = Session(kind="pretrain", fabric=fabric, out_dir=out_dir, config=CONFIG, train=train,
-                      eval=EvalArgs(interval=2, max_iters=4), log=log, plan=run_plan.batches, run_plan=run_plan,
-                      seed=0, resume=False, precision="32-true")
+    session = start_session(out_dir, devices, CONFIG)
+    fabric, train = session.fabric, session.train
     model = session.build_model("random")
     reference = session.build_model("random", frozen=True)
     adamw = session.build_optimizer(model)  # its weight decay groups are checked below
@@ -104,10 +72,7 @@ def run(out_dir: Path, devices: int) -> None:
         for (a_name, a), (b_name, b) in zip(model.named_parameters(), reference.named_parameters())
     )
 
-    # Every rank's share of the same global order: rank r takes sequences r, r + world, r + 2 * world, ...
-    rank, world = fabric.global_rank, fabric.world_size
-    train_data = sequences(STEPS * GLOBAL_BATCH, seed=1)[rank::world]
-    val_data = sequences(4, seed=2)[rank::world]
+    train_data, val_data = shares(session, CONFIG.vocab_size)
     session.fit(model, optimizer, train_data, val_data, total_steps=STEPS, tokens_per_step=None,
                 objective=LossAboveReference(reference))
     session.export_final(model)
@@ -117,7 +82,7 @@ def run(out_dir: Path, devices: int) -> None:
         matrices = sum(p.ndim >= 2 for p in GPT(CONFIG).parameters())
     decay_group = [g for g in adamw.param_groups if g["weight_decay"] > 0]
     report = {
-        "rank": rank,
+        "rank": fabric.global_rank,
         "reference_frozen": all(not p.requires_grad and p.grad is None for p in reference.parameters()),
         "reference_in_eval_mode": not reference.training,
         "reference_outside_the_optimizer": not any(id(p) in trained_ids for p in reference.parameters()),
@@ -128,7 +93,7 @@ def run(out_dir: Path, devices: int) -> None:
         "decayed_parameters": len(decay_group[0]["params"]) if decay_group else 0,
         "matrices": matrices,
     }
-    (out_dir / f"report-{rank}.json").write_text(json.dumps(report))
+    (out_dir / f"report-{fabric.global_rank}.json").write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
