@@ -16,16 +16,15 @@ and of sharded, streamed checkpoints are in tests/test_convert.py.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 import transformers
 
-from toolkit.convert import config_from_hf, convert_from_hf, convert_to_hf
+from parity import assert_greedy_generation_equals, assert_packed_row_equals_samples_alone, assert_round_trip
+from toolkit.convert import config_from_hf, convert_from_hf
 from toolkit.model_dir import load_model
 from toolkit.models.config import Config
-from toolkit.sampling import generate_tokens
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=96, max_position_embeddings=256, initializer_range=0.2)
@@ -130,46 +129,20 @@ def test_logits_equal_transformers(converted):
 def test_greedy_generation_through_the_cache_equals_generate(converted):
     name, hf, _, ours = converted
     prompt = torch.randint(0, TINY["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)[0]
-    got = generate_tokens(ours, prompt, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None)
-    assert got.numel() == PROMPT + NEW_TOKENS
-    assert torch.equal(got, expected), name
+    assert_greedy_generation_equals(hf, ours, prompt, NEW_TOKENS, name)
 
 
 def test_a_packed_row_gives_each_sample_its_own_logits(converted):
     name, _, _, ours = converted
     first, second = (torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n))
                      for n in (PROMPT + 5, PROMPT + 11))
-    row = torch.cat([first, second])[None]
-    documents = torch.cat([torch.zeros_like(first), torch.ones_like(second)])[None]
-    with torch.no_grad():
-        packed = ours(row, document_ids=documents)[0]
-        alone = torch.cat([ours(first[None])[0], ours(second[None])[0]])
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5, msg=name)
+    assert_packed_row_equals_samples_alone(ours, first, second, name)
 
 
 def test_the_round_trip_is_bit_identical_and_loads_in_transformers(converted):
-    from safetensors.torch import load_file
-
     name, hf, tmp, _ = converted
-    export = tmp / "export"
-    convert_to_hf(tmp / "toolkit", export)
-    original = {k: v for f in sorted((tmp / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
-    exported = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
-    assert set(exported) == set(original)
-    for key, tensor in original.items():
-        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (name, key)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
-    assert type(reloaded) is type(hf)
-    assert type(reloaded.config) is type(hf.config)
     ids = torch.randint(0, TINY["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf(ids).logits), name
-    # the exported config.json reads back as the same toolkit config
-    config = Config.from_file(tmp / "toolkit")
-    assert config_from_hf(json.loads((export / "config.json").read_text())).replace(name=config.name) == config
+    assert_round_trip(hf, tmp, ids, name)
 
 
 # ------------------------------------------------------------------------------ what cannot be reproduced

@@ -19,7 +19,6 @@ test sequences and full attention, YaRN not truncated. Checked:
 
 from __future__ import annotations
 
-import json
 import math
 import re
 
@@ -28,11 +27,11 @@ import torch
 import transformers
 from transformers.models.gpt_oss import modeling_gpt_oss
 
+from parity import assert_greedy_generation_equals, assert_packed_row_equals_samples_alone, assert_round_trip
 from toolkit.convert import config_from_hf, convert_from_hf, convert_to_hf
 from toolkit.model_dir import load_model
 from toolkit.models.config import Config
 from toolkit.models.moe import moe_layers, router_losses
-from toolkit.sampling import generate_tokens
 
 WINDOW = 6  # shorter than the test sequences
 PROMPT, NEW_TOKENS = 16, 40
@@ -182,25 +181,13 @@ def test_logits_and_routing_equal_transformers(converted):
 
 def test_greedy_generation_through_the_cache_equals_generate(converted):
     hf, _, ours = converted
-    prompt = _ids(PROMPT, 2, batch=1)[0]
-    with torch.no_grad():
-        expected = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)[0]
-    got = generate_tokens(ours, prompt, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None)
-    assert got.numel() == PROMPT + NEW_TOKENS
+    got = assert_greedy_generation_equals(hf, ours, _ids(PROMPT, 2, batch=1)[0], NEW_TOKENS)
     assert len(set(got[PROMPT:].tolist())) > 3  # not one token over and over
-    assert torch.equal(got, expected)
 
 
 def test_a_packed_row_gives_each_sample_its_own_logits(converted):
     _, _, ours = converted
-    first, second = _ids(PROMPT + 5, 3, batch=1)[0], _ids(PROMPT + 11, 4, batch=1)[0]
-    row = torch.cat([first, second])[None]
-    documents = torch.cat([torch.zeros_like(first), torch.ones_like(second)])[None]
-    with torch.no_grad():
-        packed = ours(row, document_ids=documents)[0]
-        alone = torch.cat([ours(first[None])[0], ours(second[None])[0]])
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    assert_packed_row_equals_samples_alone(ours, _ids(PROMPT + 5, 3, batch=1)[0], _ids(PROMPT + 11, 4, batch=1)[0])
 
 
 def test_router_load_balancing_loss_equals_transformers_aux_loss(converted):
@@ -218,23 +205,8 @@ def test_router_load_balancing_loss_equals_transformers_aux_loss(converted):
 
 
 def test_the_round_trip_is_bit_identical_and_loads_in_transformers(converted):
-    from safetensors.torch import load_file
-
     hf, tmp, _ = converted
-    export = tmp / "export"
-    convert_to_hf(tmp / "toolkit", export)
-    original = {k: v for f in sorted((tmp / "hf").glob("*.safetensors")) for k, v in load_file(f).items()}
-    exported = {k: v for f in sorted(export.glob("*.safetensors")) for k, v in load_file(f).items()}
-    assert set(exported) == set(original)
-    for key, tensor in original.items():
-        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), key
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(export, attn_implementation="eager").eval()
-    assert type(reloaded) is type(hf)
-    ids = _ids(PROMPT, 6, batch=1)
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf(ids).logits)
-    config = Config.from_file(tmp / "toolkit")
-    assert config_from_hf(json.loads((export / "config.json").read_text())).replace(name=config.name) == config
+    assert_round_trip(hf, tmp, _ids(PROMPT, 6, batch=1), attn_implementation="eager")
 
 
 # ------------------------------------------------------------------------------ MXFP4 checkpoints

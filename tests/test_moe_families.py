@@ -24,8 +24,10 @@ import shutil
 import pytest
 import torch
 import transformers
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
+from parity import assert_greedy_generation_equals, assert_packed_row_equals_samples_alone, assert_round_trip
+from parity import safetensors_in
 from toolkit.convert import config_from_hf, config_to_hf, convert_from_hf, convert_to_hf
 from toolkit.convert import weight_maps
 from toolkit.errors import UserError
@@ -34,7 +36,6 @@ from toolkit.models.config import Config
 from toolkit.models.gpt import count_parameters
 from toolkit.models.moe import moe_layers, router_losses
 from toolkit.models.presets import PRESETS
-from toolkit.sampling import generate_tokens
 
 TINY = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=48, max_position_embeddings=256, initializer_range=0.2, num_experts_per_tok=2,
@@ -70,10 +71,6 @@ def hf_model(name: str):
     return model
 
 
-def tensors(folder) -> dict[str, torch.Tensor]:
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def converted(request, tmp_path_factory):
     """(name, transformers model, folder: hf/ (hub layout) and toolkit/, the converted toolkit model)."""
@@ -81,7 +78,7 @@ def converted(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(name)
     model = hf_model(name)
     model.save_pretrained(tmp / "hf")  # transformers 5 writes the hub's per-expert layout by default
-    assert any(".experts.0." in key for key in tensors(tmp / "hf")), "expected one tensor per expert"
+    assert any(".experts.0." in key for key in safetensors_in(tmp / "hf")), "expected one tensor per expert"
     convert_from_hf(tmp / "hf", tmp / "toolkit")
     return name, model, tmp, load_model(tmp / "toolkit").eval()
 
@@ -133,12 +130,7 @@ def test_logits_and_the_chosen_experts_equal_transformers(converted):
 def test_greedy_generation_through_the_cache_equals_generate(converted):
     name, hf, _, ours = converted
     prompt = torch.randint(0, TINY["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        expected = hf.generate(prompt[None], max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0)[0]
-    got = generate_tokens(ours, prompt, max_new_tokens=NEW_TOKENS, temperature=0.0, top_k=None)
-    assert got.numel() == PROMPT + NEW_TOKENS
-    assert torch.equal(got, expected), name
+    assert_greedy_generation_equals(hf, ours, prompt, NEW_TOKENS, name)
 
 
 def test_router_aux_loss_equals_transformers(converted):
@@ -157,22 +149,17 @@ def test_a_packed_row_gives_each_sample_its_own_logits(converted):
     name, _, _, ours = converted
     first, second = (torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(n))
                      for n in (PROMPT + 5, PROMPT + 11))
-    row = torch.cat([first, second])[None]
-    documents = torch.cat([torch.zeros_like(first), torch.ones_like(second)])[None]
-    with torch.no_grad():
-        packed = ours(row, document_ids=documents)[0]
-        alone = torch.cat([ours(first[None])[0], ours(second[None])[0]])
-    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5, msg=name)
+    assert_packed_row_equals_samples_alone(ours, first, second, name)
 
 
 def test_transformers_in_memory_layout_converts_to_the_same_weights(converted):
     name, hf, tmp, _ = converted
     hf.save_pretrained(tmp / "hf-fused", save_original_format=False)
-    stored = tensors(tmp / "hf-fused")
+    stored = safetensors_in(tmp / "hf-fused")
     assert any(key.endswith("mlp.experts.gate_up_proj") for key in stored)
     assert not any(".experts.0." in key for key in stored)
     convert_from_hf(tmp / "hf-fused", tmp / "toolkit-fused")
-    per_expert, fused = tensors(tmp / "toolkit"), tensors(tmp / "toolkit-fused")
+    per_expert, fused = safetensors_in(tmp / "toolkit"), safetensors_in(tmp / "toolkit-fused")
     assert set(per_expert) == set(fused)
     for key, tensor in per_expert.items():
         assert torch.equal(fused[key], tensor), (name, key)
@@ -182,19 +169,8 @@ def test_transformers_in_memory_layout_converts_to_the_same_weights(converted):
 
 def test_the_round_trip_is_bit_identical_and_loads_in_transformers(converted):
     name, hf, tmp, _ = converted
-    export = tmp / "export"
-    convert_to_hf(tmp / "toolkit", export)
-    original, exported = tensors(tmp / "hf"), tensors(export)
-    assert set(exported) == set(original)
-    for key, tensor in original.items():
-        assert exported[key].dtype == tensor.dtype and torch.equal(exported[key], tensor), (name, key)
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
-    assert type(reloaded) is type(hf) and type(reloaded.config) is type(hf.config)
     ids = torch.randint(0, TINY["vocab_size"], (1, PROMPT), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        assert torch.equal(reloaded(ids).logits, hf(ids).logits), name
-    config = Config.from_file(tmp / "toolkit")
-    assert config_from_hf(json.loads((export / "config.json").read_text())).replace(name=config.name) == config
+    assert_round_trip(hf, tmp, ids, name)
 
 
 def test_bfloat16_checkpoints_keep_their_bits_and_logits_stay_close(converted):
@@ -210,7 +186,7 @@ def test_bfloat16_checkpoints_keep_their_bits_and_logits_stay_close(converted):
     ours = load_model(tmp / "toolkit-bf16")
     assert {p.dtype for p in ours.parameters()} == {torch.bfloat16}
     convert_to_hf(tmp / "toolkit-bf16", tmp / "export-bf16")
-    original, exported = tensors(tmp / "hf-bf16"), tensors(tmp / "export-bf16")
+    original, exported = safetensors_in(tmp / "hf-bf16"), safetensors_in(tmp / "export-bf16")
     assert set(exported) == set(original)
     for key, tensor in original.items():
         assert tensor.dtype == torch.bfloat16 and torch.equal(exported[key], tensor), (name, key)
@@ -306,12 +282,12 @@ def test_published_mixtral_config_names_its_preset():
 
 def test_a_missing_expert_and_a_doubly_given_one_are_named_in_one_line(converted, tmp_path):
     name, hf, tmp, _ = converted
-    stored = tensors(tmp / "hf")
+    stored = safetensors_in(tmp / "hf")
     lacking = next(key for key in stored if ".experts.1." in key)
     for folder, state, message in (
         ("lacking", {k: v for k, v in stored.items() if k != lacking}, f"lacks weight '{lacking}'"),
         # the per-expert tensors and transformers' 3-D ones for the same layer
-        ("both", {**stored, **{k: v for k, v in tensors(_fused(hf, tmp)).items() if "experts.gate_up" in k}},
+        ("both", {**stored, **{k: v for k, v in safetensors_in(_fused(hf, tmp)).items() if "experts.gate_up" in k}},
          "already provides"),
     ):
         (tmp_path / folder).mkdir()
@@ -358,8 +334,8 @@ def test_a_transposed_interleaved_expert_layout_converts_both_ways(tmp_path, mon
     for cached in (weight_maps.reverse_map, weight_maps.expert_reverse_map):
         cached.cache_clear()  # derived from the tables; cleared again once the test is done
     try:
-        ours = tensors(tmp / "toolkit")
-        hub = tensors(tmp / "hf")
+        ours = safetensors_in(tmp / "toolkit")
+        hub = safetensors_in(tmp / "hf")
         state = {k: v for k, v in hub.items() if ".experts." not in k}
         for layer in range(2):
             state[f"model.layers.{layer}.mlp.experts.gate_up_proj"] = _interleaved_transposed(
@@ -370,10 +346,10 @@ def test_a_transposed_interleaved_expert_layout_converts_both_ways(tmp_path, mon
         shutil.copy(tmp / "hf" / "config.json", tmp_path / "hf" / "config.json")
         save_file(state, str(tmp_path / "hf" / "model.safetensors"), metadata={"format": "pt"})
         convert_from_hf(tmp_path / "hf", tmp_path / "toolkit")
-        got = tensors(tmp_path / "toolkit")
+        got = safetensors_in(tmp_path / "toolkit")
         assert set(got) == set(ours) and all(torch.equal(got[k], ours[k]) for k in ours)
         convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
-        exported = tensors(tmp_path / "export")
+        exported = safetensors_in(tmp_path / "export")
         assert set(exported) == set(state) and all(torch.equal(exported[k], state[k]) for k in state)
     finally:
         for cached in (weight_maps.reverse_map, weight_maps.expert_reverse_map):
