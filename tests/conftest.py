@@ -248,3 +248,29 @@ def data_from_cli(args: list[str]):
     parser = ArgumentParser(exit_on_error=False)
     parser.add_function_arguments(finetune)
     return parser.instantiate(parser.parse_args(args)).data
+
+
+def fit_on_one_cpu(model, objective, train_batches: list, val_batches: list, log_dir: Path, *, micro: int,
+                   accumulation: int, seq: int, steps: int, lr: float):
+    """The training loop's `fit` on one CPU process with SGD (an update proportional to the gradient,
+    so a wrong loss scale shows), no clipping, a constant rate, validation and a CSV row every step;
+    returns the set-up model and the logged rows."""
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import CSVLogger
+
+    from toolkit.args import EvalArgs, LogArgs, TrainArgs
+    from toolkit.parallel.batches import plan_batches
+    from toolkit.training.loop import LoopHooks, TrainState, fit
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true", loggers=CSVLogger(log_dir / "logs", name="csv"))
+    module = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=lr))
+    train = TrainArgs(micro_batch_size=micro, global_batch_size=micro * accumulation, max_steps=steps,
+                      learning_rate=lr, lr_schedule="constant", warmup_steps=0, max_norm=None)
+    plan = plan_batches(1, 1, micro, micro * accumulation, seq)
+    state = fit(fabric, module, optimizer, train_batches, val_batches, plan, TrainState(), train,
+                EvalArgs(interval=1, max_iters=2), LogArgs(interval=1, loggers=()), LoopHooks(),
+                total_steps=steps, tokens_per_step=None, objective=objective)
+    assert state.step == steps
+    fabric.logger.finalize("success")
+    return module, logged_metrics(log_dir)

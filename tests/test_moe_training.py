@@ -16,19 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger
 
-from conftest import ASSETS, launch_env, load_script, logged_metrics
-from toolkit.args import EvalArgs, LogArgs, TrainArgs
+from conftest import ASSETS, fit_on_one_cpu, launch_env, load_script, logged_metrics
+from toolkit.args import TrainArgs
 from toolkit.cli import run
 from toolkit.errors import UserError
 from toolkit.models import IGNORE_INDEX
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, Block, init_weights
 from toolkit.models.moe import moe_layers
-from toolkit.parallel.batches import plan_batches
-from toolkit.training.loop import LoopHooks, TrainState, fit
 from toolkit.training.objectives import CausalLM, WithRouterLosses, with_router_losses
 
 SEQ, MICRO, ACCUMULATION, STEPS, LR = 12, 2, 2, 2, 0.5
@@ -68,17 +64,8 @@ def _batches(count: int, seed: int) -> list[dict]:
 
 
 def _fit(model, objective, train_batches, val_batches, log_dir: Path):
-    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true", loggers=CSVLogger(log_dir / "logs", name="csv"))
-    module = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=LR))
-    train = TrainArgs(micro_batch_size=MICRO, global_batch_size=MICRO * ACCUMULATION, max_steps=STEPS,
-                      learning_rate=LR, lr_schedule="constant", warmup_steps=0, max_norm=None)
-    plan = plan_batches(1, 1, MICRO, MICRO * ACCUMULATION, SEQ)
-    fit(fabric, module, optimizer, train_batches, val_batches, plan, TrainState(), train,
-        EvalArgs(interval=1, max_iters=2), LogArgs(interval=1, loggers=()), LoopHooks(),
-        total_steps=STEPS, tokens_per_step=None, objective=objective)
-    fabric.logger.finalize("success")
-    return module, logged_metrics(log_dir)
+    return fit_on_one_cpu(model, objective, train_batches, val_batches, log_dir, micro=MICRO, accumulation=ACCUMULATION,
+                          seq=SEQ, steps=STEPS, lr=LR)
 
 
 def _transformers_terms(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

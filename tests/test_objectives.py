@@ -15,17 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from lightning.fabric import Fabric
-from lightning.fabric.loggers import CSVLogger
 from safetensors.torch import load_file
 
-from conftest import launch_env, load_script, logged_metrics
+from conftest import fit_on_one_cpu, launch_env, load_script, logged_metrics
 from toolkit.models import IGNORE_INDEX
 from toolkit.models.config import Config
 from toolkit.models.gpt import GPT, init_weights
-from toolkit.args import EvalArgs, LogArgs, TrainArgs
-from toolkit.parallel.batches import plan_batches
-from toolkit.training.loop import LoopHooks, TrainState, fit
 from toolkit.training.objectives import CausalLM, Objective
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,20 +55,8 @@ def _model() -> GPT:
 
 
 def _fit(model, objective, train_batches, val_batches, log_dir: Path):
-    """`fit` on one CPU process with SGD (an update proportional to the gradient, so a wrong loss
-    scale shows), no clipping, a constant rate; returns the set-up model and the logged rows."""
-    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true", loggers=CSVLogger(log_dir / "logs", name="csv"))
-    module = fabric.setup_module(model)
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(module.parameters(), lr=LR))
-    train = TrainArgs(micro_batch_size=MICRO, global_batch_size=MICRO * ACCUMULATION, max_steps=STEPS,
-                      learning_rate=LR, lr_schedule="constant", warmup_steps=0, max_norm=None)
-    plan = plan_batches(1, 1, MICRO, MICRO * ACCUMULATION, SEQ)
-    state = fit(fabric, module, optimizer, train_batches, val_batches, plan, TrainState(), train,
-                EvalArgs(interval=1, max_iters=2), LogArgs(interval=1, loggers=()), LoopHooks(),
-                total_steps=STEPS, tokens_per_step=None, objective=objective)
-    assert state.step == STEPS
-    fabric.logger.finalize("success")
-    return module, logged_metrics(log_dir)
+    return fit_on_one_cpu(model, objective, train_batches, val_batches, log_dir, micro=MICRO, accumulation=ACCUMULATION,
+                          seq=SEQ, steps=STEPS, lr=LR)
 
 
 def _sgd_step(model, loss: torch.Tensor) -> None:
