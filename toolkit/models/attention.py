@@ -18,7 +18,6 @@ lengths would be guarded on, and every new packing layout would compile again.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Iterator, Optional
 
 import torch
@@ -28,6 +27,7 @@ import torch.nn.functional as F
 from toolkit.models.config import Config
 from toolkit.models.kv_cache import KVCache
 from toolkit.models.norms import make_norm
+from toolkit.models.switch import Switch
 from toolkit.models.rope import apply_rope
 
 
@@ -75,7 +75,7 @@ def attention_mask(
 # over SDPA or, with a softcap or sinks, plain products), or None: flex on CUDA, chunked elsewhere
 # (torch 2.13's flex_attention has no backward pass on the CPU). See `attention_backend` and
 # benchmarks/README.md (Attention windows).
-BACKEND: dict[str, Optional[str]] = {"name": None}
+KERNEL = Switch("attention backend", None, (None, "flex", "chunked"))
 # Queries per SDPA call of a sliding-window layer: each call sees chunk + window - 1 keys.
 WINDOW_CHUNK = 256
 # Queries per chunk of `chunked_attention`, fewer where their float32 scores (batch x heads x queries
@@ -85,17 +85,9 @@ SCORE_CHUNK_ROWS = 128
 SCORE_CHUNK_BYTES = 16 << 20
 
 
-@contextmanager
-def attention_backend(name: Optional[str]) -> Iterator[None]:
-    """Inside the block, windows and softcaps run through `name` ("flex", "chunked"; None: by device)."""
-    if name not in (None, "flex", "chunked"):
-        raise ValueError(f"attention backend {name!r}: one of None, 'flex', 'chunked'")
-    saved = BACKEND["name"]
-    BACKEND["name"] = name
-    try:
-        yield
-    finally:
-        BACKEND["name"] = saved
+def attention_backend(name: Optional[str]):
+    """Inside the `with` block, windows and softcaps run through `name` ("flex", "chunked"; None: by device)."""
+    return KERNEL.use(name)
 
 
 def attend(
@@ -135,7 +127,7 @@ def _use_flex(q: torch.Tensor, T: int, S: int, left_padding: Optional[torch.Tens
     whose sequence length is fixed). Generation and evaluation (no gradients: prompts of every
     length, one token at a time, padded batches) take the chunked paths, which need no compilation;
     compiled flex kernels are specialised to one length and would compile again for each."""
-    name = BACKEND["name"] or ("flex" if q.device.type == "cuda" and torch.is_grad_enabled() else "chunked")
+    name = KERNEL.value or ("flex" if q.device.type == "cuda" and torch.is_grad_enabled() else "chunked")
     return name == "flex" and T == S and left_padding is None
 
 

@@ -19,9 +19,8 @@ run to the rank holding its expert and brings the results back, and nothing here
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -29,50 +28,35 @@ import torch.nn.functional as F
 
 from toolkit.models.config import Config
 from toolkit.models.mlp import gated_activation
+from toolkit.models.switch import Switch
 
 # Which kernel runs the experts: "grouped" (torch._grouped_mm: one product per weight for all
 # experts), "loop" (a product per expert), None: grouped where torch has it (`_use_grouped`), else loop.
-BACKEND: dict[str, Optional[str]] = {"name": None}
-
-
-@contextlib.contextmanager
-def expert_backend(name: Optional[str]) -> Iterator[None]:
-    """Inside the block, experts run through `name` ("grouped", "loop"; None: chosen by device)."""
-    if name not in (None, "grouped", "loop"):
-        raise ValueError(f"expert backend must be 'grouped', 'loop' or None, got {name!r}")
-    saved = BACKEND["name"]
-    BACKEND["name"] = name
-    try:
-        yield
-    finally:
-        BACKEND["name"] = saved
-
-
+KERNEL = Switch("expert backend", None, (None, "grouped", "loop"))
 # Whether MoE layers keep what they routed (`MoE.router_stats`); `router_stats_off` clears it for
 # forward passes whose routing no loss reads.
-RECORDING: dict[str, bool] = {"on": True}
+RECORDING = Switch("router recording", True, (True, False))
 
 
-@contextlib.contextmanager
-def router_stats_off() -> Iterator[None]:
-    """Inside the block, MoE layers route without keeping `router_stats`: a preference loss's reference
-    pass (the trained model with its adapters off must not replace the policy's stats), a checkpointed
-    block's recomputation in the backward pass (its stats would outlive the step, holding the router's
-    logits through their graph)."""
-    saved = RECORDING["on"]
-    RECORDING["on"] = False
-    try:
-        yield
-    finally:
-        RECORDING["on"] = saved
+def expert_backend(name: Optional[str]):
+    """Inside the `with` block, experts run through `name` ("grouped", "loop"; None: chosen by device)."""
+    return KERNEL.use(name)
+
+
+def router_stats_off():
+    """Inside the `with` block, MoE layers route without keeping `router_stats`: a preference loss's
+    reference pass (the trained model with its adapters off must not replace the policy's stats), a
+    checkpointed block's recomputation in the backward pass (its stats would outlive the step,
+    holding the router's logits through their graph)."""
+    return RECORDING.use(False)
 
 
 def _use_grouped(weight: torch.Tensor) -> bool:
     """Grouped products where torch has them for the weights: on the CPU eagerly in any dtype, compiled
     in bf16 only (the shape function that compiled blocks trace takes bf16 alone); on CUDA in bf16 on
     compute capability 9.0+. The dtype is autocast's where it is on."""
-    if BACKEND["name"] is not None:
-        return BACKEND["name"] == "grouped"
+    if KERNEL.value is not None:
+        return KERNEL.value == "grouped"
     if not hasattr(torch, "_grouped_mm"):
         return False
     device = weight.device.type
@@ -205,7 +189,7 @@ class MoE(nn.Module):
             counts=counts.detach().float(), prob_sum=probs.sum(dim=0),
             z_sum=torch.logsumexp(logits.float(), dim=-1).square().sum(), tokens=flat.shape[0],
         )
-        if RECORDING["on"]:
+        if RECORDING.value:
             self.router_stats = stats
         return out.view(B, T, C)
 
