@@ -190,6 +190,21 @@ def test_preflight_names_expert_parallel_when_it_is_what_fits():
         check_fits(device, *args)
     assert check_fits(device, *args, expert_parallel=2).endswith("fits.")
 
+    # Training hands the pre-flight its run plan, which carries --distributed.expert_parallel.
+    from toolkit.args import DistributedArgs, TrainArgs
+    from toolkit.memory import check_run_fits
+    from toolkit.parallel.plan import plan_run
+
+    train = TrainArgs(micro_batch_size=1, global_batch_size=16)
+    for n in (1, 2):
+        plan = plan_run(16, 1, "bf16-mixed", DistributedArgs(sharding="FULL_SHARD", activation_checkpointing=True,
+                                                             expert_parallel=n), train, 64, accelerator="cuda", model=config)
+        if n == 1:
+            with pytest.raises(UserError, match="does not fit"):
+                check_run_fits(device, config, plan)
+        else:
+            assert check_run_fits(device, config, plan) == check_fits(device, *args, expert_parallel=2)
+
 
 def test_the_largest_micro_batch_where_the_optimizer_step_is_the_peak():
     """Qwen3-30B-A3B's shape on 8 GPUs with checkpointing: the step's peak at micro-batch 1 and 2 is

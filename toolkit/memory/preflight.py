@@ -125,17 +125,16 @@ def check_fits(
 
 
 def check_run_fits(device_bytes: int, config: Any, run_plan: Any, finetune: Optional[str] = None, lora: Any = None,
-                   pairs: bool = False, frozen_copy: bool = False, expert_parallel: int = 1) -> str:
+                   pairs: bool = False, frozen_copy: bool = False) -> str:
     """`check_fits` for a run's plan (`toolkit.parallel.plan.RunPlan`): the one call training makes.
-    The plan says the devices, precision, strategy and sharding, checkpointing, CPU offload, batch
-    and the quantized base; `finetune` and `lora` say what trains, `pairs` and `frozen_copy` what the
-    objective adds (`Objective.memory_profile`), `expert_parallel` the run's expert parallelism
-    (`--distributed.expert_parallel`)."""
+    The plan says the devices, precision, strategy and sharding, checkpointing, CPU offload, expert
+    parallelism, batch and the quantized base; `finetune` and `lora` say what trains, `pairs` and
+    `frozen_copy` what the objective adds (`Objective.memory_profile`)."""
     strategy, batches = run_plan.strategy, run_plan.batches
     sharding = strategy.sharding if strategy.kind == "fsdp" else ("single" if strategy.kind == "single" else "DDP")
     return check_fits(
         device_bytes, config, strategy.devices, strategy.num_nodes, batches.micro_batch_size, batches.max_seq_length,
         strategy.precision, sharding, strategy.activation_checkpointing, finetune=finetune, lora=lora,
         quantize=run_plan.quantize, cpu_offload=strategy.cpu_offload, pairs=pairs, frozen_copy=frozen_copy,
-        expert_parallel=expert_parallel,
+        expert_parallel=strategy.expert_parallel,
     )
