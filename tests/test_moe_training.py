@@ -231,11 +231,60 @@ def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
     ]
 
 
+def test_per_layer_balancing_is_the_mean_of_each_layers_own_loss_and_sees_what_pooling_hides():
+    """`router_losses(per_layer=True)`: the mean over layers of transformers' load-balancing loss of
+    each layer alone, on any routing. Where the first MoE layer sends every token to experts 0 and 1
+    and the second to experts 2 and 3 (of 6, top-2), the pooled loss (transformers') is what two
+    layers that each spread the tokens evenly over the same four experts would give (3), while per
+    layer it is near its maximum, X = 6."""
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    from toolkit.models.moe import router_losses
+
+    model = _model()
+    layers = moe_layers(model)
+    config = model.config
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(3))
+
+    def losses(favoured=None):
+        captured = []
+
+        def hook(layer_index):
+            def replace(module, inputs, logits):
+                if favoured is not None:  # every token's logits: 8 and 7.9 for the favoured pair, 0 elsewhere
+                    first, second = favoured[layer_index]
+                    logits = torch.zeros_like(logits)
+                    logits[..., first], logits[..., second] = 8.0, 7.9
+                captured.append(logits)
+                return logits
+            return replace
+
+        hooks = [layer.router.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
+        try:
+            with torch.no_grad():
+                model(ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        each = [load_balancing_loss_func((logits,), config.n_expert, config.n_expert_per_token) for logits in captured]
+        return router_losses(layers), router_losses(layers, per_layer=True), torch.stack(each).mean()
+
+    pooled, per_layer, expected = losses()
+    torch.testing.assert_close(per_layer.aux, expected.float(), rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(per_layer.aux, pooled.aux)  # the init routes the two layers differently
+    torch.testing.assert_close(per_layer.z, pooled.z)
+    torch.testing.assert_close(per_layer.load, pooled.load)
+
+    pooled, per_layer, expected = losses(favoured=[(0, 1), (2, 3)])
+    torch.testing.assert_close(per_layer.aux, expected.float(), rtol=1e-6, atol=1e-6)
+    assert per_layer.aux > 5.9 and abs(pooled.aux - 3.0) < 0.01, (per_layer.aux, pooled.aux)
+
+
 def test_pretrain_logs_the_router_metrics_and_takes_the_coefficients_given(tmp_path, capsys):
     out = tmp_path / "run"
-    assert run(_pretrain_args(out, "--train.router_z_loss_coef", "0.002")) == 0
+    assert run(_pretrain_args(out, "--train.router_z_loss_coef", "0.002", "--train.router_aux_loss_per_layer", "true")) == 0
     printed = capsys.readouterr().out
-    assert "Mixture of experts: router losses: load balancing x 0.01, z-loss x 0.002" in printed
+    assert "Mixture of experts: router losses: load balancing per layer x 0.01, z-loss x 0.002" in printed
     steps = [line for line in printed.splitlines() if line.startswith("step ")]
     assert len(steps) == 2 and all(f"| {name} " in line for line in steps for name in METRICS)
     assert any(line.startswith("validation at step 2:") and "router/load_cv" in line for line in printed.splitlines())
@@ -243,7 +292,7 @@ def test_pretrain_logs_the_router_metrics_and_takes_the_coefficients_given(tmp_p
     names = {k for row in rows for k, v in row.items() if v}
     assert {f"{split}/{m}" for split in ("train", "val") for m in METRICS} <= names
     aux = [float(r["train/router/aux_loss"]) for r in rows if r.get("train/router/aux_loss")]
-    assert len(aux) == 2 and all(1.9 < a < 4 for a in aux)  # K = 2 when balanced; at most X = 4
+    assert len(aux) == 2 and all(1.9 < a < 4 for a in aux)  # K = 2 when every layer is balanced; at most X = 4
 
 
 def test_pretrain_refuses_a_negative_coefficient_in_one_line(tmp_path, capsys):

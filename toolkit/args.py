@@ -41,6 +41,10 @@ class TrainArgs:
     # to every objective's (tutorials/moe.md). None: the model config's (its family's own).
     router_aux_loss_coef: Optional[float] = None
     router_z_loss_coef: Optional[float] = None
+    # Balance each MoE layer on its own (the mean of the layers' load-balancing losses) instead of
+    # over all layers' assignments pooled, as transformers defines it: pooled, layers that favour
+    # different experts cancel out. For pretraining from scratch.
+    router_aux_loss_per_layer: bool = False
 
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "micro_batch_size"):

@@ -208,7 +208,7 @@ class RouterLosses:
     load: torch.Tensor  # (L, X) float32: each layer's assignments per expert, no gradient
 
 
-def router_losses(layers: list[MoE]) -> Optional[RouterLosses]:
+def router_losses(layers: list[MoE], per_layer: bool = False) -> Optional[RouterLosses]:
     """The losses of what `layers` routed in their last call; None when none has routed.
 
     Load balancing (Switch Transformer's, as Mixtral, Qwen3-MoE and OLMoE define it in
@@ -217,17 +217,23 @@ def router_losses(layers: list[MoE]) -> Optional[RouterLosses]:
 
         aux = X * sum_x f_x * P_x
 
-    which is K for a perfectly even router and grows as the load concentrates.
+    which is K for a perfectly even router and grows as the load concentrates. Pooled over the
+    layers, two layers that send their tokens to different experts balance each other out;
+    `per_layer` takes the mean over layers of each layer's own aux instead (K only when every layer
+    is even).
     """
     stats = [layer.router_stats for layer in layers if layer.router_stats is not None]
     if not stats:
         return None
-    tokens = sum(s.tokens for s in stats)
     counts = torch.stack([s.counts for s in stats])  # (L, X)
-    share = counts.sum(dim=0) / tokens  # (X,)
-    mean_prob = torch.stack([s.prob_sum for s in stats]).sum(dim=0) / tokens  # (X,)
-    aux = counts.shape[1] * (share * mean_prob).sum()
-    z = torch.stack([s.z_sum for s in stats]).sum() / tokens
+    prob_sums = torch.stack([s.prob_sum for s in stats])  # (L, X)
+    if per_layer:
+        tokens_per_layer = torch.tensor([float(s.tokens) for s in stats], device=counts.device)[:, None]  # (L, 1)
+        aux = counts.shape[1] * ((counts / tokens_per_layer) * (prob_sums / tokens_per_layer)).sum(dim=1).mean()
+    else:
+        tokens = sum(s.tokens for s in stats)
+        aux = counts.shape[1] * ((counts.sum(dim=0) / tokens) * (prob_sums.sum(dim=0) / tokens)).sum()
+    z = torch.stack([s.z_sum for s in stats]).sum() / sum(s.tokens for s in stats)
     return RouterLosses(aux=aux, z=z, load=counts)
 
 

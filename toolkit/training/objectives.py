@@ -190,16 +190,18 @@ class WithRouterLosses(Objective):
                     experts' load (assignments per expert over an even share: 1.0 is balanced)
 
     so each is logged as the unit-weighted mean over the micro-batches (of every rank) since the
-    last log, like the loss. The stats are cleared before the objective runs and once read, so no
+    last log, like the loss. `per_layer`: the load-balancing loss is each layer's own, averaged
+    (`router_losses`). The stats are cleared before the objective runs and once read, so no
     micro-batch sees another's; forward passes that must not count (a preference loss's reference,
     a checkpointed block's recomputation) route under `router_stats_off`. Padding tokens are routed
     as every token, and count in the router terms too.
     """
 
-    def __init__(self, objective: Objective, aux_coef: float, z_coef: float) -> None:
+    def __init__(self, objective: Objective, aux_coef: float, z_coef: float, per_layer: bool = False) -> None:
         if aux_coef < 0 or z_coef < 0:
             raise UserError(f"Router loss coefficients must not be negative, got aux {aux_coef} and z {z_coef}")
         self.objective, self.aux_coef, self.z_coef = objective, float(aux_coef), float(z_coef)
+        self.per_layer = bool(per_layer)
         self.reports_perplexity = objective.reports_perplexity  # type: ignore[misc]
         self._layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -219,8 +221,9 @@ class WithRouterLosses(Objective):
         self.objective.prepare(setup)
 
     def describe(self) -> str:
-        return (f"router losses: load balancing x {self.aux_coef:g}, z-loss x {self.z_coef:g} "
-                "(--train.router_aux_loss_coef, --train.router_z_loss_coef)")
+        balance = "load balancing per layer" if self.per_layer else "load balancing"
+        return (f"router losses: {balance} x {self.aux_coef:g}, z-loss x {self.z_coef:g} "
+                "(--train.router_aux_loss_coef, --train.router_z_loss_coef, --train.router_aux_loss_per_layer)")
 
     def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
         from toolkit.models.moe import clear_router_stats, load_summary, router_losses
@@ -228,7 +231,7 @@ class WithRouterLosses(Objective):
         layers = self._moe_layers(model)
         clear_router_stats(layers)  # nothing routed before this micro-batch counts
         output = self.objective(model, batch)
-        losses = router_losses(layers)
+        losses = router_losses(layers, self.per_layer)
         clear_router_stats(layers)
         if losses is None:
             raise RuntimeError(f"{type(self.objective).__name__} ran no MoE layer of the model: no router losses")
@@ -258,13 +261,14 @@ class WithRouterLosses(Objective):
 def with_router_losses(objective: Optional[Objective], config: Any, train: Any) -> Objective:
     """`objective` (None: `CausalLM()`) as a run of `config` trains it: with its router's losses
     (`WithRouterLosses`) when some layer is a mixture of experts, each coefficient
-    `train.router_*_loss_coef` where given, else the config's."""
+    `train.router_*_loss_coef` where given, else the config's, balanced per layer where
+    `train.router_aux_loss_per_layer` says so."""
     objective = objective if objective is not None else CausalLM()
     if not config.is_moe:
         return objective
     aux, z = train.router_aux_loss_coef, train.router_z_loss_coef
     return WithRouterLosses(objective, config.router_aux_loss_coef if aux is None else aux,
-                            config.router_z_loss_coef if z is None else z)
+                            config.router_z_loss_coef if z is None else z, train.router_aux_loss_per_layer)
 
 
 def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
