@@ -226,7 +226,7 @@ def test_checkpoint_rows_read_into_a_shard_equal_the_stored_rows(tmp_path, monke
     per mapping (READ_CHUNK_BYTES made tiny so that every weight takes several), and read whole."""
     import toolkit.model_dir as model_dir
 
-    config = Config.from_name("debug")
+    config = Config.from_name("debug", n_layer=2, n_embd=64, intermediate_size=128, vocab_size=512)  # rows of 128-256 bytes
     torch.manual_seed(0)
     stored = {k: torch.randn_like(v) for k, v in GPT(config).to(torch.bfloat16).state_dict().items()}
     model_dir.save_checkpoint_files(tmp_path, stored, config)
@@ -239,6 +239,9 @@ def test_checkpoint_rows_read_into_a_shard_equal_the_stored_rows(tmp_path, monke
             assert read_rows(name, start, stop, out=shard) is shard
             assert torch.equal(shard, tensor[start:stop].float()), (name, start, stop)
         assert torch.equal(read_rows(name, 0, None), tensor)
+    matrices = [t for t in stored.values() if t.dim() > 1]
+    assert max(t[0].numel() * t.element_size() for t in matrices) < 1000 // 3  # 3 rows or more per mapping
+    assert min(t.numel() * t.element_size() for t in matrices) > 2 * 1000  # 3 mappings or more per whole matrix
 
 
 def _rms(x, weight, eps, unit_offset=False):
