@@ -8,6 +8,8 @@ eager runs are compared within TOLERANCE; compiled runs compared with compiled r
 The two-process, kill-and-resume and LoRA command tests are marked slow: `pytest -m slow tests/test_compile.py`.
 """
 
+import contextlib
+import io
 import os
 import random
 import subprocess
@@ -33,17 +35,38 @@ LR = 0.002
 OUTLIERS = 10
 
 
-def _pretrain_cmd(out_dir: Path, *extra: str) -> list[str]:
+def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "toolkit", *tiny_pretrain_args(out_dir, STEPS), "--train.learning_rate", str(LR),
+        *tiny_pretrain_args(out_dir, STEPS), "--train.learning_rate", str(LR),
         "--train.keep_last", "3", "--log.interval", "1", "--log.loggers", "[csv]", "--resume", "auto", *extra,
     ]
+
+
+def _pretrain_cmd(out_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "toolkit", *_pretrain_args(out_dir, *extra)]
 
 
 def _run(cmd: list[str], **env: str) -> str:
     result = subprocess.run(cmd, capture_output=True, text=True, env=dict(launch_env(), **env), timeout=600, cwd=REPO)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
+
+
+def _run_here(args: list[str]) -> str:
+    """`toolkit <args>` in this process (one process, no process behaviour under test: no start-up
+    to pay), on one thread as the subprocesses run (the eager run is compared bit for bit with one);
+    its stdout."""
+    from toolkit.cli import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            assert run(args) == 0, out.getvalue()[-3000:]
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue()
 
 
 def _losses(out_dir: Path) -> dict[int, float]:
@@ -69,11 +92,11 @@ def _assert_close_runs(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """An eager run and a compiled run of the same STEPS steps, one process each."""
+    """An eager run and a compiled run of the same STEPS steps, one process each (this one)."""
     root = tmp_path_factory.mktemp("compile")
     eager, compiled = root / "eager", root / "compiled"
-    _run(_pretrain_cmd(eager, "--train.compile", "false"))
-    out = _run(_pretrain_cmd(compiled, "--train.compile", "true"))
+    _run_here(_pretrain_args(eager, "--train.compile", "false"))
+    out = _run_here(_pretrain_args(compiled, "--train.compile", "true"))
     return {"root": root, "eager": eager, "compiled": compiled, "compiled_stdout": out}
 
 

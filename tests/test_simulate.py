@@ -174,11 +174,16 @@ def first_blocks(name: str, n_layer: int) -> Config:
     return config.replace(**changes)
 
 
-# The smallest preset of every family, with 4 blocks (every block is alike: 4 give the first, a
-# middle and the last block their own moments of the step; SmolLM3's fourth is its NoPE layer) and
-# 512 tokens: seconds each.
+# The smallest preset of every family, with 3 blocks and 512 tokens: seconds each. 3 give the first,
+# a middle and the last block their own moments of the step, and the estimate stands the third for
+# the second (`layer_slots`: from the second block on, blocks of one kind are recorded once). Four
+# keep a fourth block: Gemma-2 alternates local and global layers (its fourth is the second global
+# one), SmolLM3's fourth is its first NoPE layer, and Mistral-7B's and Phi-3's pretraining estimates
+# are the least close (large blocks beside 512 tokens): +1.9% and +2.3% with 4 blocks, +2.2% and
+# +2.7% with 3, too near the 3% bound.
 FAMILY_SMALLEST = ["tiny-llama-1.1b", "mistral-7b", "qwen2.5-0.5b", "gemma-2b", "gemma-2-2b", "gemma-3-270m", "phi-2",
                    "pythia-14m", "qwen3-0.6b", "olmo-2-1b", "smollm3-3b", "phi-3-mini-4k-instruct"]
+FAMILY_BLOCKS = {"gemma-2-2b": 4, "smollm3-3b": 4, "mistral-7b": 4, "phi-3-mini-4k-instruct": 4}  # others: 3
 
 
 @pytest.mark.parametrize("setting", ["pretrain", "lora", "checkpointing"])
@@ -187,12 +192,12 @@ def test_estimate_is_within_3_percent_of_the_simulated_step(name, setting):
     """The estimate (parameters from the meta model, activations recorded from the model on fake
     tensors, the moments of `toolkit.memory.moments`) against the real step simulated on 8 fake
     ranks, FULL_SHARD, bf16-mixed, two micro-batches: pretraining, LoRA (finetune_lora's adapters),
-    and pretraining with activation checkpointing. Measured: within 0.1% but Mistral-7B's (+1.9%
-    pretraining, -0.6% checkpointed: its blocks are large beside 512 tokens, and the moment a
+    and pretraining with activation checkpointing. Measured: within 0.3% but Mistral-7B's and
+    Phi-3's pretraining (+1.9%, +2.3%: their blocks are large beside 512 tokens, and the moment a
     block's backward pass ends is an upper bound of what FSDP holds then)."""
     from toolkit.models.adapters import LoRAArgs
 
-    config = first_blocks(name, 4)
+    config = first_blocks(name, FAMILY_BLOCKS.get(name, 3))
     lora = LoRAArgs() if setting == "lora" else None
     checkpointing = setting == "checkpointing"
     sim = simulate(config, 8, 1, 1, 512, "bf16-mixed", "FULL_SHARD", "lora" if lora else None, lora, checkpointing, 2)
