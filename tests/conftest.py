@@ -274,3 +274,24 @@ def fit_on_one_cpu(model, objective, train_batches: list, val_batches: list, log
     assert state.step == steps
     fabric.logger.finalize("success")
     return module, logged_metrics(log_dir)
+
+
+def run_in_process(args: list[str]) -> str:
+    """`toolkit <args>` on one device in this process (no interpreter start, no imports to repeat): its
+    stdout. On one thread, as run_toolkit's processes compute, so that its numbers equal theirs bit for
+    bit whatever this process's thread count; the count is restored afterwards. Not for what is about
+    processes (exit codes, stderr lines, signals, several ranks): run_toolkit runs those."""
+    import contextlib
+    import io
+
+    from toolkit.cli import run
+
+    threads, stdout = torch.get_num_threads(), io.StringIO()
+    torch.set_num_threads(1)
+    try:
+        with contextlib.redirect_stdout(stdout):
+            code = run(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, stdout.getvalue()[-3000:]
+    return stdout.getvalue()

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, logged_val_losses
+from conftest import ASSETS, logged_val_losses, run_in_process
 from toolkit.model_dir import load_model
 from toolkit.cli import run
 
@@ -148,23 +148,37 @@ def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tm
 
     Each rank also reports what is still alive once the command returned: no process group (one
     left for the interpreter's finalization to destroy can abort the process after its work), and
-    no module of the sharded model.
+    no module of the sharded model. The one process is this one: what the command left alive is
+    what is tracked after it beyond what was alive before it.
     """
+    import gc
+    import importlib.util
     import os
     import subprocess
     import sys
 
     script = Path(__file__).parent / "scripts" / "run_and_count_process_groups.py"
+    spec = importlib.util.spec_from_file_location("run_and_count_process_groups", script)
+    counting = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(counting)  # its `_alive`, the count each rank of the script reports
 
     def adapter(out_dir: Path, devices: str) -> dict:
         args = _args("finetune_lora", base["checkpoint"], out_dir, "--train.micro_batch_size", "2", "--train.max_steps", "3",
                      "--train.learning_rate", "0.002", "--lora.dropout", "0.0", "--lora.targets", "[query, value, mlp]",
                      "--eval.initial_validation", "false", "--devices", devices)
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-        result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        reports = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
-        assert [r.split(":")[0] for r in reports] == [f"rank {i}" for i in range(int(devices))], result.stdout[-2000:]
+        if devices == "1":
+            gc.collect()  # before: what is alive (the script's count after the command includes uncollected cycles)
+            groups_before, modules_before = counting._alive()
+            run_in_process(args)
+            groups, modules = counting._alive()
+            reports = [f"rank 0: {groups - groups_before} process groups, {modules - modules_before} modules alive"]
+        else:
+            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+            result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,
+                                    timeout=600)
+            assert result.returncode == 0, result.stderr[-3000:]
+            reports = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+            assert [r.split(":")[0] for r in reports] == [f"rank {i}" for i in range(int(devices))], result.stdout[-2000:]
         for report in reports:
             groups, modules = (int(word) for word in report.split(":")[1].split()[::3][:2])
             assert groups == 0, report
@@ -364,11 +378,15 @@ def test_gemma3_lora_under_two_fsdp_processes_equals_one_process(tiny_gemma3, tm
         if precision is None:  # the default: drop --precision 32-true
             at = args.index("--precision")
             del args[at : at + 2]
-        env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
-        result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env,
-                                timeout=600)
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert ("bf16-mixed" if precision is None else "32-true") in result.stdout + result.stderr
+        if devices == "1":  # one process: this one
+            output = run_in_process(args)
+        else:
+            env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+            result = subprocess.run([sys.executable, "-m", "toolkit", *args], capture_output=True, text=True, env=env,
+                                    timeout=600)
+            assert result.returncode == 0, result.stderr[-3000:]
+            output = result.stdout + result.stderr
+        assert ("bf16-mixed" if precision is None else "32-true") in output
         return load_file(str(out_dir / "final" / "lora_adapter.safetensors"))
 
     single, sharded = adapter("1"), adapter("2")

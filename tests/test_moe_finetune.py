@@ -13,7 +13,7 @@ import torch
 import transformers
 from safetensors.torch import load_file
 
-from conftest import ASSETS, logged_val_losses, run_toolkit
+from conftest import ASSETS, logged_val_losses, run_in_process, run_toolkit
 from toolkit.cli import run
 from toolkit.models.config import Config
 
@@ -247,9 +247,9 @@ EXPERT_RUN = ("--precision", "32-true", "--lora.targets", "[query, value, expert
 
 @pytest.fixture(scope="module")
 def expert_run(moe_checkpoint, tmp_path_factory) -> dict:
-    """finetune_lora with adapters on attention and experts, on one process: its output folder and log."""
+    """finetune_lora with adapters on attention and experts, on one process (this one): its output folder and log."""
     out = tmp_path_factory.mktemp("experts") / "one"
-    log = run_toolkit(_args(moe_checkpoint, out, *EXPERT_RUN))
+    log = run_in_process(_args(moe_checkpoint, out, *EXPERT_RUN))
     return {"out": out, "log": log}
 
 
@@ -324,8 +324,9 @@ def test_qlora_with_nf4_experts_on_one_and_two_processes(moe_checkpoint, tmp_pat
     logs, adapters = {}, {}
     for devices in ("1", "2"):
         out = tmp_path / devices
-        logs[devices] = run_toolkit(_args(moe_checkpoint, out, "--quantize", "nf4", "--precision", "bf16-mixed",
-                                          "--devices", devices))
+        runner = run_in_process if devices == "1" else run_toolkit
+        logs[devices] = runner(_args(moe_checkpoint, out, "--quantize", "nf4", "--precision", "bf16-mixed",
+                                     "--devices", devices))
         adapters[devices] = load_file(str(out / "final" / "lora_adapter.safetensors"))
     assert "QLoRA scheme: sharded" in logs["2"]
     assert max(v.abs().max().item() for k, v in adapters["1"].items() if "lora_B" in k) > 1e-3

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import run_toolkit, torchrun_nodes
+from conftest import run_in_process, run_toolkit, torchrun_nodes
 from toolkit.cli import run
 
 
@@ -42,7 +42,7 @@ def test_lora_on_a_bf16_base_equals_one_process_on_two_processes_and_two_nodes(b
         return _args("finetune_lora", bf16_base, out, sums, "--lora.dropout", "0.0", "--lora.targets", "[query, value, mlp]",
                      "--train.learning_rate", "0.002", *extra)
 
-    log = run_toolkit(args(tmp_path / "one"))
+    log = run_in_process(args(tmp_path / "one"))
     assert "precision policy (bf16-mixed)" in log and "frozen in bfloat16" in log and "trainable in float32" in log
     single = load_file(str(tmp_path / "one" / "final" / "lora_adapter.safetensors"))
     assert single and all(t.dtype == torch.float32 for t in single.values())
@@ -62,10 +62,23 @@ def test_lora_on_a_bf16_base_equals_one_process_on_two_processes_and_two_nodes(b
     assert max(single[k].abs().max().item() for k in single if "lora_B" in k) > 1e-3
 
 
-def test_full_finetuning_of_a_bf16_checkpoint_keeps_float32_master_weights_and_exports_bf16(bf16_base, sums, tmp_path):
-    out = tmp_path / "full"
-    assert run(_args("finetune_full", bf16_base, out, sums, "--train.learning_rate", "0.001")) == 0  # default precision
-    state = torch.load(out / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
+@pytest.fixture(scope="module")
+def full_one(bf16_base, sums, tmp_path_factory) -> Path:
+    """Full fine-tuning of the bf16 checkpoint on one process at the default precision, 3 steps, in
+    this process: its output folder (the step-3 checkpoint holds the float32 master weights)."""
+    out = tmp_path_factory.mktemp("full-one") / "full"
+    run_in_process(_args("finetune_full", bf16_base, out, sums, "--train.learning_rate", "0.001"))
+    return out
+
+
+def _master_weights(out: Path) -> dict:
+    return torch.load(out / "checkpoints" / "step-00000003" / "state.pt", weights_only=True)
+
+
+def test_full_finetuning_of_a_bf16_checkpoint_keeps_float32_master_weights_and_exports_bf16(bf16_base, sums, full_one,
+                                                                                           tmp_path):
+    out = full_one
+    state = _master_weights(out)
     weights = state["model"]
     assert weights and all(t.dtype == torch.float32 for t in weights.values())
     moments = [v for s in state["optimizer"]["state"].values() for k, v in s.items() if k in ("exp_avg", "exp_avg_sq")]
@@ -90,14 +103,15 @@ def test_full_finetuning_of_a_bf16_checkpoint_keeps_float32_master_weights_and_e
 FULL_RELATIVE_TOLERANCE = 0.02
 
 
-def test_full_finetuning_under_bf16_mixed_on_two_processes_follows_one_process(bf16_base, sums, tmp_path):
-    finals = {}
-    for tag, extra in (("one", ()), ("two", ("--devices", "2"))):
-        log = run_toolkit(_args("finetune_full", bf16_base, tmp_path / tag, sums, "--train.learning_rate", "0.001",
-                             "--export_dtype", "float32", *extra))
-        finals[tag] = load_file(str(tmp_path / tag / "final" / "model.safetensors"))
+def test_full_finetuning_under_bf16_mixed_on_two_processes_follows_one_process(bf16_base, sums, full_one, tmp_path):
+    # One process: the float32 master weights after step 3, which its float32 export would hold.
+    single_weights = _master_weights(full_one)["model"]
+    log = run_toolkit(_args("finetune_full", bf16_base, tmp_path / "two", sums, "--train.learning_rate", "0.001",
+                            "--export_dtype", "float32", "--devices", "2"))
+    finals = {"one": single_weights, "two": load_file(str(tmp_path / "two" / "final" / "model.safetensors"))}
     assert "block weights gathered in bfloat16, gradients reduced in float32" in log
     base = load_file(str(bf16_base / "model.safetensors"))
+    assert finals["one"].keys() == finals["two"].keys() == base.keys()
     for name, single in finals["one"].items():
         update = (single - base[name].float()).abs().mean()
         difference = (finals["two"][name] - single).abs().mean()
@@ -136,9 +150,9 @@ def qwen3_bf16_base(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
 def test_full_finetuning_of_qwen3_on_two_processes_follows_one_process(qwen3_bf16_base, sums, tmp_path, precision):
     finals = {}
-    for tag, extra in (("one", ()), ("two", ("--devices", "2"))):
-        run_toolkit(_args("finetune_full", qwen3_bf16_base, tmp_path / tag, sums, "--train.learning_rate", "0.001",
-                          "--precision", precision, "--export_dtype", "float32", *extra))
+    for tag, extra, runner in (("one", (), run_in_process), ("two", ("--devices", "2"), run_toolkit)):
+        runner(_args("finetune_full", qwen3_bf16_base, tmp_path / tag, sums, "--train.learning_rate", "0.001",
+                     "--precision", precision, "--export_dtype", "float32", *extra))
         finals[tag] = load_file(str(tmp_path / tag / "final" / "model.safetensors"))
     base = load_file(str(qwen3_bf16_base / "model.safetensors"))
     assert "blocks.0.attn.q_norm.weight" in base

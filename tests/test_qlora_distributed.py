@@ -21,7 +21,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO, kill_group_at_step, launch_env, run_toolkit, scale_weights_in_place, torchrun_nodes
+from conftest import (REPO, kill_group_at_step, launch_env, run_in_process, run_toolkit, scale_weights_in_place,
+                      torchrun_nodes)
 from toolkit.memory import estimator as est
 from toolkit.cli import run
 from toolkit.errors import UserError
@@ -92,13 +93,13 @@ def _base_for(mode: str, bf16_base: Path, wide_base) -> Path:
 
 @pytest.fixture(scope="module")
 def single(bf16_base, sums, tmp_path_factory, request) -> dict:
-    """One-process QLoRA runs, one per mode, made when first asked for: {mode: adapter}."""
+    """One-process QLoRA runs, one per mode, made when first asked for (in this process): {mode: adapter}."""
     root, runs, logs = tmp_path_factory.mktemp("qlora-one"), {}, {}
 
     def get(mode: str) -> dict:
         if mode not in runs:
             checkpoint = request.getfixturevalue("wide_base") if mode == "nf4" else bf16_base
-            log = run_toolkit(_args(checkpoint, sums, root / mode, mode))
+            log = run_in_process(_args(checkpoint, sums, root / mode, mode))
             assert "QLoRA scheme: single" in log
             logs[mode] = log
             runs[mode] = _adapter(root / mode)
@@ -243,7 +244,7 @@ def test_nf4_killed_on_two_processes_resumes_to_the_uninterrupted_weights(wide_b
     extra = ("--train.global_batch_size", "4", "--precision", "32-true", "--train.max_norm", "null",
              "--distributed.state_dict_type", state_dict_type)
     reference = tmp_path / "one"
-    run_toolkit(_args(wide_base, sums, reference, "nf4", *extra))
+    run_in_process(_args(wide_base, sums, reference, "nf4", *extra))
     out = tmp_path / "killed"
     k = random.Random(os.getpid()).randint(3, STEPS - 1)  # past the first checkpoint (step 2)
     kill_group_at_step([sys.executable, "-m", "toolkit", *_args(wide_base, sums, out, "nf4", "--devices", "2", *extra)], k)
@@ -265,7 +266,8 @@ def test_nf4_killed_on_two_processes_resumes_to_the_uninterrupted_weights(wide_b
     assert "Traceback" not in result.stderr
     assert _snapshot(out) == before  # nothing written
 
-    log = run_toolkit(_args(wide_base, sums, out, "nf4", "--devices", resume_devices, *extra))
+    resume = _args(wide_base, sums, out, "nf4", "--devices", resume_devices, *extra)
+    log = run_in_process(resume) if resume_devices == "1" else run_toolkit(resume)
     assert "Resumed from" in log
     expected, resumed = _adapter(reference), _adapter(out)
     assert resumed.keys() == expected.keys()
