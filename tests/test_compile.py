@@ -8,8 +8,6 @@ eager runs are compared within TOLERANCE; compiled runs compared with compiled r
 The two-process, kill-and-resume and LoRA command tests are marked slow: `pytest -m slow tests/test_compile.py`.
 """
 
-import contextlib
-import io
 import os
 import random
 import subprocess
@@ -20,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, REPO, kill_group_at_step, launch_env, logged_metrics, tiny_pretrain_args
+from conftest import ASSETS, REPO, kill_group_at_step, launch_env, logged_metrics, run_in_process, tiny_pretrain_args
 
 STEPS = 6
 # Relative difference allowed between compiled and eager losses (measured: below 1e-6 in float32). A
@@ -52,23 +50,6 @@ def _run(cmd: list[str], **env: str) -> str:
     return result.stdout
 
 
-def _run_here(args: list[str]) -> str:
-    """`toolkit <args>` in this process (one process, no process behaviour under test: no start-up
-    to pay), on one thread as the subprocesses run (the eager run is compared bit for bit with one);
-    its stdout."""
-    from toolkit.cli import run
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    out = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out):
-            assert run(args) == 0, out.getvalue()[-3000:]
-    finally:
-        torch.set_num_threads(threads)
-    return out.getvalue()
-
-
 def _losses(out_dir: Path) -> dict[int, float]:
     return {int(float(r["step"])): float(r["train/loss"]) for r in logged_metrics(out_dir) if r.get("train/loss")}
 
@@ -95,8 +76,8 @@ def runs(tmp_path_factory) -> dict:
     """An eager run and a compiled run of the same STEPS steps, one process each (this one)."""
     root = tmp_path_factory.mktemp("compile")
     eager, compiled = root / "eager", root / "compiled"
-    _run_here(_pretrain_args(eager, "--train.compile", "false"))
-    out = _run_here(_pretrain_args(compiled, "--train.compile", "true"))
+    run_in_process(_pretrain_args(eager, "--train.compile", "false"))
+    out = run_in_process(_pretrain_args(compiled, "--train.compile", "true"))
     return {"root": root, "eager": eager, "compiled": compiled, "compiled_stdout": out}
 
 

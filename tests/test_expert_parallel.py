@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, launch_env, logged_metrics
+from conftest import ASSETS, launch_env, logged_metrics, run_in_process
 from toolkit.args import DistributedArgs, TrainArgs
 from toolkit.errors import UserError
 from toolkit.models.config import Config
@@ -53,15 +53,6 @@ def _run(cmd: list[str]) -> str:
     result = subprocess.run(cmd, capture_output=True, text=True, env=launch_env(), timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout
-
-
-def _run_here(cmd: list[str]) -> None:
-    """A one-process command in this process (no interpreter to start, nothing to import again):
-    the reference the processes are compared with."""
-    from toolkit.cli import run
-
-    assert cmd[:3] == [sys.executable, "-m", "toolkit"] and "--devices" in cmd and cmd[cmd.index("--devices") + 1] == "1"
-    assert run(cmd[3:]) == 0
 
 
 def _checkpoint(out: Path, step: int) -> Path:
@@ -114,7 +105,7 @@ def runs(tmp_path_factory) -> dict:
     """One process, and two with expert_parallel 2 (a checkpoint at every step, all kept)."""
     root = tmp_path_factory.mktemp("expert_parallel")
     one, two = root / "one", root / "two"
-    _run_here(_pretrain(one, 1, 1))
+    run_in_process(_pretrain(one, 1, 1)[3:])
     return {"root": root, "one": one, "two": two, "two_stdout": _run(_pretrain(two, 2, 2))}
 
 
@@ -180,7 +171,7 @@ def test_lora_on_attention_with_expert_parallel_2_trains_as_one_process(runs):
     all-to-alls backwards. (Adapters on the experts themselves do not exist yet.)"""
     base = runs["one"] / "final"
     one, two = runs["root"] / "lora-one", runs["root"] / "lora-two"
-    _run_here(_finetune_lora(base, one, 1, 1))
+    run_in_process(_finetune_lora(base, one, 1, 1)[3:])
     _run(_finetune_lora(base, two, 2, 2))
     a = load_file(str(one / "final" / "lora_adapter.safetensors"))
     b = load_file(str(two / "final" / "lora_adapter.safetensors"))
