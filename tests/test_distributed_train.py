@@ -118,29 +118,44 @@ def reference(workdir) -> dict:
     return _weights(out)
 
 
+# The two-process runs (--devices 2 on one node), each made once for the tests below: each checkpoint
+# format from one of them. HYBRID_SHARD (the default) on one node is planned as FULL_SHARD over the
+# two processes (tests/test_distributed_setup.py::test_plan_strategy_choices), so both formats
+# come out of the same engine, and each sharding is still run and compared with one process.
+TWO_PROCESS_RUNS = {"FULL_SHARD": "sharded", "HYBRID_SHARD": "full"}  # sharding -> state_dict_type
+
+
 @pytest.fixture(scope="module")
 def two_processes(workdir):
-    """Two-process runs, each made once when first asked for: (sharding, state_dict_type) -> (out_dir, stdout).
-    HYBRID_SHARD with sharded checkpoints (the defaults) serves two tests below."""
+    """sharding -> (out_dir, stdout) of its two-process run, made when first asked for."""
     runs = {}
 
-    def get(sharding: str, state_dict_type: str) -> tuple[Path, str]:
-        if (sharding, state_dict_type) not in runs:
+    def get(sharding: str) -> tuple[Path, str]:
+        if sharding not in runs:
+            state_dict_type = TWO_PROCESS_RUNS[sharding]
             out = workdir / f"two-{sharding}-{state_dict_type}"
             result = _toolkit(_pretrain_args(out, workdir / "cache", "--devices", "2", "--distributed.sharding", sharding,
                                              "--distributed.state_dict_type", state_dict_type))
-            runs[sharding, state_dict_type] = out, result.stdout
-        return runs[sharding, state_dict_type]
+            runs[sharding] = out, result.stdout
+        return runs[sharding]
 
     return get
 
 
-@pytest.mark.parametrize("sharding", ["FULL_SHARD", "HYBRID_SHARD"])
+def _saved_state(checkpoint: Path, state_dict_type: str) -> Path:
+    """Where a training checkpoint of `state_dict_type` keeps its state: a folder of shards or one file."""
+    return checkpoint / ("state" if state_dict_type == "sharded" else "state.pt")
+
+
+@pytest.mark.parametrize("sharding", list(TWO_PROCESS_RUNS))
 def test_two_processes_match_one_process(reference, two_processes, sharding):
-    out, stdout = two_processes(sharding, "sharded")
+    out, stdout = two_processes(sharding)
     assert "accumulation" in stdout
     _assert_close_weights(_weights(out), reference)
-    assert (out / "checkpoints" / f"step-{STEPS:08d}" / "state").is_dir()  # sharded mid-run checkpoint
+    # the mid-run checkpoint, in the format asked for: a folder of shards or one file
+    state_dict_type = TWO_PROCESS_RUNS[sharding]
+    saved = _saved_state(out / "checkpoints" / f"step-{STEPS:08d}", state_dict_type)
+    assert saved.is_dir() if state_dict_type == "sharded" else saved.is_file()
 
 
 def test_two_nodes_of_two_processes_with_hybrid_shard_match_one_process(workdir, reference):
@@ -170,9 +185,10 @@ def test_checkpoints_of_a_two_process_run_load_into_one_process(two_processes, s
     from toolkit.model_dir import load_model
     from toolkit.convert import convert_pretrained_checkpoint
 
-    out, _ = two_processes("HYBRID_SHARD", state_dict_type)  # the default sharding
+    (sharding,) = (name for name, kind in TWO_PROCESS_RUNS.items() if kind == state_dict_type)
+    out, _ = two_processes(sharding)
     training_checkpoint = out / "checkpoints" / f"step-{STEPS:08d}"
-    assert (training_checkpoint / ("state" if state_dict_type == "sharded" else "state.pt")).exists()
+    assert _saved_state(training_checkpoint, state_dict_type).exists()
     inference = tmp_path / "inference"
     convert_pretrained_checkpoint(training_checkpoint, inference)
     tokens = torch.randint(0, 50000, (2, 16), generator=torch.Generator().manual_seed(0))
