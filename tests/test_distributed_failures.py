@@ -119,22 +119,28 @@ def test_rendezvous_that_never_completes_names_address_and_port(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_ranks_agree_on_the_end_of_data(tmp_path):
-    """Rank 1's data ends a step before rank 0's: both stop after the same step, neither hangs."""
+@pytest.fixture(scope="module")
+def two_rank_loops() -> subprocess.CompletedProcess:
+    """tests/scripts/uneven_data.py and count_syncs.py, run in turn by one launch of two processes
+    (tests/scripts/two_rank_loops.py): the two tests below read its output."""
     env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    result = run_as_group([sys.executable, str(REPO / "tests" / "scripts" / "uneven_data.py")], env=env, timeout=90)
+    result = run_as_group([sys.executable, str(REPO / "tests" / "scripts" / "two_rank_loops.py")], env=env, timeout=120)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def test_ranks_agree_on_the_end_of_data(two_rank_loops):
+    """Rank 1's data ends a step before rank 0's: both stop after the same step, neither hangs."""
+    result = two_rank_loops
     assert "rank 0 stopped at step 2" in result.stdout and "rank 1 stopped at step 2" in result.stdout
     assert "end of data after 1 epoch(s) on 1 of 2 ranks" in result.stdout
 
 
-def test_a_step_costs_one_all_reduce_and_one_host_sync(tmp_path):
+def test_a_step_costs_one_all_reduce_and_one_host_sync(two_rank_loops):
     """Two ranks, 3 steps, padded batches (real tokens counted by the loop) and --train.max_time set:
     the token count, the end-of-data flag and the time flag travel in one all-reduce per step (plus
     the one that finds the data ended), with no barrier and no pickled broadcast of a tensor."""
-    env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    result = run_as_group([sys.executable, str(REPO / "tests" / "scripts" / "count_syncs.py")], env=env, timeout=90)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    result = two_rank_loops
     reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     for report in reports:

@@ -262,11 +262,29 @@ def test_single_device_activation_checkpointing_gives_same_losses():
 # ------------------------------------------------------------------------------------------
 
 
-def test_fsdp_full_shard_matches_single_process_and_saves(tmp_path):
-    """Fabric's own launcher (the command re-runs itself for rank 1); full and sharded saves."""
-    _run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--sharding", "FULL_SHARD",
-          "--check-saves"])  # fmt: skip
-    results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
+# The set-ups started by Fabric's own launcher (the command re-runs itself for rank 1), trained in
+# turn by one launch of two processes (tests/scripts/dist_train.py --run): each test below checks
+# its own run's folder.
+LAUNCHER_RUNS = {
+    "FULL_SHARD": "--sharding FULL_SHARD --check-saves",
+    "SHARD_GRAD_OP": "--sharding SHARD_GRAD_OP",
+    "NO_SHARD": "--sharding NO_SHARD",
+    "ddp": "--strategy ddp",
+}
+
+
+@pytest.fixture(scope="module")
+def launcher_runs(tmp_path_factory) -> dict[str, Path]:
+    """name in LAUNCHER_RUNS -> the folder its two ranks wrote to."""
+    out = tmp_path_factory.mktemp("launcher_runs")
+    _run([sys.executable, str(SCRIPT), "--out", str(out), "--devices", "2",
+          *(f"--run={options}" for options in LAUNCHER_RUNS.values())])  # fmt: skip
+    return {name: out / f"run{i}" for i, name in enumerate(LAUNCHER_RUNS)}
+
+
+def test_fsdp_full_shard_matches_single_process_and_saves(launcher_runs):
+    """Fabric's own launcher; full and sharded saves."""
+    results = _check_against_reference(launcher_runs["FULL_SHARD"], world_size=2, micro=2, global_batch=8)
     for result in results:
         assert (result["sharding"], result["mesh"], result["fsdp_units"]) == ("FULL_SHARD", [2], 6)  # 3 blocks, input, output, root
         # Accumulation keeps only each rank's shard of the gradients (no full gradient per rank).
@@ -278,9 +296,8 @@ def test_fsdp_full_shard_matches_single_process_and_saves(tmp_path):
 
 
 @pytest.mark.parametrize("sharding, mesh", [("SHARD_GRAD_OP", [2]), ("NO_SHARD", [2, 1])])
-def test_other_shardings_match_single_process(tmp_path, sharding, mesh):
-    _run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--sharding", sharding])
-    for result in _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8):
+def test_other_shardings_match_single_process(launcher_runs, sharding, mesh):
+    for result in _check_against_reference(launcher_runs[sharding], world_size=2, micro=2, global_batch=8):
         assert (result["sharding"], result["mesh"]) == (sharding, mesh)
 
 
@@ -316,9 +333,8 @@ def test_hybrid_on_two_nodes_shards_within_and_replicates_across(tmp_path):
         assert result["sharded_grads_while_accumulating"] is True  # all-reduce across nodes deferred, shards kept
 
 
-def test_ddp_matches_single_process(tmp_path):
-    _run([sys.executable, str(SCRIPT), "--out", str(tmp_path), "--devices", "2", "--strategy", "ddp"])
-    results = _check_against_reference(tmp_path, world_size=2, micro=2, global_batch=8)
+def test_ddp_matches_single_process(launcher_runs):
+    results = _check_against_reference(launcher_runs["ddp"], world_size=2, micro=2, global_batch=8)
     assert all(result["strategy"] == "DDPStrategy" for result in results)
 
 
@@ -496,17 +512,43 @@ try:
     print(json.dumps({"scale_is_seven": all(bool((s == 7.0).all()) for s in scales)}))
 except RuntimeError as error:
     print(json.dumps({"error": str(error)}))
+"""
+
+
+_RUN_CASES = r"""
+import contextlib, io, json, sys
+import torch
+for name, argument in json.loads(sys.argv[1]):
+    sys.argv = ["-c", argument]
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(CASES[name], {"__name__": "__main__"})
+    print(json.dumps({"case": [name, argument], "outcome": json.loads(printed.getvalue().strip().splitlines()[-1])}))
 torch.distributed.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("kind", ["real", "meta"])
-def test_fsdp_setup_keeps_real_buffers_and_refuses_meta_buffers(kind):
-    """`to_empty` gives every buffer uninitialised memory: set-up must refill it or say why it cannot."""
-    result = subprocess.run([sys.executable, "-c", _BUFFER_SETUP, kind], env=_clean_env() | {"PYTHONPATH": str(Path(__file__).parents[1])},
+@pytest.fixture(scope="module")
+def one_process_fsdp() -> dict[tuple[str, str], dict]:
+    """The one-process FSDP set-ups below (a two-device plan run on one gloo process), run in turn in
+    one subprocess, so that torch and Lightning are imported once: (case, argument) -> what it printed.
+    Each case builds its own Fabric object and model; the first launch makes the process group and the
+    later ones reuse it."""
+    cases = [("buffers", "real"), ("buffers", "meta"), ("edges", "untied"), ("edges", "tied")]
+    code = f"CASES = {dict(buffers=_BUFFER_SETUP, edges=_EDGE_UNITS)!r}\n" + _RUN_CASES
+    result = subprocess.run([sys.executable, "-c", code, json.dumps(cases)],
+                            env=_clean_env() | {"PYTHONPATH": str(Path(__file__).parents[1])},
                             capture_output=True, text=True, timeout=TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    outcomes = [json.loads(line) for line in result.stdout.splitlines() if line.startswith('{"case"')]
+    assert [tuple(o["case"]) for o in outcomes] == cases, result.stdout[-2000:]
+    return {tuple(o["case"]): o["outcome"] for o in outcomes}
+
+
+@pytest.mark.parametrize("kind", ["real", "meta"])
+def test_fsdp_setup_keeps_real_buffers_and_refuses_meta_buffers(one_process_fsdp, kind):
+    """`to_empty` gives every buffer uninitialised memory: set-up must refill it or say why it cannot."""
+    outcome = one_process_fsdp["buffers", kind]
     if kind == "real":
         assert outcome == {"scale_is_seven": True}
     else:
@@ -574,21 +616,16 @@ print(json.dumps({
     "grads": sorted({str(p.grad.dtype) for p in gpt.parameters()}),
     "loss_finite": bool(torch.isfinite(loss)),
 }))
-torch.distributed.destroy_process_group()
 """
 
 
 @pytest.mark.parametrize("tied", [False, True])
-def test_embedding_and_head_are_their_own_units_gathered_in_the_compute_dtype(tied):
+def test_embedding_and_head_are_their_own_units_gathered_in_the_compute_dtype(one_process_fsdp, tied):
     """The root unit no longer holds embedding + norm + head in float32 from forward to the end of
     backward: the embedding, the final norm and the head are separate FSDP units gathered in bf16 under
     bf16-mixed; the embedding's output stays float32 (the residual stream of one device). A tied
     embedding and head keep one matrix, in the root, gathered once in bf16."""
-    result = subprocess.run([sys.executable, "-c", _EDGE_UNITS, "tied" if tied else "untied"],
-                            env=_clean_env() | {"PYTHONPATH": str(Path(__file__).parents[1])},
-                            capture_output=True, text=True, timeout=TIMEOUT)
-    assert result.returncode == 0, result.stderr[-3000:]
-    outcome = json.loads(result.stdout.strip().splitlines()[-1])
+    outcome = one_process_fsdp["edges", "tied" if tied else "untied"]
     assert outcome["loss_finite"] and outcome["grads"] == ["torch.float32"]  # float32 master gradients
     assert outcome["gathered"] == {"embed": "torch.bfloat16", "lm_head": "torch.bfloat16"}
     assert outcome["embed_output"] == "torch.float32"

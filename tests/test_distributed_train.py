@@ -4,6 +4,8 @@ Every distributed run uses the same global batch as the single-process reference
 by gradient accumulation), so after the same number of optimizer steps the weights must agree.
 """
 
+import contextlib
+import io
 import os
 import socket
 import subprocess
@@ -90,38 +92,70 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist")
 
 
+def _toolkit_in_process(args: list[str]) -> str:
+    """`toolkit <args>` for one process, run in this one on one thread (as the launched processes
+    compute): a single device needs no process of its own. Its stdout."""
+    from toolkit.cli import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = run(args)
+    finally:
+        torch.set_num_threads(threads)
+    assert code == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
+
+
 @pytest.fixture(scope="module")
 def reference(workdir) -> dict:
     """One process reaching the global batch of 8 with 4 accumulation steps of 2 sequences."""
     out = workdir / "single"
-    result = _toolkit(_pretrain_args(out, workdir / "cache"))
-    assert "gradient accumulation" in result.stdout.lower() or "accumulation" in result.stdout.lower()
+    stdout = _toolkit_in_process(_pretrain_args(out, workdir / "cache"))
+    assert "gradient accumulation" in stdout.lower() or "accumulation" in stdout.lower()
     return _weights(out)
+
+
+# The two-process runs (--devices 2 on one node), each made once for the tests below: each checkpoint
+# format from one of them. HYBRID_SHARD (the default) on one node is planned as FULL_SHARD over the
+# two processes (tests/test_distributed_setup.py::test_plan_strategy_choices), so both formats
+# come out of the same engine, and each sharding is still run and compared with one process.
+TWO_PROCESS_RUNS = {"FULL_SHARD": "sharded", "HYBRID_SHARD": "full"}  # sharding -> state_dict_type
 
 
 @pytest.fixture(scope="module")
 def two_processes(workdir):
-    """Two-process runs, each made once when first asked for: (sharding, state_dict_type) -> (out_dir, stdout).
-    HYBRID_SHARD with sharded checkpoints (the defaults) serves two tests below."""
+    """sharding -> (out_dir, stdout) of its two-process run, made when first asked for."""
     runs = {}
 
-    def get(sharding: str, state_dict_type: str) -> tuple[Path, str]:
-        if (sharding, state_dict_type) not in runs:
+    def get(sharding: str) -> tuple[Path, str]:
+        if sharding not in runs:
+            state_dict_type = TWO_PROCESS_RUNS[sharding]
             out = workdir / f"two-{sharding}-{state_dict_type}"
             result = _toolkit(_pretrain_args(out, workdir / "cache", "--devices", "2", "--distributed.sharding", sharding,
                                              "--distributed.state_dict_type", state_dict_type))
-            runs[sharding, state_dict_type] = out, result.stdout
-        return runs[sharding, state_dict_type]
+            runs[sharding] = out, result.stdout
+        return runs[sharding]
 
     return get
 
 
-@pytest.mark.parametrize("sharding", ["FULL_SHARD", "HYBRID_SHARD"])
+def _saved_state(checkpoint: Path, state_dict_type: str) -> Path:
+    """Where a training checkpoint of `state_dict_type` keeps its state: a folder of shards or one file."""
+    return checkpoint / ("state" if state_dict_type == "sharded" else "state.pt")
+
+
+@pytest.mark.parametrize("sharding", list(TWO_PROCESS_RUNS))
 def test_two_processes_match_one_process(reference, two_processes, sharding):
-    out, stdout = two_processes(sharding, "sharded")
+    out, stdout = two_processes(sharding)
     assert "accumulation" in stdout
     _assert_close_weights(_weights(out), reference)
-    assert (out / "checkpoints" / f"step-{STEPS:08d}" / "state").is_dir()  # sharded mid-run checkpoint
+    # the mid-run checkpoint, in the format asked for: a folder of shards or one file
+    state_dict_type = TWO_PROCESS_RUNS[sharding]
+    saved = _saved_state(out / "checkpoints" / f"step-{STEPS:08d}", state_dict_type)
+    assert saved.is_dir() if state_dict_type == "sharded" else saved.is_file()
 
 
 def test_two_nodes_of_two_processes_with_hybrid_shard_match_one_process(workdir, reference):
@@ -142,7 +176,7 @@ def test_one_process_per_node_falls_back_to_full_shard_and_stays_in_sync(workdir
 
 def test_activation_checkpointing_gives_the_same_result(workdir, reference):
     out = workdir / "checkpointing"
-    _toolkit(_pretrain_args(out, workdir / "cache", "--distributed.activation_checkpointing", "true"))
+    _toolkit_in_process(_pretrain_args(out, workdir / "cache", "--distributed.activation_checkpointing", "true"))
     _assert_close_weights(_weights(out), reference)
 
 
@@ -151,9 +185,10 @@ def test_checkpoints_of_a_two_process_run_load_into_one_process(two_processes, s
     from toolkit.model_dir import load_model
     from toolkit.convert import convert_pretrained_checkpoint
 
-    out, _ = two_processes("HYBRID_SHARD", state_dict_type)  # the default sharding
+    (sharding,) = (name for name, kind in TWO_PROCESS_RUNS.items() if kind == state_dict_type)
+    out, _ = two_processes(sharding)
     training_checkpoint = out / "checkpoints" / f"step-{STEPS:08d}"
-    assert (training_checkpoint / ("state" if state_dict_type == "sharded" else "state.pt")).exists()
+    assert _saved_state(training_checkpoint, state_dict_type).exists()
     inference = tmp_path / "inference"
     convert_pretrained_checkpoint(training_checkpoint, inference)
     tokens = torch.randint(0, 50000, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -197,7 +197,9 @@ def check_data_files(names: list[str], data_files: dict[str, Path]) -> dict[str,
 def make_task_manager(names: list[str], data_files: dict[str, str], include_path: Optional[Path]):
     """The harness's task index with the offline tasks (and `include_path`); unknown names are an error.
 
-    The harness's own 10,000-odd task files are indexed (several seconds) only when a task needs them.
+    The harness's own 10,000-odd task files are indexed (several seconds, in every process) only when
+    a task may need them: a name not found among the offline tasks and `include_path`'s, a task
+    given as a file, or a group or tag in `include_path` (which may name the harness's tasks).
     """
     from lm_eval.tasks import TaskManager
 
@@ -206,9 +208,10 @@ def make_task_manager(names: list[str], data_files: dict[str, str], include_path
         if not Path(include_path).is_dir():
             raise UserError(f"--include_path {include_path} is not a folder.")
         paths.append(str(include_path))
-    local = set(local_task_names())
-    only_local = include_path is None and all(name in local for name in names)
-    manager = TaskManager(include_path=paths, include_defaults=not only_local, metadata={"data_files": data_files})
+    metadata = {"data_files": data_files}
+    manager = TaskManager(include_path=paths, include_defaults=False, metadata=metadata)  # a fraction of a second
+    if not all(name in manager.all_subtasks for name in names) or manager.all_groups or manager.all_tags:
+        manager = TaskManager(include_path=paths, include_defaults=True, metadata=metadata)
     for name in names:
         if name not in manager.all_tasks and not (name.endswith((".yaml", ".yml")) and Path(name).is_file()):
             raise UserError(f"Unknown task {name!r}.{did_you_mean(name, manager.all_tasks)} "

@@ -1,9 +1,10 @@
 """Count what one optimizer step costs in collectives and host syncs, through the real loop (`fit`).
 
-Used by tests/test_distributed_failures.py: started with `--devices 2` (Fabric's launcher re-runs
-this script for rank 1). Each rank has data for 3 optimizer steps, with padding (so the loop counts
-real tokens itself, as in fine-tuning), and a time limit that is never reached (so the flag is
-carried). Every rank prints one JSON line: the calls made inside `fit` and what it counted.
+Used by tests/test_distributed_failures.py through two_rank_loops.py, which calls `main` of both
+scripts in one launch with `--devices 2` (Fabric's launcher re-runs it for rank 1), this one
+second. Each rank has data for 3 optimizer steps, with padding (so the loop counts real tokens
+itself, as in fine-tuning), and a time limit that is never reached (so the flag is carried).
+Every rank prints one JSON line: the calls made inside `fit` and what it counted.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@ Fabric's own launcher, torchrun, or the test setting LOCAL_RANK/NODE_RANK itself
 
     weights_rank{R}.safetensors   full weights after training, as this rank's replica holds them
     result_rank{R}.json           per-micro-batch losses and what set-up was actually used
+
+With `--run OPTIONS` (repeated) one launch trains several set-ups in turn on the same processes,
+each into --out/run{i}: the start-up of the processes is paid once.
 """
 
 from __future__ import annotations
@@ -190,7 +193,7 @@ def check_saves(fabric, plan: BatchPlan, model, optimizer, out: Path, steps: int
     return results
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--devices", type=int, default=2)
@@ -203,27 +206,50 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--check-saves", action="store_true")
     parser.add_argument("--precision", default="32-true")
-    args = parser.parse_args()
+    parser.add_argument("--run", action="append", default=[], metavar="OPTIONS",
+                        help="several set-ups in one launch: each --run is a string of the options above that "
+                             "override the others for one run, written to --out/run{i}")
+    return parser
 
+
+def run_one(args: argparse.Namespace, out: Path) -> None:
+    """One set-up: build the Fabric object, train, and write this rank's files to `out`."""
     dist = DistributedArgs(
         strategy=args.strategy, sharding=args.sharding, activation_checkpointing=args.activation_checkpointing
     )
     strategy = plan_strategy(args.devices, args.num_nodes, args.precision, dist, accelerator="cpu")
     fabric = build_fabric(strategy, block_cls=TinyBlock)
+    # The first launch starts the other ranks (Fabric's launcher then sets LOCAL_RANK in this
+    # process too) and the process group; a later run's launch reuses both.
     fabric.launch()
     plan = plan_batches(strategy.devices, strategy.num_nodes, args.micro_batch, args.global_batch, SEQ)
+    ACCUMULATION.clear()
     model, optimizer, losses = train(fabric, plan, args.steps)
 
     from safetensors.torch import save_file
 
     rank = fabric.global_rank
     result = {"losses": losses, **describe(fabric, model)}
+    out.mkdir(parents=True, exist_ok=True)
     # Every rank writes its replica's full weights, so the test can check all ranks agree.
-    save_file(replica_weights(model), str(args.out / f"weights_rank{rank}.safetensors"))
+    save_file(replica_weights(model), str(out / f"weights_rank{rank}.safetensors"))
     if args.check_saves:
-        result["saves"] = check_saves(fabric, plan, model, optimizer, args.out, args.steps)
-    (args.out / f"result_rank{rank}.json").write_text(json.dumps(result))
+        result["saves"] = check_saves(fabric, plan, model, optimizer, out, args.steps)
+    (out / f"result_rank{rank}.json").write_text(json.dumps(result))
     fabric.barrier()  # all files are written before rank 0 (the test's child) exits
+
+
+def main() -> None:
+    import shlex
+
+    parser = _parser()
+    argv = sys.argv[1:]
+    args = parser.parse_args(argv)
+    if not args.run:
+        run_one(args, args.out)
+    for i, options in enumerate(args.run):
+        run_args = parser.parse_args([*argv, *shlex.split(options)])
+        run_one(run_args, args.out / f"run{i}")
     torch.distributed.destroy_process_group()
 
 

@@ -31,5 +31,9 @@ def _alive() -> tuple[int, int]:
 if __name__ == "__main__":
     code = run(sys.argv[1:])
     groups, modules = _alive()
-    print(f"rank {os.environ.get('LOCAL_RANK', '0')}: {groups} process groups, {modules} modules alive", flush=True)
+    # One write of the whole line: the ranks share the pipe, and print's separate write of the
+    # newline let two ranks' lines run together ("... aliverank 0: ...").
+    sys.stdout.flush()
+    sys.stdout.write(f"rank {os.environ.get('LOCAL_RANK', '0')}: {groups} process groups, {modules} modules alive\n")
+    sys.stdout.flush()
     sys.exit(code)

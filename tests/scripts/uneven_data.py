@@ -1,8 +1,9 @@
 """Two ranks whose data ends at different steps go through the real training loop (`fit`).
 
-Used by tests/test_distributed_failures.py: started with `--devices 2` (Fabric's launcher re-runs
-this script for rank 1). Rank 0 has data for 3 optimizer steps, rank 1 for 2, as when a weighted
-StreamMix, sharded per rank, runs out on one rank first. Every rank prints the step it stopped at.
+Used by tests/test_distributed_failures.py through two_rank_loops.py, which calls `main` of both
+scripts in one launch with `--devices 2` (Fabric's launcher re-runs it for rank 1). Rank 0 has
+data for 3 optimizer steps, rank 1 for 2, as when a weighted StreamMix, sharded per rank, runs out
+on one rank first. Every rank prints the step it stopped at.
 """
 
 from __future__ import annotations
