@@ -4,8 +4,6 @@ Every distributed run uses the same global batch as the single-process reference
 by gradient accumulation), so after the same number of optimizer steps the weights must agree.
 """
 
-import contextlib
-import io
 import os
 import socket
 import subprocess
@@ -16,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS
+from conftest import ASSETS, run_in_process
 
 STEPS = 3
 TOLERANCE = 1e-5
@@ -92,28 +90,11 @@ def workdir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dist")
 
 
-def _toolkit_in_process(args: list[str]) -> str:
-    """`toolkit <args>` for one process, run in this one on one thread (as the launched processes
-    compute): a single device needs no process of its own. Its stdout."""
-    from toolkit.cli import run
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    printed = io.StringIO()
-    try:
-        with contextlib.redirect_stdout(printed):
-            code = run(args)
-    finally:
-        torch.set_num_threads(threads)
-    assert code == 0, printed.getvalue()[-3000:]
-    return printed.getvalue()
-
-
 @pytest.fixture(scope="module")
 def reference(workdir) -> dict:
     """One process reaching the global batch of 8 with 4 accumulation steps of 2 sequences."""
     out = workdir / "single"
-    stdout = _toolkit_in_process(_pretrain_args(out, workdir / "cache"))
+    stdout = run_in_process(_pretrain_args(out, workdir / "cache"))
     assert "gradient accumulation" in stdout.lower() or "accumulation" in stdout.lower()
     return _weights(out)
 
@@ -176,7 +157,7 @@ def test_one_process_per_node_falls_back_to_full_shard_and_stays_in_sync(workdir
 
 def test_activation_checkpointing_gives_the_same_result(workdir, reference):
     out = workdir / "checkpointing"
-    _toolkit_in_process(_pretrain_args(out, workdir / "cache", "--distributed.activation_checkpointing", "true"))
+    run_in_process(_pretrain_args(out, workdir / "cache", "--distributed.activation_checkpointing", "true"))
     _assert_close_weights(_weights(out), reference)
 
 
