@@ -133,6 +133,20 @@ def run_toolkit(args: list[str]) -> str:
     return result.stdout
 
 
+def run_in_process(args: list[str]) -> None:
+    """`toolkit <args>` (one process) in the test's own process, on one thread as the processes that
+    launch_env starts: the same computation bit for bit, without ~5 s of importing torch and
+    Lightning again. For reference runs; a run whose process is killed or signalled stays a process."""
+    from toolkit.cli import run
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert run(args) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_as_group(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
     """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)` in a session
     of its own: past `timeout` the whole process group (a launcher and the ranks it started) is
