@@ -62,27 +62,25 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def test_killed_at_a_random_step_then_resumed_matches_uninterrupted(reference):
+def test_killed_in_a_save_then_at_a_random_step_resumes_to_the_uninterrupted_end(reference):
+    """One run killed twice. Inside its second save (step 4): the first one (step 2) stays, the
+    second is only a .tmp leftover. Resumed from step 2, it is killed again at a random step past that
+    checkpoint (SIGKILL to its process group) and resumed once more: it ends with the weights, and
+    logs the losses from that step on, of the uninterrupted run, and no .tmp is left."""
     out = reference.parent / "killed"
+    killed = subprocess.run(_pretrain_cmd(out), capture_output=True, text=True, env=_env(TOOLKIT_KILL_AT="save:2"), timeout=600)
+    assert killed.returncode == -signal.SIGKILL
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "step-00000002" in checkpoints and "step-00000004" not in checkpoints  # only a .tmp leftover
+
     k = random.Random(os.getpid()).randint(3, STEPS - 1)  # a random step past the first checkpoint
-    kill_group_at_step(_pretrain_cmd(out), k)
+    output = kill_group_at_step(_pretrain_cmd(out), k)
+    assert "Resumed from" in output and "step-00000002" in output
     result = _run(_pretrain_cmd(out))
     assert "Resumed from" in result.stdout
     _assert_same_weights(reference, out)
     ref_losses, resumed = _losses(reference), _losses(out)
     assert all(resumed[s] == ref_losses[s] for s in range(k, STEPS + 1)), (k, resumed, ref_losses)
-
-
-def test_killed_in_the_middle_of_a_save_keeps_the_previous_checkpoint(reference):
-    out = reference.parent / "killed_in_save"
-    # The first save (step 2) completes; the process is killed inside the second one (step 4).
-    killed = subprocess.run(_pretrain_cmd(out, 4), capture_output=True, text=True, env=_env(TOOLKIT_KILL_AT="save:2"), timeout=600)
-    assert killed.returncode == -signal.SIGKILL
-    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert "step-00000002" in checkpoints and "step-00000004" not in checkpoints  # only a .tmp leftover
-    result = _run(_pretrain_cmd(out))
-    assert "Resumed from" in result.stdout and "step-00000002" in result.stdout
-    _assert_same_weights(reference, out)
     assert not any(p.name.endswith(".tmp") for p in (out / "checkpoints").iterdir())
 
 
