@@ -57,8 +57,7 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def uninterrupted(base, tmp_path_factory):
     """Uninterrupted runs of STEPS steps, each made once when first asked for (in this process; the
-    killed and resumed runs are processes): command -> out_dir. finetune_lora's serves two tests
-    (killed at a random step, and killed inside a save)."""
+    killed and resumed runs are processes): command -> out_dir."""
     root, runs = tmp_path_factory.mktemp("uninterrupted"), {}
 
     def get(command: str) -> Path:
@@ -70,13 +69,27 @@ def uninterrupted(base, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("command", ["finetune_full", "finetune_lora"])
-def test_finetuning_killed_at_a_random_step_resumes_exactly(base, uninterrupted, tmp_path, command):
+@pytest.mark.parametrize("command, killed_in_a_save_first", [
+    pytest.param("finetune_full", False, id="finetune_full"),
+    pytest.param("finetune_lora", True, id="finetune_lora-killed_in_a_save_first"),
+])
+def test_finetuning_killed_at_a_random_step_resumes_exactly(base, uninterrupted, tmp_path, command, killed_in_a_save_first):
+    """Killed at a random step past a checkpoint and resumed: the uninterrupted run's weights and
+    losses. LoRA's run is first killed inside its second save (step 6) and resumed from the first
+    (step 3): the adapter-only checkpoint is as crash-safe as a full one."""
     steps = STEPS
     reference, killed = uninterrupted(command), tmp_path / "killed"
+    cmd = _finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps))
+    if killed_in_a_save_first:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOOLKIT_KILL_AT="save:2")
+        crashed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert crashed.returncode == -signal.SIGKILL
+        assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.endswith(".tmp")) == ["step-00000003"]
     k = random.Random(os.getpid()).randint(4, steps - 1)
-    kill_group_at_step(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)), k)
-    result = _run(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)))
+    output = kill_group_at_step(cmd, k)
+    if killed_in_a_save_first:
+        assert "Resumed from" in output and "step-00000003" in output
+    result = _run(cmd)
     assert "Resumed from" in result.stdout
     _assert_identical(reference, killed)
     ref_losses, resumed = _losses(reference), _losses(killed)
@@ -184,17 +197,3 @@ def test_resuming_in_the_second_epoch_continues_that_epoch(base, tmp_path):
     assert summaries[0]["step"] == summaries[1]["step"] > 15
     ref_losses, resumed = _losses(reference), _losses(killed)
     assert all(resumed[s] == ref_losses[s] for s in range(15, summaries[0]["step"] + 1))
-
-
-def test_lora_killed_in_the_middle_of_saving_its_adapter_checkpoint(base, uninterrupted, tmp_path):
-    """The adapter-only checkpoint is as crash-safe as a full one."""
-    reference, killed = uninterrupted("finetune_lora"), tmp_path / "killed"
-    cmd = lambda out: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.max_steps", str(STEPS))  # noqa: E731
-    # The step-3 save completes; the process is killed inside the second one, at step 6.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOOLKIT_KILL_AT="save:2")
-    crashed = subprocess.run(cmd(killed), capture_output=True, text=True, env=env, timeout=600)
-    assert crashed.returncode == -signal.SIGKILL
-    assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.endswith(".tmp")) == ["step-00000003"]
-    result = _run(cmd(killed))
-    assert "Resumed from" in result.stdout and "step-00000003" in result.stdout
-    _assert_identical(reference, killed)
