@@ -200,13 +200,15 @@ def tiny_pretrain_args(out_dir: Path, steps: int) -> list[str]:
     ]
 
 
-def kill_group_at_step(cmd: list[str], step: int) -> None:
+def kill_group_at_step(cmd: list[str], step: int) -> str:
     """Run `cmd` and SIGKILL its whole process group (launcher and workers, as a crashed node) when
-    it reports optimizer step `step`."""
+    it reports optimizer step `step`; what it wrote until then (stdout and stderr)."""
     process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=launch_env(),
                                start_new_session=True, cwd=REPO)
+    lines = []
     try:
         for line in process.stdout:
+            lines.append(line)
             if line.startswith(f"step {step}/"):
                 os.killpg(process.pid, signal.SIGKILL)
                 break
@@ -215,6 +217,7 @@ def kill_group_at_step(cmd: list[str], step: int) -> None:
         if process.poll() is None:
             os.killpg(process.pid, signal.SIGKILL)
     assert process.returncode == -signal.SIGKILL, f"the run ended before step {step}"
+    return "".join(lines)
 
 
 def logged_metrics(out_dir: Path) -> list[dict]:

@@ -1,8 +1,12 @@
 """Preemption: SIGTERM or SIGUSR1 makes a run stop after the current optimizer step, every rank
 agreeing, write a checkpoint, end its tracker runs as killed and exit with 128 + the signal's
-number; `--resume auto` then continues bit-identically (single-threaded CPU runs)."""
+number; `--resume auto` then continues bit-identically (single-threaded CPU runs). A crash
+(SIGKILL to every process) between two periodic saves resumes from the last one as exactly: the
+two-process test checks both on one run (stopped, resumed, killed, resumed)."""
 
+import importlib.util
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -21,18 +25,26 @@ SIGNAL_AFTER = 4  # the signal is sent once this step's log line is out
 
 def _cmd(out: Path, db: Optional[Path], *extra: str) -> list[str]:
     """The run; with `db` None it logs to CSV only (a reference for its weights, spared MLflow's
-    start-up: creating its SQLite database costs seconds of CPU)."""
+    start-up: creating its SQLite database costs seconds of CPU). A global batch of 8 micro-batches
+    of 2: on two processes each accumulates two before the optimizer step."""
     loggers = ["--log.loggers", "[csv]"] if db is None else [
         "--log.loggers", "[csv, mlflow]", "--log.tracking_uri", f"sqlite:///{db}", "--log.project", "preemption"]
     return [
-        *tiny_pretrain_args(out, STEPS), "--train.save_interval", "100", "--train.learning_rate", "0.01",
-        "--log.interval", "1", *loggers, "--resume", "auto", *extra,
+        *tiny_pretrain_args(out, STEPS), "--train.global_batch_size", "8", "--train.save_interval", "100",
+        "--train.learning_rate", "0.01", "--log.interval", "1", *loggers, "--resume", "auto", *extra,
     ]
 
 
-def _signal_at_step(cmd: list[str], step: int, signum: int) -> subprocess.CompletedProcess:
-    """Run `cmd`, send `signum` to its first process (rank 0, which started the others) once it
-    reports `step`, and wait for it to end."""
+def _assert_same_weights(reference: Path, out: Path) -> None:
+    a, b = load_file(str(reference / "final" / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
+    assert a.keys() == b.keys() and a
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def _signal_at_step(cmd: list[str], step: int, signum: int, group: bool = False) -> subprocess.CompletedProcess:
+    """Run `cmd`, send `signum` to its first process (rank 0, which started the others), or with
+    `group` to all its processes, once it reports `step`, and wait for it to end."""
     process = subprocess.Popen([sys.executable, "-m", "toolkit", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=launch_env(), start_new_session=True, cwd=REPO)
     lines = []
@@ -40,7 +52,10 @@ def _signal_at_step(cmd: list[str], step: int, signum: int) -> subprocess.Comple
         for line in process.stdout:
             lines.append(line)
             if line.startswith(f"step {step}/"):
-                process.send_signal(signum)
+                if group:
+                    os.killpg(process.pid, signum)
+                else:
+                    process.send_signal(signum)
                 break
         out, err = process.communicate(timeout=600)
     finally:
@@ -61,12 +76,18 @@ def _mlflow_status(db: Path) -> str:
     return run.info.status
 
 
-def test_sigterm_on_two_processes_saves_stops_and_resumes_exactly(tmp_path):
-    pytest.importorskip("mlflow")
+def test_two_processes_stopped_by_sigterm_then_killed_resume_exactly_from_sharded_checkpoints(tmp_path):
+    """SIGTERM to rank 0 of two processes (each accumulating two micro-batches a step): both stop
+    after the same step, save it, end the MLflow run as killed and exit with 143. Resumed with a save
+    every 2 steps, the run is then killed outright at a random step past its first save (SIGKILL to
+    the launcher and its worker, as a crashed node); resumed again from that sharded checkpoint, it
+    ends with the uninterrupted run's weights bit for bit, and the MLflow run finished. Without
+    MLflow installed, everything but its run's status is checked."""
     reference = tmp_path / "reference"
     run_toolkit(_cmd(reference, None, "--devices", "2"))
 
-    out, db = tmp_path / "preempted", tmp_path / "preempted.db"
+    out = tmp_path / "preempted"
+    db = tmp_path / "preempted.db" if importlib.util.find_spec("mlflow") else None
     stopped = _signal_at_step(_cmd(out, db, "--devices", "2"), SIGNAL_AFTER, signal.SIGTERM)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
     assert "SIGTERM received: stopping to save" in stopped.stdout
@@ -76,13 +97,21 @@ def test_sigterm_on_two_processes_saves_stops_and_resumes_exactly(tmp_path):
     assert SIGNAL_AFTER <= saved <= SIGNAL_AFTER + 2, saved
     assert f"stopped by SIGTERM: checkpoint {out / 'checkpoints' / f'step-{saved:08d}'}" in stopped.stderr
     assert not (out / "final").exists()
-    assert _mlflow_status(db) == "KILLED"
+    assert db is None or _mlflow_status(db) == "KILLED"
 
-    resumed = run_toolkit(_cmd(out, db, "--devices", "2"))
-    assert f"Resumed from {out / 'checkpoints' / f'step-{saved:08d}'}" in resumed
-    assert _mlflow_status(db) == "FINISHED"
-    a, b = load_file(str(reference / "final" / "model.safetensors")), load_file(str(out / "final" / "model.safetensors"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    resume = _cmd(out, db, "--devices", "2", "--train.save_interval", "2")
+    first_save = saved + 2 - saved % 2
+    k = random.Random(os.getpid()).randint(first_save + 1, STEPS - 1)
+    crashed = _signal_at_step(resume, k, signal.SIGKILL, group=True)
+    assert crashed.returncode == -signal.SIGKILL, f"the run ended before step {k}"
+    assert f"Resumed from {out / 'checkpoints' / f'step-{saved:08d}'}" in crashed.stdout
+    newest = max(_steps_saved(out))
+    assert newest >= first_save and (out / "checkpoints" / f"step-{newest:08d}" / "state").is_dir()  # sharded
+
+    resumed = run_toolkit(resume)
+    assert f"Resumed from {out / 'checkpoints' / f'step-{newest:08d}'}" in resumed
+    assert db is None or _mlflow_status(db) == "FINISHED"
+    _assert_same_weights(reference, out)
 
 
 def test_sigusr1_on_one_process_stops_after_the_step_under_way(tmp_path):

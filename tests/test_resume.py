@@ -16,16 +16,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kill_group_at_step, logged_metrics, tiny_pretrain_args
+from conftest import kill_group_at_step, logged_metrics, run_in_process, tiny_pretrain_args
 
 STEPS = 8
 
 
-def _pretrain_cmd(out_dir: Path, steps: int = STEPS, *extra: str) -> list[str]:
+def _pretrain_args(out_dir: Path, steps: int = STEPS, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "toolkit", *tiny_pretrain_args(out_dir, steps), "--train.learning_rate", "0.01",
+        *tiny_pretrain_args(out_dir, steps), "--train.learning_rate", "0.01",
         "--train.keep_last", "3", "--log.interval", "1", "--log.loggers", "[csv]", "--resume", "auto", *extra,
     ]
+
+
+def _pretrain_cmd(out_dir: Path, steps: int = STEPS, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "toolkit", *_pretrain_args(out_dir, steps, *extra)]
 
 
 def _env(**extra: str) -> dict:
@@ -52,34 +56,31 @@ def _assert_same_weights(a: Path, b: Path) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """An uninterrupted run of STEPS steps."""
+    """An uninterrupted run of STEPS steps (in this process: the runs compared with it are processes)."""
     out = tmp_path_factory.mktemp("resume") / "reference"
-    _run(_pretrain_cmd(out))
+    run_in_process(_pretrain_args(out))
     return out
 
 
-def test_killed_at_a_random_step_then_resumed_matches_uninterrupted(reference):
+def test_killed_in_a_save_then_at_a_random_step_resumes_to_the_uninterrupted_end(reference):
+    """One run killed twice. Inside its second save (step 4): the first one (step 2) stays, the
+    second is only a .tmp leftover. Resumed from step 2, it is killed again at a random step past that
+    checkpoint (SIGKILL to its process group) and resumed once more: it ends with the weights, and
+    logs the losses from that step on, of the uninterrupted run, and no .tmp is left."""
     out = reference.parent / "killed"
+    killed = subprocess.run(_pretrain_cmd(out), capture_output=True, text=True, env=_env(TOOLKIT_KILL_AT="save:2"), timeout=600)
+    assert killed.returncode == -signal.SIGKILL
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert "step-00000002" in checkpoints and "step-00000004" not in checkpoints  # only a .tmp leftover
+
     k = random.Random(os.getpid()).randint(3, STEPS - 1)  # a random step past the first checkpoint
-    kill_group_at_step(_pretrain_cmd(out), k)
+    output = kill_group_at_step(_pretrain_cmd(out), k)
+    assert "Resumed from" in output and "step-00000002" in output
     result = _run(_pretrain_cmd(out))
     assert "Resumed from" in result.stdout
     _assert_same_weights(reference, out)
     ref_losses, resumed = _losses(reference), _losses(out)
     assert all(resumed[s] == ref_losses[s] for s in range(k, STEPS + 1)), (k, resumed, ref_losses)
-
-
-def test_killed_in_the_middle_of_a_save_keeps_the_previous_checkpoint(reference):
-    out = reference.parent / "killed_in_save"
-    # The first save (step 2) completes; the process is killed inside the second one (step 4).
-    _run(_pretrain_cmd(out, 2))
-    killed = subprocess.run(_pretrain_cmd(out, 4), capture_output=True, text=True, env=_env(TOOLKIT_KILL_AT="save"), timeout=600)
-    assert killed.returncode == -signal.SIGKILL
-    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir())
-    assert "step-00000002" in checkpoints and "step-00000004" not in checkpoints  # only a .tmp leftover
-    result = _run(_pretrain_cmd(out))
-    assert "Resumed from" in result.stdout and "step-00000002" in result.stdout
-    _assert_same_weights(reference, out)
     assert not any(p.name.endswith(".tmp") for p in (out / "checkpoints").iterdir())
 
 

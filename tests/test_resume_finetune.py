@@ -1,4 +1,5 @@
-"""Exact resume for fine-tuning (full and LoRA, across epochs) and for a 2-process FSDP run.
+"""Exact resume for fine-tuning (full and LoRA, across epochs). A 2-process FSDP run killed and
+resumed from its sharded checkpoint: tests/test_preemption.py, beside the same run stopped by SIGTERM.
 
 Single-threaded (OMP_NUM_THREADS=1) so that two identical runs are bit-identical; see test_resume.py.
 """
@@ -15,15 +16,19 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, kill_group_at_step, scale_weights_in_place
+from conftest import ASSETS, kill_group_at_step, run_in_process, scale_weights_in_place
 from test_resume import _losses, _run
 
 ALPACA = ASSETS / "instruct" / "alpaca_tiny.json"
 
 
 def _finetune_cmd(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "toolkit", *_finetune_args(command, checkpoint, out_dir, *extra)]
+
+
+def _finetune_args(command: str, checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:
     return [
-        sys.executable, "-m", "toolkit", command, str(checkpoint), "--out_dir", str(out_dir),
+        command, str(checkpoint), "--out_dir", str(out_dir),
         "--data", "Alpaca", "--data.json_path", str(ALPACA), "--data.val_split_fraction", "0.1",
         "--precision", "32-true", "--train.micro_batch_size", "4", "--train.global_batch_size", "8",
         "--train.max_seq_length", "96", "--train.save_interval", "3", "--train.warmup_steps", "2",
@@ -51,26 +56,40 @@ STEPS = 8
 
 @pytest.fixture(scope="module")
 def uninterrupted(base, tmp_path_factory):
-    """Uninterrupted runs of STEPS steps, each made once when first asked for: command -> out_dir.
-    finetune_lora's serves two tests (killed at a random step, and killed inside a save)."""
+    """Uninterrupted runs of STEPS steps, each made once when first asked for (in this process; the
+    killed and resumed runs are processes): command -> out_dir."""
     root, runs = tmp_path_factory.mktemp("uninterrupted"), {}
 
     def get(command: str) -> Path:
         if command not in runs:
-            _run(_finetune_cmd(command, base["checkpoint"], root / command, "--train.max_steps", str(STEPS)))
+            run_in_process(_finetune_args(command, base["checkpoint"], root / command, "--train.max_steps", str(STEPS)))
             runs[command] = root / command
         return runs[command]
 
     return get
 
 
-@pytest.mark.parametrize("command", ["finetune_full", "finetune_lora"])
-def test_finetuning_killed_at_a_random_step_resumes_exactly(base, uninterrupted, tmp_path, command):
+@pytest.mark.parametrize("command, killed_in_a_save_first", [
+    pytest.param("finetune_full", False, id="finetune_full"),
+    pytest.param("finetune_lora", True, id="finetune_lora-killed_in_a_save_first"),
+])
+def test_finetuning_killed_at_a_random_step_resumes_exactly(base, uninterrupted, tmp_path, command, killed_in_a_save_first):
+    """Killed at a random step past a checkpoint and resumed: the uninterrupted run's weights and
+    losses. LoRA's run is first killed inside its second save (step 6) and resumed from the first
+    (step 3): the adapter-only checkpoint is as crash-safe as a full one."""
     steps = STEPS
     reference, killed = uninterrupted(command), tmp_path / "killed"
+    cmd = _finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps))
+    if killed_in_a_save_first:
+        env = dict(os.environ, OMP_NUM_THREADS="1", TOOLKIT_KILL_AT="save:2")
+        crashed = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+        assert crashed.returncode == -signal.SIGKILL
+        assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.endswith(".tmp")) == ["step-00000003"]
     k = random.Random(os.getpid()).randint(4, steps - 1)
-    kill_group_at_step(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)), k)
-    result = _run(_finetune_cmd(command, base["checkpoint"], killed, "--train.max_steps", str(steps)))
+    output = kill_group_at_step(cmd, k)
+    if killed_in_a_save_first:
+        assert "Resumed from" in output and "step-00000003" in output
+    result = _run(cmd)
     assert "Resumed from" in result.stdout
     _assert_identical(reference, killed)
     ref_losses, resumed = _losses(reference), _losses(killed)
@@ -166,8 +185,9 @@ def test_the_base_fingerprint_tells_same_shaped_weights_apart(base, tmp_path):
 def test_resuming_in_the_second_epoch_continues_that_epoch(base, tmp_path):
     # 90 training records in micro-batches of 4: about 11 optimizer steps per epoch, so step 15 is in the second.
     reference, killed = tmp_path / "reference", tmp_path / "killed"
-    cmd = lambda out: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.epochs", "2")  # noqa: E731
-    _run(cmd(reference))
+    args = ("finetune_lora", base["checkpoint"])
+    run_in_process(_finetune_args(*args, reference, "--train.epochs", "2"))  # uninterrupted, in this process
+    cmd = lambda out: _finetune_cmd(*args, out, "--train.epochs", "2")  # noqa: E731
     kill_group_at_step(cmd(killed), 15)
     result = _run(cmd(killed))
     assert "Resumed from" in result.stdout and "epoch 1" in result.stdout
@@ -177,47 +197,3 @@ def test_resuming_in_the_second_epoch_continues_that_epoch(base, tmp_path):
     assert summaries[0]["step"] == summaries[1]["step"] > 15
     ref_losses, resumed = _losses(reference), _losses(killed)
     assert all(resumed[s] == ref_losses[s] for s in range(15, summaries[0]["step"] + 1))
-
-
-def _pretrain_2proc_cmd(out_dir: Path, steps: int) -> list[str]:
-    return [
-        sys.executable, "-m", "toolkit", "pretrain", "debug-neox", "--out_dir", str(out_dir),
-        "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
-        "--data.cache_dir", str(out_dir.parent / "cache"),
-        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"),
-        "--devices", "2", "--distributed.state_dict_type", "sharded",
-        "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
-        "--train.max_seq_length", "32", "--train.max_steps", str(steps), "--train.save_interval", "2",
-        "--train.warmup_steps", "1", "--train.learning_rate", "0.002",
-        "--eval.interval", "1000", "--eval.final_validation", "false", "--log.interval", "1",
-        "--log.loggers", "[csv]", "--resume", "auto",
-    ]
-
-
-def test_two_fsdp_processes_killed_and_resumed_from_a_sharded_checkpoint(tmp_path):
-    steps = 6
-    reference, killed = tmp_path / "reference", tmp_path / "killed"
-    _run(_pretrain_2proc_cmd(reference, steps))
-    # Kill the whole process group (launcher and its worker) at step k, as a crashed node would be.
-    k = random.Random(os.getpid()).randint(3, steps - 1)
-    kill_group_at_step(_pretrain_2proc_cmd(killed, steps), k)
-    assert (killed / "checkpoints" / "step-00000002" / "state").is_dir()  # sharded
-    result = _run(_pretrain_2proc_cmd(killed, steps))
-    assert "Resumed from" in result.stdout
-    wa, wb = _final_weights(reference), _final_weights(killed)
-    for name in wa:
-        torch.testing.assert_close(wa[name], wb[name], atol=1e-6, rtol=0, msg=name)
-
-
-def test_lora_killed_in_the_middle_of_saving_its_adapter_checkpoint(base, uninterrupted, tmp_path):
-    """The adapter-only checkpoint is as crash-safe as a full one."""
-    reference, killed = uninterrupted("finetune_lora"), tmp_path / "killed"
-    cmd = lambda out: _finetune_cmd("finetune_lora", base["checkpoint"], out, "--train.max_steps", str(STEPS))  # noqa: E731
-    # The step-3 save completes; the process is killed inside the second one, at step 6.
-    env = dict(os.environ, OMP_NUM_THREADS="1", TOOLKIT_KILL_AT="save:2")
-    crashed = subprocess.run(cmd(killed), capture_output=True, text=True, env=env, timeout=600)
-    assert crashed.returncode == -signal.SIGKILL
-    assert sorted(p.name for p in (killed / "checkpoints").iterdir() if not p.name.endswith(".tmp")) == ["step-00000003"]
-    result = _run(cmd(killed))
-    assert "Resumed from" in result.stdout and "step-00000003" in result.stdout
-    _assert_identical(reference, killed)

@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, kill_group_at_step, launch_env
+from conftest import ASSETS, kill_group_at_step, launch_env, run_in_process
 
 STEPS = 4
 KILL_AT = 3  # a checkpoint at every step: those of steps 1 and 2 exist by then, 3 may or may not
@@ -28,10 +28,14 @@ TOKENIZER = ASSETS / "tokenizers" / "gpt-neox-20b"
 
 
 def _cmd(out_dir: Path, devices: int, *data: str) -> list[str]:
+    return [sys.executable, "-m", "toolkit", *_args(out_dir, devices, *data)]
+
+
+def _args(out_dir: Path, devices: int, *data: str) -> list[str]:
     data = data or ("--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
                     "--data.cache_dir", str(out_dir.parent / "cache"))
     return [
-        sys.executable, "-m", "toolkit", "pretrain", "debug-neox", "--out_dir", str(out_dir), *data,
+        "pretrain", "debug-neox", "--out_dir", str(out_dir), *data,
         "--tokenizer_dir", str(TOKENIZER), "--devices", str(devices),
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
         "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.save_interval", "1",
@@ -64,9 +68,9 @@ def _damage(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """An uninterrupted one-process run, and a two-process run killed at step KILL_AT."""
+    """An uninterrupted one-process run (in this process), and a two-process run killed at step KILL_AT."""
     root = tmp_path_factory.mktemp("reshard")
-    _run(_cmd(root / "reference", 1))
+    run_in_process(_args(root / "reference", 1))
     kill_group_at_step(_cmd(root / "two", 2), KILL_AT)
     assert (_checkpoints(root / "two")[-1] / "state" / "__1_0.distcp").is_file()  # sharded
     return {"root": root, "reference": root / "reference", "two": root / "two"}
@@ -122,9 +126,9 @@ def test_a_per_process_data_position_refuses_another_number_of_processes(tmp_pat
     stream = optimize_text_to_stream(ASSETS / "tinyshakespeare.txt", Tokenizer(TOKENIZER), tmp_path / "stream")
     out = tmp_path / "mix"
     data = ("--data", "StreamMix", "--data.train_streams", f"[{stream}]")
-    cmd = _cmd(out, 1, *data)
-    cmd[cmd.index("--train.max_steps") + 1] = "2"
-    _run(cmd)
+    args = _args(out, 1, *data)
+    args[args.index("--train.max_steps") + 1] = "2"
+    run_in_process(args)  # the one-process run that saves, in this process: the refusal is a process's
     saved = sorted(p.relative_to(out) for p in (out / "checkpoints").rglob("*"))
     result = subprocess.run(_cmd(out, 2, *data), capture_output=True, text=True, env=launch_env(), timeout=600)
     assert result.returncode != 0
