@@ -121,3 +121,23 @@ def test_grouped_experts_compute_under_autocast_as_linear_layers_do():
                 outputs[backend] = experts(x, counts)
         assert outputs["grouped"].dtype == outputs["loop"].dtype == torch.bfloat16
         torch.testing.assert_close(outputs["grouped"], outputs["loop"], rtol=2e-2, atol=1e-2)
+
+
+def test_a_backend_switch_holds_only_inside_its_block_and_refuses_unknown_names():
+    """`expert_backend` (like `attention_backend` and `router_stats_off`, one `Switch` each): the
+    value inside the block, the previous one after it, also when the block raises."""
+    from toolkit.models.moe import KERNEL, RECORDING, expert_backend, router_stats_off
+
+    assert KERNEL.value is None and RECORDING.value is True
+    with pytest.raises(RuntimeError, match="inside"):
+        with expert_backend("loop"), router_stats_off():
+            assert KERNEL.value == "loop" and RECORDING.value is False
+            with expert_backend("grouped"):
+                assert KERNEL.value == "grouped"
+            assert KERNEL.value == "loop"
+            raise RuntimeError("inside")
+    assert KERNEL.value is None and RECORDING.value is True
+    with pytest.raises(ValueError, match="expert backend 'grouped2': one of None, 'grouped', 'loop'"):
+        with expert_backend("grouped2"):
+            pass
+    assert KERNEL.value is None

@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from toolkit.models.config import Config
 from toolkit.models.kv_cache import KVCache
 from toolkit.models.norms import make_norm
-from toolkit.models.switch import Switch
 from toolkit.models.rope import apply_rope
+from toolkit.models.switch import Switch
 
 
 def key_mask(
