@@ -3,7 +3,8 @@
 Each measurement is a fresh process of one tool (LitGPT runs from its own virtual environment: see
 "Installing LitGPT next to the project" in benchmarks/README.md). A process builds the model with
 random weights, runs warm-up steps, then times `--steps` optimizer steps (forward, loss, backward,
-AdamW) on random tokens and prints its median step time and peak RSS. The two tools alternate,
+AdamW) on random tokens and prints its median step time and peak RSS. Each tool steps with its own
+AdamW: the toolkit's `make_adamw` (fused), LitGPT's as `litgpt pretrain` builds it (fused only on CUDA). The two tools alternate,
 pair by pair, so that a change of load on the machine hits both.
 
     OMP_NUM_THREADS=1 python benchmarks/litgpt_step.py --shape qwen3-moe --pairs 5 --dtype bfloat16
@@ -139,7 +140,13 @@ def measure(tool: str, shape_name: str, dtype_name: str, steps: int, warmup: int
     model, loss_fn = build(tool, shape_name, torch.float32 if autocast else dtype, seq_len)
     precision = contextlib.nullcontext if not autocast else (lambda: torch.autocast("cpu", dtype=dtype))
     shape = SHAPES[shape_name]
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if tool == "toolkit":  # the training AdamW (fused)
+        from toolkit.args import TrainArgs
+        from toolkit.optim import decay_names, make_adamw
+
+        optimizer = make_adamw(model, decay_names(model), TrainArgs(learning_rate=1e-4))
+    else:  # as `litgpt pretrain` builds it: fused only on CUDA
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=model_device(model).type == "cuda")
     generator = torch.Generator().manual_seed(1)
     T = seq_len
     times = []
@@ -157,6 +164,10 @@ def measure(tool: str, shape_name: str, dtype_name: str, steps: int, warmup: int
     peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"tool": tool, "dtype": dtype_name, "autocast": autocast, "median_step_s": statistics.median(times), "steps_s": times,
             "parameters": parameters, "peak_rss_bytes": peak_rss, "loss": float(loss)}
+
+
+def model_device(model):
+    return next(model.parameters()).device
 
 
 def run_one(tool: str, args) -> dict:

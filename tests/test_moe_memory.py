@@ -204,19 +204,3 @@ def test_preflight_names_expert_parallel_when_it_is_what_fits():
                 check_run_fits(device, config, plan)
         else:
             assert check_run_fits(device, config, plan) == check_fits(device, *args, expert_parallel=2)
-
-
-def test_the_largest_micro_batch_where_the_optimizer_step_is_the_peak():
-    """Qwen3-30B-A3B's shape on 8 GPUs with checkpointing: the step's peak at micro-batch 1 and 2 is
-    the optimizer step (AdamW's scratch beside the state), which the micro-batch does not change; the
-    recommendation's largest micro-batch is then searched for, not taken as unlimited."""
-    from toolkit.memory.estimator import _max_micro_batch
-
-    config = Config.from_name("qwen3-8b", name="qwen3-30b-a3b", n_layer=48, n_embd=2048, n_head=32, n_query_groups=4,
-                              intermediate_size=6144, n_expert=128, n_expert_per_token=8, moe_intermediate_size=768)
-    opts, column = Options(config, "bf16-mixed", None, (), 8, None, 4096), make_column("FULL_SHARD", 8, 1)
-    budget = 75 * 2**30
-    assert column_memory(opts, column, 2)["total_checkpointed"] == column_memory(opts, column, 1)["total_checkpointed"]
-    largest, figures = _max_micro_batch(opts, column, True, budget)
-    assert 2 <= largest < 64 and figures["total_checkpointed"] <= budget
-    assert column_memory(opts, column, largest + 1)["total_checkpointed"] > budget

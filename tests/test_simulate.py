@@ -245,13 +245,17 @@ def test_preflight_refuses_what_the_simulation_says_does_not_fit(step_8b):
     eighty = 80 * 10**9
     config = Config.from_name("llama-3.1-8b")
     # 8B pretraining on 2 ranks: 64 GB of float32 parameters, gradients and AdamW per rank before
-    # any activation: the simulation's peak is far above 80 GB.
+    # any activation: the simulation's peak is far above 80 GB. Checkpointed activations fit beside them.
     two = simulate(config, 2, 1, sharding="FULL_SHARD", forward=False)
     assert two.params_grads_optimizer + step_8b.peak["Activation"] > eighty
-    # Only CPU offload (the shards, gradients and AdamW state in host memory) makes it fit.
-    with pytest.raises(UserError, match=r"[0-9.]+ GiB per device .* does not fit\. --distributed\.cpu_offload true fits") as refused:
+    checkpointing = r"[0-9.]+ GiB per device .* does not fit\. --distributed\.activation_checkpointing true fits"
+    with pytest.raises(UserError, match=checkpointing) as refused:
         check_fits(eighty, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
     assert "\n" not in str(refused.value)
+    # 64 GB hold less than those three: only CPU offload (all three in host memory) makes it fit.
+    assert two.params_grads_optimizer > 64 * 10**9
+    with pytest.raises(UserError, match=r"does not fit\. --distributed\.cpu_offload true fits"):
+        check_fits(64 * 10**9, config, 2, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)
     # On 8 ranks the simulated peak is about 30 GiB: accepted.
     assert step_8b.peak_total < eighty
     assert "fits." in check_fits(eighty, config, 8, 1, 1, 2048, "bf16-mixed", "FULL_SHARD", False)

@@ -11,7 +11,6 @@ For every strategy the memory of one device is split into:
     weight copies     autocast's 16-bit copies of float32 weights (one device, DDP)
     buffers           FSDP's gathered weights, all-gather outputs, unsharded gradients and
                       reduce-scatter inputs; DDP's gradient buckets; a quantized base's dequantized weight
-    step scratch      AdamW (foreach, the default on GPUs) makes one temporary as large as one state
 
 Parameters come from the model built on the meta device (`toolkit.memory.parameters`), saved
 activations from the model's own forward and backward passes on fake tensors
@@ -86,13 +85,11 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         out["parameters"] = sum(stored(s) for s in specs)
         out["gradients"] = sum(s.numel * opts.trainable_bytes for s in specs if s.trainable)
         out["optimizer_state"] = 2 * out["gradients"]
-        out["step_scratch"] = out["gradients"]
     else:
         ranks = fsdp_rank_memory(specs, column, opts)
         out["parameters"] = ranks[0]["parameters"]
         out["gradients"] = ranks[0]["gradients"]
         out["optimizer_state"] = max(r["optimizer_state"] for r in ranks)  # the fullest rank
-        out["step_scratch"] = out["optimizer_state"] // 2
     # The reference model of full fine-tuning under DPO / IPO: every weight again, frozen (the
     # compute dtype), sharded like the trained model; its forward pass runs under no_grad.
     out["reference_model"] = reference_copy_bytes(opts, column, specs) if opts.frozen_copy else 0
@@ -101,9 +98,9 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
         # CPUOffloadPolicy: the shards, their gradients and AdamW state are host memory, and the
         # step runs there. Each unit's shards are copied to the device for its all-gather (the
         # all-gather inputs of `fsdp_moments`) and its reduced gradients copied back.
-        out["host_offload"] = out["parameters"] + out["gradients"] + out["optimizer_state"] + out["step_scratch"]
+        out["host_offload"] = out["parameters"] + out["gradients"] + out["optimizer_state"]
         out["host_offload"] += out["reference_model"]
-        for key in ("parameters", "gradients", "optimizer_state", "step_scratch", "reference_model"):
+        for key in ("parameters", "gradients", "optimizer_state", "reference_model"):
             out[key] = 0
     # A preference objective's micro-batch of pairs is twice as many rows (chosen and rejected).
     act = micro_batch_activations(opts, column, micro_batch_size * opts.rows_per_sample, specs, quantized)
@@ -115,7 +112,7 @@ def column_memory(opts: Options, column: Column, micro_batch_size: int) -> dict[
     out["buffers"] = max(sum(m.values()) for m in strategy_moments(specs, column, opts).values()) + act.dequant_scratch
     persistent = out["parameters"] + out["gradients"] + out["optimizer_state"] + out["reference_model"]
     for key, checkpointed in (("total", False), ("total_checkpointed", True)):
-        moments = step_moments(opts, column, act, checkpointed, specs, out["step_scratch"])
+        moments = step_moments(opts, column, act, checkpointed, specs)
         out[key] = persistent + max(sum(m.values()) for m in moments.values())
     return out
 
@@ -136,8 +133,7 @@ def peak_moment(opts: Options, column: Column, micro_batch_size: int, checkpoint
     """The moment of `step_moments` at which the step peaks, and what is alive then by category."""
     specs = run_specs(opts)
     act = micro_batch_activations(opts, column, micro_batch_size * opts.rows_per_sample, specs, quantized_names(opts, specs))
-    scratch = column_memory(opts, column, micro_batch_size)["step_scratch"]
-    moments = step_moments(opts, column, act, checkpointed, specs, scratch)
+    moments = step_moments(opts, column, act, checkpointed, specs)
     return max(moments.items(), key=lambda item: sum(item[1].values()))
 
 
@@ -263,6 +259,7 @@ def estimate(
         "expert_parallel": opts.expert_parallel,
         # per token: the weights it computes with (of a mixture of experts, its K experts) and the
         # training FLOPs (what MFU counts, `toolkit.models.gpt.flops_per_token`)
+        "experts": c.n_expert,
         "active_parameters": count_parameters(c, active=True),
         "flops_per_token": flops_per_token(c, opts.max_seq_length,
                                            sum(s.numel for s in specs if s.trainable) / sum(s.numel for s in specs)),
@@ -500,8 +497,8 @@ def _max_micro_batch(opts: Options, column: Column, checkpointing: bool, budget:
     two = column_memory(opts, column, 2)
     per_sample = two[key] - one[key]
     if per_sample <= 0:
-        # The peak at one and two is a moment the micro-batch does not change (the optimizer step
-        # of a large model: its scratch beside the state): double, then halve the step, up to 4096.
+        # The peak at one and two is a moment the micro-batch does not change (a large tied
+        # embedding's gradient reduced at short sequences): double, then halve the step, up to 4096.
         fits, step = 2, 2
         while fits < 4096 and column_memory(opts, column, fits + step)[key] <= budget:
             fits, step = fits + step, step * 2
@@ -636,7 +633,6 @@ _ROWS = [
     ("logits_and_loss", "logits and loss", None),
     ("weight_copies", "autocast weight copies", None),
     ("buffers", "FSDP/DDP/quantization buffers", None),
-    ("step_scratch", "optimizer step scratch", None),
     ("reference_model", "reference model (frozen copy)", None),
     ("total", "peak", False),
     ("total_checkpointed", "peak, checkpointed", True),
@@ -670,7 +666,7 @@ def format_table(result: dict[str, Any]) -> str:
         f"{result['devices']} device(s) x {result['num_nodes']} node(s). Memory per device, {unit}:",
         *([f"mixture of experts: {result['active_parameters']:,} parameters active per token; "
            f"{result['flops_per_token'] / 1e9:.2f} GFLOP per trained token (what MFU counts)"]
-          if result.get("active_parameters", result["parameters"]) != result["parameters"] else []),
+          if result.get("experts") else []),
         "",
         "".ljust(width) + "".join(c.rjust(cell) for c in cols),
     ]

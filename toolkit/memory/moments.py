@@ -201,7 +201,7 @@ BLOCK_COMPUTE = ("block 0 gathered", "last block gathered", "last block backward
 
 
 def step_moments(opts: "Options", column: "Column", act: "Activations", checkpointed: bool,
-                 specs: list[ParamSpec], step_scratch: int) -> dict[str, Moment]:  # fmt: skip
+                 specs: list[ParamSpec]) -> dict[str, Moment]:  # fmt: skip
     """Everything alive on one device beside parameters, gradients and optimizer state, by category,
     at each moment of a step at which it can peak (`column_memory`'s total is the largest).
 
@@ -263,5 +263,5 @@ def step_moments(opts: "Options", column: "Column", act: "Activations", checkpoi
         if name in BLOCK_COMPUTE:
             moment[DEQUANTIZED] = act.dequant_scratch
         moments[name] = {k: v for k, v in moment.items() if v}
-    moments["optimizer step"] = {TEMPORARIES: step_scratch}  # AdamW's foreach temporaries
+    moments["optimizer step"] = {}  # AdamW's fused step updates in place (`toolkit.optim`): nothing more
     return moments

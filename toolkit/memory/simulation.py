@@ -9,7 +9,7 @@ tensors (shapes and dtypes, no memory, no values) and a fake process group of th
     strategy.shard_model                        FSDP2 per Block and at the root, its precision
                                                 policies, activation checkpointing, on the mesh
                                                 of `mesh_layout` (HYBRID_SHARD: nodes x devices)
-    make_adamw                                  the training AdamW (foreach, as on GPUs)
+    make_adamw                                  the training AdamW (fused)
     the loop's micro-batches                    the cross-replica all-reduce deferred to the last
                                                 one (as ShardedStrategy's `no_backward_sync`), loss
                                                 scaled, gradient clipping, step, zero_grad
@@ -226,10 +226,10 @@ def build(config, plan, finetune, lora, mesh, frozen: bool = False):
 
 
 def adamw(model, decay: set[str], train: TrainArgs):
-    """The training AdamW, foreach as on GPUs (its temporaries count)."""
+    """The training AdamW (fused: its step makes no temporaries to count)."""
     from toolkit.optim import make_adamw
 
-    return make_adamw(model, decay, train, foreach=True)
+    return make_adamw(model, decay, train)
 
 
 def _run(model, decay, plan, train, rows, max_seq_length, micro_batches, forward, pairs=False, copy=None,
@@ -284,18 +284,18 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
     # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
     # backward do; later gathers resize them. Seen by the tracker, that first allocation was
     # counted as activations that are never freed, torch 2.13). It runs the tracked step's ops
-    # (clipping and the foreach AdamW step included), so that DTensor has already propagated the
+    # (clipping and the fused AdamW step included), so that DTensor has already propagated the
     # shardings of each: the first propagation of a foreach op over hundreds of gradients makes
     # fake tensors that the tracker counted, 13x the optimizer state at 70B (`_plausible` caught
     # it, and the whole step was tracked twice).
     if not forward:  # only the persistent figures: AdamW's state, per tensor (no propagation to pay for)
         _zero_grads(model)
-        foreach = [group.get("foreach") for group in optimizer.param_groups]
+        kernels = [(group.get("fused"), group.get("foreach")) for group in optimizer.param_groups]
         for group in optimizer.param_groups:
-            group["foreach"] = False
+            group["fused"], group["foreach"] = False, False
         optimizer.step()
-        for group, value in zip(optimizer.param_groups, foreach):
-            group["foreach"] = value
+        for group, (fused, foreach) in zip(optimizer.param_groups, kernels):
+            group["fused"], group["foreach"] = fused, foreach
         return {}, _persistent(model, optimizer), {}, 0, 1
     with autocast:
         loss = loss_of(x, y)
