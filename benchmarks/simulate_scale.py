@@ -18,6 +18,9 @@ allocator's fragmentation come on top.
     python benchmarks/simulate_scale.py --table benchmarks/results/simulate_scale.jsonl   # print only
     python benchmarks/simulate_scale.py --table benchmarks/results/simulate_scale.jsonl --compact   # oom.md's
 
+Rows record the AdamW they were taken with ("adamw": "fused"); rows without it were taken with the
+foreach AdamW the toolkit used before 2026-11-26 and are marked † in the table.
+
 Each simulation is appended to --out as one JSON line as soon as it ends (a run that is stopped
 keeps what it did, and a rerun skips the rows already there); the table is printed at the end.
 """
@@ -78,7 +81,8 @@ def run(args) -> None:
                 sim = simulate(config, devices, nodes, 1, 2048, "bf16-mixed", sharding, MODES[mode], None,
                                activation_checkpointing=True, micro_batches=2)  # fmt: skip
                 row = {"key": key, "peak": sim.peak, "peak_total": sim.peak_total, "persistent": sim.persistent,
-                       "sent": sim.sent_bytes, "shard_size": sim.shard_size, "seconds": time.perf_counter() - start}  # fmt: skip
+                       "sent": sim.sent_bytes, "shard_size": sim.shard_size, "seconds": time.perf_counter() - start,
+                       "adamw": "fused"}  # fmt: skip
                 with args.out.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"{key}: {sim.peak_total / GiB:.1f} GiB, {row['seconds']:.0f} s", flush=True)
@@ -92,7 +96,9 @@ def table(path: Path) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         model, mode, sharding, gpus = r["key"]
-        cells = [model, mode, str(gpus), "HYBRID" if sharding == "HYBRID_SHARD" else "FULL", f"**{r['peak_total'] / GiB:.1f}**"]
+        mark = "" if r.get("adamw") == "fused" else " †"  # taken with the foreach AdamW (before 2026-11-26)
+        cells = [model, mode, str(gpus), "HYBRID" if sharding == "HYBRID_SHARD" else "FULL",
+                 f"**{r['peak_total'] / GiB:.1f}**{mark}"]
         cells += [f"{sum(r['peak'].get(k, 0) for k in keys) / GiB:.1f}" for _, keys in COLUMNS]
         cells.append(f"{sum(r['persistent'].values()) / GiB:.1f}")
         cells.append(f"{r['sent'] / GiB:.1f}")
@@ -104,15 +110,14 @@ def compact_table(path: Path) -> str:
     """Peaks only, HYBRID beside FULL_SHARD, pretraining and LoRA (full fine-tuning's peaks are
     pretraining's): the table of tutorials/oom.md."""
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    peaks = {tuple(r["key"]): r["peak_total"] / GiB for r in rows}
+    peaks = {tuple(r["key"]): f"{r['peak_total'] / GiB:.1f}" + ("" if r.get("adamw") == "fused" else " †") for r in rows}
     lines = ["| model | training | GPUs | HYBRID | FULL_SHARD |", "|---|---|---|---|---|"]
     for model in MODELS:
         for mode in ("pretrain", "lora"):
             for gpus in sorted({k[3] for k in peaks if k[:2] == (model, mode)}):
                 hybrid = peaks.get((model, mode, "HYBRID_SHARD", gpus))
                 full = peaks.get((model, mode, "FULL_SHARD", gpus))
-                cells = ["(one node)" if gpus <= 8 else ("" if hybrid is None else f"{hybrid:.1f}"),
-                         "" if full is None else f"{full:.1f}"]
+                cells = ["(one node)" if gpus <= 8 else (hybrid or ""), full or ""]
                 lines.append(f"| {model} | {mode} | {gpus} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
