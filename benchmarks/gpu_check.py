@@ -698,7 +698,7 @@ def memory(ctx: Context) -> dict:
     ranks in place of NCCL: collectives move no data, but every buffer (the rank's shards, the
     gathered weights, the reduce-scatter inputs) is really allocated, so the device's peak is that
     of rank 0 of a 2-GPU run. The step is `toolkit.memory.simulation.tracked_step`'s: one untracked step,
-    then one of 2 micro-batches (no_backward_sync, clipping, AdamW foreach) measured.
+    then one of 2 micro-batches (no_backward_sync, clipping, the fused AdamW) measured.
     """
     config_name = ctx.pick("tiny-llama-1.1b", "debug")
     micro_batch, seq = ctx.pick((1, 2048), (1, 32))
@@ -774,7 +774,7 @@ def _real_step_peak(device: str, config, finetune: Optional[str], checkpointing:
                 local = p.to_local() if hasattr(p, "to_local") else p
                 local.normal_(0.0, 0.02, generator=generator)
         train = TrainArgs()
-        optimizer = make_adamw(model, decay, train, foreach=True)
+        optimizer = make_adamw(model, decay, train)
         x = torch.randint(0, config.vocab_size, (micro_batch, seq), device=device, generator=generator)
         sync = strategy._backward_sync_control  # what Fabric's no_backward_sync uses in training
         autocast = torch.autocast(device, dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()

@@ -7,6 +7,7 @@ timeout, never by asserting a duration.
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -141,7 +142,10 @@ def test_a_step_costs_one_all_reduce_and_one_host_sync(two_rank_loops):
     the token count, the end-of-data flag and the time flag travel in one all-reduce per step (plus
     the one that finds the data ended), with no barrier and no pickled broadcast of a tensor."""
     result = two_rank_loops
-    reports = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    # Each rank's report wherever it starts: another rank's output, written in pieces, can come
+    # before it on the same line of the shared pipe.
+    decoder = json.JSONDecoder()
+    reports = [decoder.raw_decode(result.stdout, m.start())[0] for m in re.finditer(r'\{"rank": ', result.stdout)]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     for report in reports:
         assert report["steps"] == 3

@@ -167,11 +167,16 @@ def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tm
                      "--train.learning_rate", "0.002", "--lora.dropout", "0.0", "--lora.targets", "[query, value, mlp]",
                      "--eval.initial_validation", "false", "--devices", devices)
         if devices == "1":
-            gc.collect()  # before: what is alive (the script's count after the command includes uncollected cycles)
-            groups_before, modules_before = counting._alive()
+            # What earlier tests left alive in this process is held until the count after the
+            # command (none of it is freed meanwhile, no id reused); the count is of what is new.
+            # As the script's, it includes uncollected cycles.
+            gc.collect()
+            before = counting._alive_objects()
             run_in_process(args)
-            groups, modules = counting._alive()
-            reports = [f"rank 0: {groups - groups_before} process groups, {modules - modules_before} modules alive"]
+            known = [{id(o) for o in objects} for objects in before]
+            groups, modules = (sum(id(o) not in ids for o in objects) for objects, ids in zip(counting._alive_objects(), known))
+            del before
+            reports = [f"rank 0: {groups} process groups, {modules} modules alive"]
         else:
             env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
             result = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env,

@@ -70,8 +70,11 @@ def main() -> None:
     state = fit(fabric, model, optimizer, batches, None, plan, TrainState(), train, EvalArgs(interval=1000),
                 LogArgs(interval=1000, loggers=()), LoopHooks(), total_steps=None)
     calls = dict(CALLS)
-    print(json.dumps({"rank": fabric.global_rank, "steps": state.step, "tokens_seen": state.tokens_seen,
-                      "expected_tokens": expected_tokens, "calls": calls}), flush=True)
+    # One write of the whole line: the ranks share the pipe (print writes the newline apart).
+    sys.stdout.flush()
+    sys.stdout.write(json.dumps({"rank": fabric.global_rank, "steps": state.step, "tokens_seen": state.tokens_seen,
+                                 "expected_tokens": expected_tokens, "calls": calls}) + "\n")
+    sys.stdout.flush()
     # Rank 0 (which started rank 1) waits until rank 1 has printed too: on a loaded machine rank 1
     # could still be on its way to its print when rank 0's exit ends the run.
     dist.barrier()

@@ -14,18 +14,25 @@ import sys
 from toolkit.cli import run
 
 
-def _alive() -> tuple[int, int]:
+def _alive_objects() -> tuple[list, list]:
     """(process groups, nn.Modules) reachable from objects the garbage collector tracks."""
     import torch.distributed as dist
     from torch import nn
 
-    groups, modules = set(), 0
+    groups, modules = {}, []
     for obj in gc.get_objects():
-        modules += isinstance(obj, nn.Module)
+        if isinstance(obj, nn.Module):
+            modules.append(obj)
         for ref in (obj, *gc.get_referents(obj)):  # process groups themselves are not tracked
             if isinstance(ref, dist.ProcessGroup):
-                groups.add(id(ref))
-    return len(groups), modules
+                groups[id(ref)] = ref
+    return list(groups.values()), modules
+
+
+def _alive() -> tuple[int, int]:
+    """How many of each `_alive_objects` finds."""
+    groups, modules = _alive_objects()
+    return len(groups), len(modules)
 
 
 if __name__ == "__main__":
