@@ -873,7 +873,6 @@ def test_the_largest_micro_batch_where_the_peak_does_not_grow_with_it():
     is the moment the root unit's gradients (the tied embedding's) are reduced, which the
     micro-batch does not change; the recommendation's largest micro-batch is then searched for, not
     taken as unlimited."""
-
     config = Config.from_name("gemma-3-27b")
     opts, column = est.Options(config, "bf16-mixed", None, (), 8, None, 256), est.make_column("FULL_SHARD", 8, 1)
     budget = 66 * 2**30
