@@ -29,7 +29,7 @@ CHILD = """
 import json, sys, time
 sys.path.insert(0, {root!r})
 if {lightning}:
-    import lightning.fabric  # noqa: F401
+    import lightning_fabric  # noqa: F401
 if {lora}:
     import peft  # noqa: F401  (finetune_lora has imported it)
 from toolkit.errors import UserError

@@ -688,7 +688,7 @@ def machine_info() -> dict:
     # and Lightning only to print them would cost a process and seconds of CPU per call).
     from importlib.metadata import version
 
-    info["toolkit_env"] = f"torch {version('torch')} lightning {version('lightning')}"
+    info["toolkit_env"] = f"torch {version('torch')} lightning-fabric {version('lightning-fabric')}"
     return info
 
 

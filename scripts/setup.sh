@@ -22,11 +22,11 @@ if [ -n "$extras" ]; then
 fi
 
 # litdata requires torchvision, but only for image and video data, which the toolkit never reads.
-# PyPI's torchvision is a CUDA build: next to a CPU-only torch its import fails, and
-# `import lightning` fails with it ("operator torchvision::nms does not exist"). Keep it only
-# where it works (a CUDA torch); otherwise remove it.
+# PyPI's torchvision is a CUDA build: next to a CPU-only torch its import fails ("operator
+# torchvision::nms does not exist"), and so does any import that tries it. Keep it only where it
+# works (a CUDA torch); otherwise remove it.
 if ! "$VENV/bin/python" -c "import torchvision" >/dev/null 2>&1; then
     "$VENV/bin/pip" uninstall --quiet --yes torchvision
 fi
-"$VENV/bin/python" -c "import lightning, litdata, toolkit" || { echo "setup: the environment does not import" >&2; exit 1; }
+"$VENV/bin/python" -c "import lightning_fabric, litdata, toolkit" || { echo "setup: the environment does not import" >&2; exit 1; }
 echo "setup: ready in $VENV"

@@ -258,8 +258,8 @@ def fit_on_one_cpu(model, objective, train_batches: list, val_batches: list, log
     """The training loop's `fit` on one CPU process with SGD (an update proportional to the gradient,
     so a wrong loss scale shows), no clipping, a constant rate, validation and a CSV row every step;
     returns the set-up model and the logged rows."""
-    from lightning.fabric import Fabric
-    from lightning.fabric.loggers import CSVLogger
+    from lightning_fabric import Fabric
+    from lightning_fabric.loggers import CSVLogger
 
     from toolkit.args import EvalArgs, LogArgs, TrainArgs
     from toolkit.parallel.batches import plan_batches

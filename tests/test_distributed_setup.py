@@ -210,8 +210,8 @@ def test_cpu_offload_clips_and_steps_on_the_toolkits_process_group(tmp_path):
 
 
 def test_build_fabric_configures_fsdp_strategy(monkeypatch):
-    from lightning.fabric.plugins import MixedPrecision
-    from lightning.fabric.strategies import ModelParallelStrategy
+    from lightning_fabric.plugins import MixedPrecision
+    from lightning_fabric.strategies import ModelParallelStrategy
 
     from toolkit.parallel.plan import mesh_layout
     from toolkit.training.fabric import build_fabric, is_fsdp
@@ -241,7 +241,7 @@ def test_build_fabric_configures_fsdp_strategy(monkeypatch):
     assert mesh_layout("FULL_SHARD", 2, 2) == ((4,), ("shard",))
     assert mesh_layout("NO_SHARD", 1, 4) == ((4, 1), ("replicate", "shard"))
 
-    from lightning.fabric.strategies import DDPStrategy, SingleDeviceStrategy
+    from lightning_fabric.strategies import DDPStrategy, SingleDeviceStrategy
 
     ddp = build(2, 1, "32-true", DistributedArgs(strategy="ddp"), block)
     assert isinstance(ddp.strategy, DDPStrategy) and ddp.strategy._process_group_backend == "gloo"

@@ -285,7 +285,7 @@ def test_merging_a_head_adapter_into_tied_embeddings_leaves_the_embeddings_alone
 
 def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     """tokens_seen, tokens/s and MFU of fine-tuning count the samples' tokens, not the padding of their batches."""
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
 
     from toolkit.data.instruct import Alpaca
     from toolkit.models.config import Config

@@ -20,7 +20,7 @@ def test_no_two_modules_share_a_file_name():
 
 
 def test_unwrapped_name_undoes_every_wrapper():
-    from lightning.fabric import Fabric
+    from lightning_fabric import Fabric
     from peft import LoraConfig, get_peft_model
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 

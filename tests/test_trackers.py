@@ -179,7 +179,7 @@ def test_an_mlflow_file_store_is_refused_in_one_line_before_anything_starts(tmp_
     # With MLflow's own opt-out the file store is the user's choice: no refusal from us.
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     (logger,) = make_loggers(tmp_path / "run", LogArgs(loggers=("mlflow",)), continue_runs=False)
-    assert logger._tracking_uri.startswith("file:")
+    assert logger.tracking_uri.startswith("file:")
 
 
 def test_the_cli_says_one_line_for_a_file_store(tmp_path, monkeypatch):

@@ -199,7 +199,7 @@ def _show_toolkit_logs() -> None:
         handler.setFormatter(logging.Formatter("%(message)s"))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
-    logging.getLogger("lightning.fabric.utilities.seed").setLevel(logging.WARNING)
+    logging.getLogger("lightning_fabric.utilities.seed").setLevel(logging.WARNING)
     # peft imports torchao and bitsandbytes whenever they are installed, so every LoRA run printed
     # their import-time warnings, none about what the run uses: torchao 0.18 "Failed to load
     # .../_C_cutlass_90a.abi3.so" (a Hopper GPU kernel), bitsandbytes 0.50.2 "Failed to load CPU
@@ -207,11 +207,9 @@ def _show_toolkit_logs() -> None:
     # notices that torchao registers Enum classes the old way. Their errors still show.
     for name in ("torchao", "bitsandbytes.backends.cpu.ops", "torch.utils._pytree"):
         logging.getLogger(name).setLevel(logging.ERROR)
-    # Lightning's rank-zero messages go to whichever of these loggers was set up last on import.
-    for name in ("lightning.fabric.utilities.rank_zero", "lightning.pytorch.utilities.rank_zero"):
-        rank_zero = logging.getLogger(name)
-        if not any(isinstance(f, _DropPrecisionNotice) for f in rank_zero.filters):
-            rank_zero.addFilter(_DropPrecisionNotice())
+    rank_zero = logging.getLogger("lightning_fabric.utilities.rank_zero")  # Fabric's rank-zero messages
+    if not any(isinstance(f, _DropPrecisionNotice) for f in rank_zero.filters):
+        rank_zero.addFilter(_DropPrecisionNotice())
 
 
 class _StderrHandler(logging.StreamHandler):

@@ -155,7 +155,7 @@ def replica_weights(model) -> dict[str, torch.Tensor]:
     Test-only (tiny model): every rank gathers, so that the test can check that all replicas agree
     (under HYBRID_SHARD each node holds one). The toolkit's own export gathers on rank 0 only.
     """
-    from lightning.fabric.wrappers import _unwrap_objects
+    from lightning_fabric.wrappers import _unwrap_objects
     from torch.distributed.tensor import DTensor
 
     from toolkit.models.param_names import unwrapped_name

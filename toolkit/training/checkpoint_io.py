@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from toolkit.models.param_names import unwrapped_name
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
     from torch import Tensor, nn
 
 
@@ -35,7 +35,7 @@ def direct_checkpoint_io() -> Any:
     from pathlib import Path
 
     import torch
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning_fabric.plugins.io.torch_io import TorchCheckpointIO
 
     class DirectCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None) -> None:
@@ -82,7 +82,7 @@ def full_state_dict(fabric: Fabric, model: nn.Module, keep: Any = None) -> dict[
 
 def _user_module(model: Any) -> Any:
     """The FSDP root, or the user's module without DDP or torch.compile wrappers (no "module."/"_orig_mod.")."""
-    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
+    from lightning_fabric.wrappers import _FabricModule, _unwrap_compiled, _unwrap_objects
     from torch.distributed.fsdp import FSDPModule
 
     root = _unwrap_objects(model)
@@ -324,7 +324,7 @@ def save_trainable(fabric: Fabric, path: Any, model: Any, optimizer: Any, other:
     state = {"model": weights, "optimizer": get_optimizer_state_dict(root, optim, options=options)}
     if sharded:
         import torch.distributed.checkpoint as dcp
-        from lightning.fabric.utilities.load import _METADATA_FILENAME
+        from lightning_fabric.utilities.load import _METADATA_FILENAME
 
         dcp.save(state, checkpoint_id=path)
         if fabric.global_rank == 0:
@@ -372,7 +372,7 @@ def _trainable_parameters(root: Any) -> dict[str, Any]:
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
-    from lightning.fabric.wrappers import _unwrap_objects
+    from lightning_fabric.wrappers import _unwrap_objects
 
     return _unwrap_objects(optimizer)
 
@@ -403,7 +403,7 @@ def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict
 
     import torch
     import torch.distributed.checkpoint as dcp
-    from lightning.fabric.wrappers import _unwrap_objects
+    from lightning_fabric.wrappers import _unwrap_objects
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -426,7 +426,7 @@ def load_resharded(fabric: Fabric, path: Any, model: Any, optimizer: Any, strict
         optim_state = {"optimizer": get_optimizer_state_dict(root, optim)}
         dcp.load(optim_state, storage_reader=safe_file_system_reader(path))
         set_optimizer_state_dict(root, optim, optim_state["optimizer"])
-        from lightning.fabric.utilities.load import _METADATA_FILENAME  # "meta.pt": what is not model or optimizer
+        from lightning_fabric.utilities.load import _METADATA_FILENAME  # "meta.pt": what is not model or optimizer
 
         return torch.load(path / _METADATA_FILENAME, weights_only=True)
 

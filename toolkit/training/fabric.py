@@ -31,7 +31,7 @@ from toolkit.training.checkpoint_io import direct_checkpoint_io
 from toolkit.training.failures import check_launcher, prepare_failure_handling
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
     from torch import nn
 
 log = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ def build_fabric(plan: StrategyPlan, block_cls: type[nn.Module], loggers: Any = 
     if not isinstance(plan, StrategyPlan):
         raise TypeError(f"build_fabric takes the StrategyPlan of plan_strategy(...), got {plan!r}")
     check_launcher(plan.num_nodes, plan.devices)
-    from lightning import Fabric
+    from lightning_fabric import Fabric
     from torch import nn
 
     if not (isinstance(block_cls, type) and issubclass(block_cls, nn.Module)):
@@ -82,14 +82,14 @@ def _make_strategy(plan: StrategyPlan, block_cls: type[nn.Module]) -> tuple[Any,
         if plan.precision == "16-mixed":
             # Fabric's ModelParallelStrategy accepts no "16-mixed" flag; float16 autocast needs a
             # gradient scaler that understands sharded gradients.
-            from lightning.fabric.plugins import MixedPrecision
+            from lightning_fabric.plugins import MixedPrecision
             from torch.amp import GradScaler
 
             return strategy, [MixedPrecision("16-mixed", plan.accelerator, scaler=GradScaler(plan.accelerator))], None
         return strategy, [], plan.precision
 
     if plan.kind == "ddp":
-        from lightning.fabric.strategies import DDPStrategy
+        from lightning_fabric.strategies import DDPStrategy
 
         cls = _with_block_checkpointing(DDPStrategy, block_cls) if plan.activation_checkpointing else DDPStrategy
         from datetime import timedelta
@@ -98,7 +98,7 @@ def _make_strategy(plan: StrategyPlan, block_cls: type[nn.Module]) -> tuple[Any,
 
     if not plan.activation_checkpointing:
         return "auto", [], plan.precision  # Fabric picks the one device
-    from lightning.fabric.strategies import SingleDeviceStrategy
+    from lightning_fabric.strategies import SingleDeviceStrategy
 
     device = torch.device("cuda", 0) if plan.accelerator == "cuda" else torch.device(plan.accelerator)
     return _with_block_checkpointing(SingleDeviceStrategy, block_cls)(device=device), [], plan.precision
@@ -133,10 +133,9 @@ def sharded_strategy_class() -> type:
 
 
 def _build_sharded_strategy_class() -> type:
-    from lightning.fabric.strategies.parallel import ParallelStrategy
-    from lightning.fabric.strategies.strategy import _BackwardSyncControl
-
-    from lightning.fabric.strategies import ModelParallelStrategy
+    from lightning_fabric.strategies import ModelParallelStrategy
+    from lightning_fabric.strategies.parallel import ParallelStrategy
+    from lightning_fabric.strategies.strategy import _BackwardSyncControl
 
     class ShardedStrategy(ModelParallelStrategy):
         """FSDP2 per transformer Block and at the root, on our own mesh, through Fabric.

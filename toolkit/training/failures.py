@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 from toolkit.errors import PeerFailure, UserError
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
 
     from toolkit.parallel.plan import StrategyPlan
 
@@ -117,7 +117,7 @@ def prepare_failure_handling(plan: StrategyPlan, fabric: Fabric) -> None:
     if not fabric.strategy.cluster_environment.creates_processes_externally:
         # This process will start the node's other ranks (Fabric's _SubprocessScriptLauncher).
         os.environ[_LAUNCHER_PID_VARIABLE] = str(os.getpid())
-        import lightning.fabric.strategies.launchers.subprocess_script as subprocess_script
+        import lightning_fabric.strategies.launchers.subprocess_script as subprocess_script
 
         # Workaround for Lightning 2.6: its `_ChildProcessObserver` SIGKILLs every process of the
         # node within 5 s of a child exiting non-zero, including rank 0 while it prints the same

@@ -20,7 +20,7 @@ from toolkit.parallel.precision import replace_parameters
 from toolkit.training.fabric import is_fsdp
 
 if TYPE_CHECKING:
-    from lightning import Fabric
+    from lightning_fabric import Fabric
     from torch import Tensor, nn
 
 # Where the initial values of a model's parameters come from: `read_rows(name, start, stop, out=None)`

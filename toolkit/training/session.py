@@ -318,7 +318,9 @@ class Session:
         from toolkit.training.objectives import CausalLM, WithRouterLosses, with_router_losses
         from toolkit.training.throughput import device_peak_flops
 
-        peak = device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
+        # MFU is logged and printed by global rank 0 only: the others skip the CPU's measurement
+        peak = (device_peak_flops(self.fabric.device, self.fabric._precision, self.log.device_peak_flops)
+                if self.fabric.global_rank == 0 else None)
         state = TrainState()
         run_shape = self.run_shape()
         run_shape["objective"] = (objective or CausalLM()).record()

@@ -44,7 +44,7 @@ def gpu_peak_flops(device_name: str, precision: str) -> Optional[float]:
     return None
 
 
-def measure_cpu_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.5) -> float:
+def measure_cpu_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.2) -> float:
     """FLOP/s of a square matrix product on this CPU with the current thread count."""
     generator = torch.Generator().manual_seed(0)  # private: the training RNG stream is left untouched
     a = torch.randn(size, size, generator=generator).to(dtype)

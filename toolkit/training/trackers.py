@@ -1,7 +1,8 @@
-"""Where metrics go: CSV, TensorBoard, Weights & Biases and MLflow, through Lightning's own loggers.
+"""Where metrics go: CSV, TensorBoard, Weights & Biases and MLflow, through Fabric loggers.
 
-`--log.loggers [csv, tensorboard, wandb, mlflow]` picks any combination. The loggers are made on
-every rank, but Lightning's loggers create their run and write only on global rank 0.
+`--log.loggers [csv, tensorboard, wandb, mlflow]` picks any combination: Fabric's CSV and TensorBoard
+loggers, and the toolkit's W&B and MLflow loggers (`tracker_loggers`). The loggers are made on every
+rank, but they create their run and write only on global rank 0.
 
 A tracker run (W&B, MLflow) is one per training run, not one per start: its id is kept in
 `<out_dir>/trackers.json`, and a start that resumes from a checkpoint of that folder passes it back
@@ -83,7 +84,7 @@ def read_tracker_ids(out_dir: Path) -> dict:
 def make_loggers(out_dir: Path, log, continue_runs: bool) -> list:
     """The loggers `log.loggers` names. `continue_runs`: this start resumes from a checkpoint of
     `out_dir`, so W&B and MLflow continue the tracker runs recorded there."""
-    from lightning.fabric.loggers import CSVLogger, TensorBoardLogger
+    from lightning_fabric.loggers import CSVLogger, TensorBoardLogger
 
     check_available(log.loggers)
     out_dir = Path(out_dir)
@@ -97,26 +98,22 @@ def make_loggers(out_dir: Path, log, continue_runs: bool) -> list:
     if "tensorboard" in log.loggers:
         loggers.append(TensorBoardLogger(root_dir=str(out_dir / "logs"), name="tensorboard"))
     if "wandb" in log.loggers:
-        from lightning.pytorch.loggers import WandbLogger
+        from toolkit.training.tracker_loggers import WandbRunLogger
 
-        kwargs: dict[str, Any] = {}
-        if log.offline:
-            kwargs["mode"] = "offline"  # otherwise wandb reads WANDB_MODE itself
-        run_id = previous.get("wandb", {}).get("id")
-        loggers.append(WandbLogger(
+        loggers.append(WandbRunLogger(
             name=os.environ.get("WANDB_NAME") or name,
             project=log.project or os.environ.get("WANDB_PROJECT") or DEFAULT_PROJECT,
             save_dir=wandb_dir(out_dir),
-            id=run_id,  # None: a new run; WandbLogger always passes resume="allow"
+            run_id=previous.get("wandb", {}).get("id"),  # None: a new run
             tags=list(log.tags) or None,
-            **kwargs,
+            offline=log.offline,  # otherwise wandb reads WANDB_MODE itself
         ))
     if "mlflow" in log.loggers:
-        from lightning.pytorch.loggers import MLFlowLogger
+        from toolkit.training.tracker_loggers import MLflowRunLogger
 
         uri = mlflow_tracking_uri(log, out_dir)
         try:
-            loggers.append(MLFlowLogger(
+            loggers.append(MLflowRunLogger(
                 experiment_name=log.project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT,
                 run_name=name,
                 tracking_uri=uri,
@@ -164,7 +161,7 @@ def start_tracker_runs(fabric, out_dir: Path, hparams: dict, continue_runs: bool
             if kind in previous:  # the start that left it ended it FAILED or KILLED (or left it RUNNING)
                 logger.experiment.update_run(logger.run_id, status="RUNNING")
             record["mlflow"] = {
-                "run_id": logger.run_id, "experiment_id": logger.experiment_id, "tracking_uri": logger._tracking_uri,
+                "run_id": logger.run_id, "experiment_id": logger.experiment_id, "tracking_uri": logger.tracking_uri,
             }
         if kind is not None:
             run_id = record[kind].get("id") or record[kind].get("run_id")
@@ -176,26 +173,23 @@ def start_tracker_runs(fabric, out_dir: Path, hparams: dict, continue_runs: bool
         os.replace(tmp, path)
 
 
-# How a start of the training run ended -> MLflow's run status (Lightning maps only "success" and "failed").
-RUN_STATUSES = {"success": "FINISHED", "failed": "FAILED", "killed": "KILLED"}
+# How a start of the training run ended, as the loggers' `finalize` takes it.
+RUN_ENDS = ("success", "failed", "killed")
 
 
 def finish_tracker_runs(fabric, status: str = "success") -> None:
-    """Flush every logger; end the tracker runs with `status` (a key of RUN_STATUSES): MLflow's run
+    """Flush every logger; end the tracker runs with `status` (one of RUN_ENDS): MLflow's run
     is FINISHED, FAILED or KILLED, the W&B run ends with exit code 0 or 1 (its files are complete
     only then). Every rank calls it; the tracker loggers act on global rank 0."""
-    if status not in RUN_STATUSES:
-        raise ValueError(f"status must be one of {sorted(RUN_STATUSES)}, got {status!r}")
+    if status not in RUN_ENDS:
+        raise ValueError(f"status must be one of {RUN_ENDS}, got {status!r}")
     for logger in fabric.loggers:
-        kind = tracker_kind(logger)
-        logger.finalize(RUN_STATUSES[status] if kind == "mlflow" else status)
-        if kind == "wandb" and fabric.global_rank == 0 and logger._experiment is not None:
-            logger.experiment.finish(exit_code=0 if status == "success" else 1)
+        logger.finalize(status)
 
 
 def tracker_kind(logger) -> Optional[str]:
     name = type(logger).__name__
-    return {"WandbLogger": "wandb", "MLFlowLogger": "mlflow"}.get(name)
+    return {"WandbRunLogger": "wandb", "MLflowRunLogger": "mlflow"}.get(name)
 
 
 # ---------------------------------------------------------------------------------------------------
