@@ -142,6 +142,30 @@ def test_environment_defaults_fill_in_and_keep_what_the_user_set():
     assert chosen["LRU_CACHE_CAPACITY"] == "1024" and chosen["TOKENIZERS_PARALLELISM"] == "false"
 
 
+def test_the_process_ends_with_its_code_after_threads_exit_handlers_and_buffered_output(tmp_path):
+    """`end_process` skips only the interpreter's module teardown: a thread still writing finishes,
+    the atexit handlers run, output still in the buffers is written, and the exit code is the command's."""
+    import subprocess
+    import sys
+
+    marker = tmp_path / "written"
+    code = (
+        "import atexit, sys, threading, time\n"
+        "from toolkit.cli import end_process\n"
+        f"def late(): time.sleep(0.3); open({str(marker)!r}, 'w').write('thread')\n"
+        "threading.Thread(target=late).start()\n"
+        "atexit.register(lambda: sys.stdout.write('atexit ran\\n'))\n"
+        "sys.stdout.write('buffered')\n"  # no newline, into a pipe: stays in the buffer until flushed
+        "sys.stderr.write('error line')\n"
+        "end_process(3)\n"
+        "sys.stdout.write('never')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3
+    assert result.stdout == "bufferedatexit ran\n" and result.stderr == "error line"
+    assert marker.read_text() == "thread"
+
+
 def test_importing_peft_through_the_cli_prints_no_import_noise():
     """peft imports torchao and bitsandbytes when they are installed; their import-time warnings
     (kernels for other hardware, an optional package, pytree notices) are not printed by a LoRA run."""

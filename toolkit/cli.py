@@ -344,7 +344,32 @@ def set_environment_defaults(environ=os.environ) -> None:
 
 def main() -> None:
     set_environment_defaults()
-    sys.exit(run())
+    end_process(run())
+
+
+def end_process(code: int) -> None:
+    """Exit with `code`, without Python's teardown of every imported module.
+
+    A toolkit process imports torch, Fabric and their libraries; tearing their thousands of modules
+    down at exit costs 0.4-1 s of CPU in every rank of every command (`import torch, lightning_fabric`
+    then exit: 0.6 s of teardown on this project's CPU), and nothing a finished command wrote depends
+    on it. What an exit must do is done here, in the interpreter's order: threads still at work
+    finish, the atexit handlers run (logging's flush, the libraries' own clean-up), the standard
+    streams are flushed. It also leaves no communication thread to be destroyed mid-teardown.
+    """
+    import atexit
+    import threading
+
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that went away, a stream already closed
+            pass
+    os._exit(code)
 
 
 if __name__ == "__main__":
