@@ -18,6 +18,9 @@ import pytest
 # imported, so that the processes a test starts inherit it too.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ["OMP_NUM_THREADS"] = "1"
+    # inductor compiles in this process instead of starting a pool of worker processes, each of
+    # which imports torch again (about 2 s of CPU apiece, 10 for the compile tests' fixture alone)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
