@@ -381,10 +381,19 @@ def test_simulated_peak_matches_the_real_step(real_run, setup):
         rest == ["checkpointing"], REAL_MICRO_BATCHES,
     )  # fmt: skip
     real = real_run.result()[setup]
-    assert real["peak"]["Total"] > 15 * 2**20  # the step did run: activations, gathered blocks, the loss
-    assert sim.peak_total == pytest.approx(real["peak"]["Total"], rel=1e-3)
+    peak = dict(real["peak"])
+    assert peak["Total"] > 15 * 2**20  # the step did run: activations, gathered blocks, the loss
+    # Beside busy processes (1 real run in 4 beside two CPU-bound ones), the real peak can fall at
+    # a moment when the flat all-gather buffer of the embedding or head (same size) is still alive:
+    # +1,051,648 bytes of "All Gather" and 8 KiB less activation in float32. The simulation's
+    # synchronous fake collectives never take that order. Only that one buffer is taken out; every
+    # figure must then match as always.
+    padded_vocab = -(-REAL_OVERRIDES["vocab_size"] // 2) * 2
+    if peak.get("All Gather", 0) in {padded_vocab * REAL_OVERRIDES["n_embd"] * size for size in (2, 4)}:
+        peak["Total"] -= peak.pop("All Gather")
+    assert sim.peak_total == pytest.approx(peak["Total"], rel=1e-3)
     for key in CATEGORIES:
-        assert sim.peak.get(key, 0) == pytest.approx(real["peak"].get(key, 0), rel=1e-3, abs=8192), key
+        assert sim.peak.get(key, 0) == pytest.approx(peak.get(key, 0), rel=1e-3, abs=8192), key
     assert sim.persistent == real["persistent"]
     assert sim.sent_bytes == real["sent"]
 
