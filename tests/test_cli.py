@@ -131,6 +131,16 @@ def test_sampling_values_out_of_range_are_refused(capsys, checkpoint, extra, fra
     assert fragment in _one_error_line(capsys, ["generate", str(checkpoint), "--prompt", "a", *extra])
 
 
+def test_output_cut_short_by_its_reader_is_no_traceback():
+    import subprocess
+    import sys
+
+    # `true` exits without reading: every write of the listing meets a closed pipe
+    result = subprocess.run(f"{sys.executable} -m toolkit list | true", shell=True, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+
+
 def test_environment_defaults_fill_in_and_keep_what_the_user_set():
     from toolkit.cli import set_environment_defaults
 

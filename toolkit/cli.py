@@ -344,7 +344,12 @@ def set_environment_defaults(environ=os.environ) -> None:
 
 def main() -> None:
     set_environment_defaults()
-    end_process(run())
+    try:
+        code = run()
+    except BrokenPipeError:  # the reader went away (`toolkit list | head`): nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        code = 1
+    end_process(code)
 
 
 def end_process(code: int) -> None:
