@@ -180,6 +180,29 @@ def test_cpu_offload_on_gpus_uses_a_process_group_with_a_cpu_backend():
     assert "cpu" not in BackendConfig(plain.process_group_backend).get_device_backend_map()
 
 
+def test_offloaded_shards_are_allocated_on_the_host_and_buffers_on_the_device():
+    """FSDP2 refuses offloaded shards that live on the GPU ("FSDP parameters should be materialized
+    on CPU", seen at the first forward pass of `finetune_lora --distributed.cpu_offload true` on an
+    H100): `setup_model` allocates them where the plan says, and moves the buffers (RoPE tables) back
+    to the training device. A CPU has one device, so the meta device stands in for the GPU here."""
+    import torch
+    from torch import nn
+
+    from toolkit.training.model_setup import _move_buffers
+
+    offload = plan_strategy(2, 1, "bf16-mixed", DistributedArgs(cpu_offload=True), "cuda")
+    plain = plan_strategy(2, 1, "bf16-mixed", DistributedArgs(), "cuda")
+    assert offload.shard_device("cuda:0") == "cpu" and plain.shard_device("cuda:0") == "cuda:0"
+
+    shared = torch.arange(4.0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].register_buffer("cos", shared, persistent=False)
+    model[1].register_buffer("cos", shared, persistent=False)
+    _move_buffers(model, torch.device("meta"))
+    assert model[0].cos.is_meta and model[0].cos is model[1].cos  # still one tensor, not one per module
+    assert model[0].weight.device.type == "cpu"  # parameters stay where they were allocated
+
+
 def test_cpu_offload_clips_and_steps_on_the_toolkits_process_group(tmp_path):
     """An offloaded GPU run emulated on 2 CPU processes (tests/scripts/cpu_offload_step.py says how):
     the process group built from the offload plan carries the clipping of the offloaded (CPU)

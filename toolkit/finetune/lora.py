@@ -232,7 +232,7 @@ def finetune_lora(
 
             # The model is still on the meta device (prepare_on_meta below): each weight is quantized
             # as it is read, its own rows on each rank under FSDP, whole on one device.
-            quantize_blocks_nf4(model, compute_dtype, current_device())
+            quantize_blocks_nf4(model, compute_dtype, run_plan.strategy.shard_device(current_device()))
         elif quantize is not None:
             from toolkit.model_dir import checkpoint_row_reader
 

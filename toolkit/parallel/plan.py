@@ -138,6 +138,11 @@ class StrategyPlan:
             return None
         return expert_mesh_layout(self.sharding, self.num_nodes, self.devices, self.expert_parallel)
 
+    def shard_device(self, device: Any) -> Any:
+        """Where this rank's parameter shards are allocated: the host when they are offloaded (FSDP2
+        refuses offloaded shards that live anywhere else), else `device`, where the rank trains."""
+        return "cpu" if self.cpu_offload else device
+
     def describe(self) -> str:
         """One line for the start-up log, e.g. 'strategy: FSDP HYBRID_SHARD, mesh (2 nodes x 4 devices), ...'."""
         if self.kind == "single":

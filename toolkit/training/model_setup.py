@@ -58,7 +58,13 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    inner.to_empty(device=fabric.device)  # every parameter and buffer: allocated, not initialised
+    # Every parameter and buffer: allocated, not initialised. Offloaded shards on the host, the
+    # buffers (RoPE tables) where the forward pass runs.
+    plan = getattr(fabric.strategy, "plan", None)
+    storage = torch.device(plan.shard_device(fabric.device)) if plan is not None else fabric.device
+    inner.to_empty(device=storage)
+    if storage != fabric.device:
+        _move_buffers(inner, fabric.device)
     with torch.no_grad():
         for name, buffer in inner.named_buffers():
             buffer.copy_(buffers[unwrapped_name(name)])
@@ -82,6 +88,17 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
             else:
                 read_rows(name, start, stop, out=local)
     return module
+
+
+def _move_buffers(model: nn.Module, device: Any) -> None:
+    """Move every buffer of `model` to `device`; a buffer shared by several modules stays shared."""
+    moved: dict[int, Any] = {}
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                if id(buffer) not in moved:
+                    moved[id(buffer)] = buffer.to(device)
+                module._buffers[key] = moved[id(buffer)]
 
 
 def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: ReadRows) -> None:
