@@ -323,7 +323,11 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
         if _plausible(peak, now):
             break
     else:
-        raise RuntimeError(f"FSDPMemTracker's count of the step was implausible in {_ATTEMPTS} attempts")
+        def gib(snapshot: dict[str, int]) -> str:
+            return ", ".join(f"{k} {v / 2**30:.3f}" for k, v in snapshot.items() if v)
+
+        raise RuntimeError(f"FSDPMemTracker's count of the step was implausible in {_ATTEMPTS} attempts "
+                           f"(torch {torch.__version__}; GiB at the peak: {gib(peak)}; at the end: {gib(now)})")
     persistent = {k: now.get(k, 0) for k in ("Sharded Param", "Sharded Grad", "OptState")}
     return peak, persistent, dict(tracker.calls), tracker.sent, attempt
 
@@ -396,6 +400,7 @@ def _tracker_class():
 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import _TOTAL_KEY
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
 
     class _Tracker(FSDPMemTracker):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -404,8 +409,34 @@ def _tracker_class():
             self.sent = 0
             self._in_collective = False
 
+        # DTensor's sharding propagation runs each op it has not cached once more on fake tensors
+        # of the op's global shapes, to learn the output's shape: none of that is the rank's
+        # memory, but under the simulation's fake mode the tracker counted it. torch 2.11 caches
+        # no propagation of the optimizer step, so every tracked step counted 4 fake copies of
+        # the full (unsharded) parameters as optimizer state (2.13 had hit its cache by then).
+        def __enter__(self) -> Any:
+            if self._depth == 0:
+                self._in_propagation = False
+                self._unpatched = ShardingPropagator._propagate_tensor_meta_non_cached
+                tracker, unpatched = self, self._unpatched
+
+                def propagate(prop, op_schema):
+                    tracker._in_propagation = True
+                    try:
+                        return unpatched(prop, op_schema)
+                    finally:
+                        tracker._in_propagation = False
+
+                ShardingPropagator._propagate_tensor_meta_non_cached = propagate
+            return super().__enter__()
+
+        def __exit__(self, *args: Any) -> None:
+            super().__exit__(*args)
+            if self._depth == 0:
+                ShardingPropagator._propagate_tensor_meta_non_cached = self._unpatched
+
         def _track(self, reftype: Any, t: Any) -> None:
-            if not self._in_collective:
+            if not (self._in_collective or self._in_propagation):
                 super()._track(reftype, t)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
