@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ASSETS, kill_group, run_as_group
+from conftest import ASSETS, SMALL_VOCAB, kill_group, run_as_group
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -37,7 +37,7 @@ def _pretrain(out_dir: Path, train_path: Path, devices: int, *extra: str) -> lis
     return [
         sys.executable, "-m", "toolkit", "pretrain", "debug-neox", "--out_dir", str(out_dir),
         "--data", "TextFiles", "--data.train_path", str(train_path), "--data.cache_dir", str(out_dir.parent / "cache"),
-        "--tokenizer_dir", str(ASSETS / "tokenizers" / "gpt-neox-20b"), "--devices", str(devices),
+        *SMALL_VOCAB, "--devices", str(devices),
         "--precision", "32-true", "--train.micro_batch_size", "1", "--train.global_batch_size", str(devices),
         "--train.max_seq_length", "16", "--log.interval", "1", "--log.loggers", "[csv]", "--eval.interval", "100000",
         *extra,

@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ASSETS, kill_group_at_step, launch_env, run_in_process
+from conftest import ASSETS, SMALL_VOCAB, kill_group_at_step, launch_env, run_in_process
 
 STEPS = 4
 KILL_AT = 3  # a checkpoint at every step: those of steps 1 and 2 exist by then, 3 may or may not
 TOLERANCE = 1e-5
-TOKENIZER = ASSETS / "tokenizers" / "gpt-neox-20b"
+TOKENIZER = ASSETS / "tokenizers" / "shakespeare-bpe-512"  # conftest.SMALL_VOCAB
 
 
 def _cmd(out_dir: Path, devices: int, *data: str) -> list[str]:
@@ -36,7 +36,7 @@ def _args(out_dir: Path, devices: int, *data: str) -> list[str]:
                     "--data.cache_dir", str(out_dir.parent / "cache"))
     return [
         "pretrain", "debug-neox", "--out_dir", str(out_dir), *data,
-        "--tokenizer_dir", str(TOKENIZER), "--devices", str(devices),
+        *SMALL_VOCAB, "--devices", str(devices),
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
         "--train.max_seq_length", "32", "--train.max_steps", str(STEPS), "--train.save_interval", "1",
         "--train.warmup_steps", "1", "--train.learning_rate", "0.0003",
