@@ -25,6 +25,7 @@ random weights, data is random tokens.
     throughput_eager      bf16-mixed tokens/s and MFU of tiny-llama-1.1b on synthetic data, eager
     throughput_compiled   the same with compiled blocks (benchmarks/train_throughput.py, reused)
 
+`--one_process` runs all checks in one process instead (no limit per check; the tests' dry run).
 `--dry` runs every check's code on the CPU with tiny shapes (debug presets, one or two steps),
 gloo where NCCL would be used, and writes the same JSON with "device": "cpu", "dry": true; a
 test runs it so that this script cannot rot. What a CPU cannot do has a stand-in there, recorded
@@ -859,31 +860,37 @@ def throughput_compiled(ctx: Context) -> dict:
 
 
 def child(argv: list[str]) -> None:
-    """One check in this process; its result is the last line starting with RESULT_TAG."""
+    """The named checks in this process, one after the other; each one's result is a line starting
+    with RESULT_TAG (with its name)."""
     p = argparse.ArgumentParser()
-    p.add_argument("name", choices=list(CHECKS))
+    p.add_argument("names", nargs="+", choices=list(CHECKS))
     p.add_argument("--device", required=True)
     p.add_argument("--work", type=Path, required=True)
     p.add_argument("--dry", action="store_true")
     a = p.parse_args(argv)
     sys.path.insert(0, str(REPO))
-    result: dict = {"status": "ok", "figures": {}, "error": None}
-    try:
-        result["figures"] = CHECKS[a.name][0](Context(a.device, a.dry, a.work))
-    except CheckFailed as failure:
-        result.update(status="failed", figures=failure.figures, error=str(failure))
-    except BaseException as error:  # recorded; the parent goes on with the next check
-        traceback.print_exc()
-        first_line = (str(error).strip().splitlines() or [""])[0]
-        result.update(status="failed", error=f"{type(error).__name__}: {first_line}")
-    print(RESULT_TAG + json.dumps(result, default=str), flush=True)
+    for name in a.names:
+        start = time.perf_counter()
+        result: dict = {"name": name, "status": "ok", "figures": {}, "error": None}
+        try:
+            result["figures"] = CHECKS[name][0](Context(a.device, a.dry, a.work / name))
+        except CheckFailed as failure:
+            result.update(status="failed", figures=failure.figures, error=str(failure))
+        except BaseException as error:  # recorded; the parent goes on with the next check
+            traceback.print_exc()
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            result.update(status="failed", error=f"{type(error).__name__}: {first_line}")
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        print(RESULT_TAG + json.dumps(result, default=str), flush=True)
 
 
-def run_check(name: str, args, timeout: float, work: Path) -> dict:
-    """Run check `name` in a process of its own (a new session, so a timeout kills its children too)."""
-    log_path = work / f"{name}.log"
-    command = [sys.executable, str(Path(__file__).resolve()), "_child", name, "--device", args.device,
-               "--work", str(work / name)] + (["--dry"] if args.dry else [])
+def run_checks(names: list[str], args, timeout: float, work: Path) -> dict[str, dict]:
+    """Run the checks `names` in a process of their own (a new session, so a timeout kills its
+    children too); name -> entry. A check without a result (a crash, the time limit) is recorded as
+    failed or timed out, with the log's last lines."""
+    log_path = work / (f"{names[0]}.log" if len(names) == 1 else "checks.log")
+    command = [sys.executable, str(Path(__file__).resolve()), "_child", *names, "--device", args.device,
+               "--work", str(work)] + (["--dry"] if args.dry else [])
     # The checkout first, then whatever PYTHONPATH already held (packages carried to a bare machine).
     path = os.pathsep.join([str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1",
@@ -900,17 +907,22 @@ def run_check(name: str, args, timeout: float, work: Path) -> dict:
             timed_out = True
     seconds = time.perf_counter() - start
     text = log_path.read_text(errors="replace")
-    lines = [line for line in text.splitlines() if line.startswith(RESULT_TAG)]
-    if lines:
-        entry = json.loads(lines[-1][len(RESULT_TAG):])
-    else:
-        entry = {"status": "timeout" if timed_out else "failed", "figures": {},
-                 "error": f"no result after {seconds:.0f} s (limit {timeout:.0f} s)" if timed_out
-                 else f"exit code {proc.returncode} without a result"}
-    if entry["status"] != "ok":
-        entry["log_tail"] = text.splitlines()[-15:]
-    entry.update(seconds=round(seconds, 1), limit_seconds=round(timeout, 1), log=str(log_path))
-    return entry
+    results = [json.loads(line[len(RESULT_TAG):]) for line in text.splitlines() if line.startswith(RESULT_TAG)]
+    by_name = {result.pop("name"): result for result in results}
+    entries = {}
+    for name in names:
+        entry = by_name.get(name)
+        if entry is None:
+            entry = {"status": "timeout" if timed_out else "failed", "figures": {}, "seconds": 0.0,
+                     "error": f"no result after {seconds:.0f} s (limit {timeout:.0f} s)" if timed_out
+                     else f"exit code {proc.returncode} without a result"}
+        if entry["status"] != "ok":
+            entry["log_tail"] = text.splitlines()[-15:]
+        if len(names) == 1:
+            entry["seconds"] = round(seconds, 1)  # the process's start-up included
+        entry.update(limit_seconds=round(timeout, 1), log=str(log_path))
+        entries[name] = entry
+    return entries
 
 
 def machine(args) -> dict:
@@ -945,6 +957,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                    help="seconds each check may take (default: its own budget on a GPU, the whole budget dry)")
     p.add_argument("--only", default=None, help="comma-separated check names (default: all, in order)")
     p.add_argument("--work_dir", type=Path, default=None, help="logs and scratch files (default: a new temporary folder)")
+    p.add_argument("--one_process", action="store_true",
+                   help="all checks in one process, within the budget: no limit per check, and a crash loses the "
+                        "checks after it, but one interpreter start-up (the tests' dry run)")
     args = p.parse_args(argv)
     args.device = "cpu" if args.dry else "cuda"
     names = list(CHECKS) if args.only is None else [n.strip() for n in args.only.split(",")]
@@ -966,18 +981,23 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(f"gpu_check on {results['machine'].get('gpu') or 'cpu'} (dry: {args.dry}), {budget:.0f} s for "
           f"{len(names)} checks; results: {args.out}", flush=True)
-    for name in names:
-        left = deadline - time.perf_counter()
-        own = args.limit if args.limit is not None else (left if args.dry else CHECKS[name][1])
-        limit = min(own, left)
-        if left < 10:
-            entry = {"status": "skipped", "figures": {}, "error": f"{left:.0f} s left of the budget", "seconds": 0.0}
-        else:
-            entry = run_check(name, args, limit, work)
+    def record(name: str, entry: dict) -> None:
         results["checks"][name] = entry
         write(args.out, results)
         why = f"  {entry['error']}" if entry.get("error") else ""
         print(f"{name:<22} {entry['status']:<8} {entry['seconds']:6.1f} s{why}", flush=True)
+
+    if args.one_process:
+        for name, entry in run_checks(names, args, budget, work).items():
+            record(name, entry)
+    for name in names if not args.one_process else []:
+        left = deadline - time.perf_counter()
+        own = args.limit if args.limit is not None else (left if args.dry else CHECKS[name][1])
+        limit = min(own, left)
+        if left < 10:
+            record(name, {"status": "skipped", "figures": {}, "error": f"{left:.0f} s left of the budget", "seconds": 0.0})
+        else:
+            record(name, run_checks([name], args, limit, work)[name])
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write(args.out, results)
     ok = sum(e["status"] == "ok" for e in results["checks"].values())
