@@ -114,8 +114,14 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats()
             self.before = 0 if self.absolute else torch.cuda.memory_allocated()
         else:
-            from toolkit.training.model_setup import start_host_memory_window
+            import gc
 
+            from toolkit.training.model_setup import release_freed_host_memory, start_host_memory_window
+
+            # What earlier work in this process freed goes back to the system first: kept by the C
+            # heap, the block would reuse it without growing the RSS (checks in one process).
+            gc.collect()
+            release_freed_host_memory()
             self.start = start_host_memory_window()
         return self
 
