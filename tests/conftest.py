@@ -27,27 +27,6 @@ import torch  # noqa: E402
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)  # also where a plugin imported torch before this file
 
-# The heaviest files first, so that the two workers (--dist loadfile) finish together: a worker
-# takes the next file when it has two tests left, and whichever file comes last runs alone. CPU
-# seconds per file with --durations=0 on the 2-core machine (2026-11-27), heaviest first; a file not
-# listed is light and runs after these, in collection order. pyproject's addopts turns off xdist's
-# own order (by number of tests), which left the multi-process files, a few slow tests each, to the
-# end: the last one (test_preemption, 78 s) ran while the other worker had finished.
-HEAVY_FILES_FIRST = (
-    "test_simulate.py", "test_qlora_distributed.py", "test_estimate.py", "test_finetune.py",
-    "test_compile.py",  # 51 s with a warm inductor cache, 120 s in a fresh clone
-    "test_precision.py", "test_distributed_failures.py", "test_lm_eval_extension.py", "test_preemption.py",
-    "test_distributed_setup.py", "test_expert_parallel.py", "test_resume_finetune.py", "test_resume_reshard.py",
-    "test_distributed_train.py", "test_preference_training.py", "test_pretrain.py", "test_moe_finetune.py",
-    "test_gpu_check.py", "test_resume.py", "test_trackers.py", "test_moe_training.py", "test_gloo_collectives.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(HEAVY_FILES_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's tests stay together
-
-
 # Let `pytest` run from a plain checkout (the package need not be installed).
 _REPO = Path(__file__).resolve().parents[1]
 if str(_REPO) not in sys.path:
