@@ -987,6 +987,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     print(f"gpu_check on {results['machine'].get('gpu') or 'cpu'} (dry: {args.dry}), {budget:.0f} s for "
           f"{len(names)} checks; results: {args.out}", flush=True)
+
     def record(name: str, entry: dict) -> None:
         results["checks"][name] = entry
         write(args.out, results)
@@ -996,14 +997,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.one_process:
         for name, entry in run_checks(names, args, budget, work).items():
             record(name, entry)
-    for name in names if not args.one_process else []:
-        left = deadline - time.perf_counter()
-        own = args.limit if args.limit is not None else (left if args.dry else CHECKS[name][1])
-        limit = min(own, left)
-        if left < 10:
-            record(name, {"status": "skipped", "figures": {}, "error": f"{left:.0f} s left of the budget", "seconds": 0.0})
-        else:
-            record(name, run_checks([name], args, limit, work)[name])
+    else:
+        for name in names:
+            left = deadline - time.perf_counter()
+            own = args.limit if args.limit is not None else (left if args.dry else CHECKS[name][1])
+            if left < 10:
+                record(name, {"status": "skipped", "figures": {}, "error": f"{left:.0f} s left of the budget",
+                              "seconds": 0.0})
+            else:
+                record(name, run_checks([name], args, min(own, left), work)[name])
     results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
     write(args.out, results)
     ok = sum(e["status"] == "ok" for e in results["checks"].values())
