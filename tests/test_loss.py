@@ -137,20 +137,34 @@ def test_bf16_autocast_loss_is_the_float32_cross_entropy_of_its_rounded_logits()
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("softcap", [None, 300.0])
+@pytest.mark.parametrize("skip_ignored", [True, False])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_labels_far_below_the_largest_logit_give_their_exact_loss(autocast):
+def test_labels_far_below_the_largest_logit_give_their_exact_loss(autocast, skip_ignored, softcap):
     # A label 200 below the row's largest logit has probability exp(-200): 0 in float32. Its loss is
-    # still 200 (+ the log of the row's sum), not inf, and its gradient stays -1.
+    # still 200 (+ the log of the row's sum), not inf, and its gradient stays -1. With skip_ignored
+    # (the CPU's default) the loss is read from the label's probability and such rows are made again;
+    # without it, from the row's largest logit (the GPU's way).
     h, w, _, labels = _inputs(False, 0.0)
     w = w.detach().clone()
     w[labels[0]] = 0.0
     w[(labels[0] + 1) % V] = h[0].detach() / h[0].detach().square().sum() * 200.0  # logit 200 for row 0
     w.requires_grad_()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        got = linear_cross_entropy_sum(h, w, None, labels, chunk_rows=8)
-        want = _plain(h, w, None, labels)
+        got = linear_cross_entropy_sum(h, w, None, labels, chunk_rows=8, skip_ignored=skip_ignored, softcap=softcap)
+        per_token = linear_label_log_probs(h, w, None, labels, chunk_rows=8, skip_ignored=skip_ignored, softcap=softcap)
+        other_way = linear_cross_entropy_sum(h, w, None, labels, chunk_rows=8, skip_ignored=not skip_ignored,
+                                             softcap=softcap)
+        logits = F.linear(h, w)
+        if softcap is not None:
+            logits = torch.tanh(logits.float() / softcap) * softcap
+        want = cross_entropy_sum(logits, labels)
+    assert torch.isfinite(got) and got.item() > 150
+    torch.testing.assert_close(got, other_way, rtol=1e-6, atol=0)
+    torch.testing.assert_close(per_token.sum(), -got, rtol=1e-6, atol=0)
+    if autocast and softcap is not None:
+        return  # the fused head holds the capped logits in bf16 (spaced 1.0 near 175): no float32 reference
     (got_h,), (want_h,) = _grads(got, (h,)), _grads(want, (h,))
-    assert torch.isfinite(got) and got.item() > 200
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-3)
     torch.testing.assert_close(got_h, want_h, rtol=1e-5, atol=1e-5)
 

@@ -27,8 +27,9 @@ class LossSettings:
     # Keep the fused loss's CPU chunk buffers between calls (`_scratch`). Off: allocate them at each
     # call, as on a GPU.
     reuse_scratch: bool = True
-    # Default of the fused functions' `skip_ignored`; None: on a CPU (on a GPU, finding the ignored
-    # rows makes the host wait for the device). False where labels have no values (fake tensors).
+    # Default of the fused functions' `skip_ignored`, which also lets them read values on the host
+    # (`_Chunks.softmax`); None: on a CPU (on a GPU, reading them makes the host wait for the
+    # device). False where tensors have no values (fake tensors).
     skip_ignored: Optional[bool] = None
 
 
@@ -162,15 +163,16 @@ class _Chunks:
     One logits buffer and one float32 probabilities buffer serve every chunk (on CPU, every call:
     see _scratch). On CPU softmax writes over its input (each row is read before it is written);
     a 16-bit chunk is widened by a copy first, because the CPU's softmax with a dtype conversion is
-    5x slower than a copy and an in-place softmax.
+    5x slower than a copy and an in-place softmax. `read_values`: the host may read the chunk's
+    values (the functions' `skip_ignored`).
     """
 
-    def __init__(self, h, w, b, y, dtype, chunk_rows, softcap=None) -> None:
+    def __init__(self, h, w, b, y, dtype, chunk_rows, softcap=None, read_values=False) -> None:
         n = h.shape[0]
         if n:  # equal chunks: a small last chunk would stream the whole weight for a few rows
             chunk_rows = math.ceil(n / math.ceil(n / chunk_rows))
         self.h, self.w, self.b, self.y, self.dtype, self.chunk_rows = h, w, b, y, dtype, chunk_rows
-        self.softcap = softcap
+        self.softcap, self.read_values = softcap, read_values
         self.shape = (min(chunk_rows, n), w.shape[0])
         device = h.device
         self.on_host = device.type == "cpu"
@@ -197,13 +199,26 @@ class _Chunks:
             tanh = self.tanh_buf[: end - start]
             torch.div(logits, self.softcap, out=tanh).tanh_()
             torch.mul(tanh, self.softcap, out=logits)
+        probs = self.probs_buf[: end - start]
+        if self.read_values:
+            # On the host the label's own probability gives log p(label), and the rare rows where
+            # it underflowed are computed again exactly (`_exact_label_log_probs`): two passes over
+            # the chunk fewer than below, about 5% of a small model's step on a CPU.
+            if self.in_place:
+                torch.softmax(logits, dim=1, out=probs)
+            else:
+                torch.softmax(probs.copy_(logits), dim=1, out=probs)
+            picked = probs.gather(1, yc.unsqueeze(1)).squeeze(1).log()
+            low = (picked < _LOWEST_EXACT_LOG_PROB).nonzero().squeeze(1)
+            if low.numel():
+                picked[low] = self._exact_label_log_probs(start + low)
+            return probs, picked
         # log p(label) = (x_label - x_max) - log(sum_j exp(x_j - x_max)), and the largest
         # logit's probability is exp(0) / sum: the sum comes out of the softmax, so no
         # log-softmax pass is needed beside it (that probability is at least 1/V: it never
-        # underflows).
+        # underflows), and no value is read on the host (a GPU would wait for it).
         top = logits.amax(1, keepdim=True)  # (rows, 1)
         shift = (logits.gather(1, yc.unsqueeze(1)).float() - top.float()).squeeze(1)
-        probs = self.probs_buf[: end - start]
         if self.in_place:
             torch.softmax(logits, dim=1, out=probs)
         elif self.on_host:
@@ -211,6 +226,20 @@ class _Chunks:
         else:
             torch.softmax(logits, dim=1, dtype=torch.float32, out=probs)
         return probs, shift + probs.amax(1).log()
+
+    def _exact_label_log_probs(self, rows: torch.Tensor) -> torch.Tensor:
+        """log p(label) (k,) float32 of the chunk rows `rows` (k,), from their logits made again."""
+        # the operations of `softmax` on these rows, so that their logits round as the chunk's did
+        logits = torch.empty((rows.shape[0], self.w.shape[0]), dtype=self.dtype, device=rows.device)
+        if self.b is None:
+            torch.mm(self.h[rows], self.w.t(), out=logits)
+        else:
+            torch.addmm(self.b, self.h[rows], self.w.t(), out=logits)
+        if self.softcap is not None:
+            tanh = torch.div(logits, self.softcap, out=torch.empty(logits.shape, dtype=torch.float32)).tanh_()
+            torch.mul(tanh, self.softcap, out=logits)
+        logits = logits.float()
+        return logits.gather(1, self.y[rows].unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=1)
 
     def through_softcap(self, grad: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """The float32 gradient of the chunk's capped logits (rows, V) made that of the logits before
@@ -235,7 +264,9 @@ class _Chunks:
             # (One expression: a named product would stay alive beside the next one.)
             for v in range(0, grad_w.shape[0], self.vocab_rows):
                 piece = slice(v, v + self.vocab_rows)
-                (grad_w[piece].add_ if start else grad_w[piece].copy_)(grad[:, piece].t() @ hc)
+                part = grad[:, piece].t()  # (piece, rows)
+                product = _scratch((part.shape[0], hc.shape[1]), self.dtype, hc.device, 4)
+                (grad_w[piece].add_ if start else grad_w[piece].copy_)(torch.mm(part, hc, out=product))
         elif start:
             grad_w.addmm_(grad.t(), hc)
         else:
@@ -265,7 +296,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
             if need_w:  # the first chunk writes it (no zero-fill), unless there is no chunk at all
                 grad_w = (torch.empty if n else torch.zeros)(weight.shape, dtype=torch.float32, device=device)
             grad_b = torch.zeros(bias.shape, dtype=torch.float32, device=device) if need_b else None
-            chunks = _Chunks(h, w, b, y, dtype, chunk_rows, softcap)
+            chunks = _Chunks(h, w, b, y, dtype, chunk_rows, softcap, read_values=skip_ignored)
             for start, end in chunks:
                 probs, picked = chunks.softmax(start, end)  # log-probability of each label
                 if mask is not None:
@@ -319,7 +350,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         device = hidden.device
         rows, mask = _select_rows(labels, skip_ignored)
         with torch.autocast(device.type, enabled=False):
-            chunks = _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows, softcap)
+            chunks = _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows, softcap, skip_ignored)
             picked = torch.empty(chunks.h.shape[0], dtype=torch.float32, device=device)
             for start, end in chunks:
                 picked[start:end] = chunks.softmax(start, end)[1]
@@ -332,7 +363,7 @@ class _LinearLabelLogProbs(torch.autograd.Function):
                 out.view(-1).index_copy_(0, rows, picked)
             else:
                 out.view(-1).copy_(picked)
-        ctx.dtype, ctx.chunk_rows, ctx.softcap = dtype, chunk_rows, softcap
+        ctx.dtype, ctx.chunk_rows, ctx.softcap, ctx.read_values = dtype, chunk_rows, softcap, skip_ignored
         ctx.save_for_backward(hidden, weight, bias, labels, rows, mask)
         return out
 
@@ -342,7 +373,8 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         device = hidden.device
         with torch.autocast(device.type, enabled=False):
-            chunks = _chunked(hidden, weight, bias, labels, rows, mask, ctx.dtype, ctx.chunk_rows, ctx.softcap)
+            chunks = _chunked(hidden, weight, bias, labels, rows, mask, ctx.dtype, ctx.chunk_rows, ctx.softcap,
+                              ctx.read_values)
             n, E = chunks.h.shape
             g = grad_out.reshape(-1).float()  # (N,): d(out)/d(log p(label)) of each row
             if mask is not None:
@@ -373,14 +405,14 @@ class _LinearLabelLogProbs(torch.autograd.Function):
         return d_hidden, d_weight, d_bias, None, None, None, None, None, None
 
 
-def _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows, softcap=None) -> _Chunks:
+def _chunked(hidden, weight, bias, labels, rows, mask, dtype, chunk_rows, softcap=None, read_values=False) -> _Chunks:
     """The labelled rows (all of them, ignored ones pointed at class 0, with `mask`) as `_Chunks`."""
     h = hidden if rows is None else hidden.index_select(0, rows)
     y = labels if rows is None else labels.index_select(0, rows)
     if mask is not None:
         y = y.masked_fill(~mask, 0)  # any valid class: these rows are weighted by 0
     b = None if bias is None else bias.to(dtype)
-    return _Chunks(h.to(dtype), weight.to(dtype), b, y, dtype, chunk_rows, softcap)
+    return _Chunks(h.to(dtype), weight.to(dtype), b, y, dtype, chunk_rows, softcap, read_values)
 
 
 def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -399,6 +431,10 @@ def _scaled(grad: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
         torch.mul(grad[start : start + rows], scale, out=out[start : start + rows])
     return out
 
+
+# Below this log-probability (float32's exp underflows near -87.3; its subnormals lose precision
+# from -87.3 on) a label's probability read from the softmax is not exact: its row is made again.
+_LOWEST_EXACT_LOG_PROB = -80.0
 
 _SCRATCH: dict = {}
 
