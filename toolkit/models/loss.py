@@ -236,7 +236,7 @@ class _Chunks:
         else:
             torch.addmm(self.b, self.h[rows], self.w.t(), out=logits)
         if self.softcap is not None:
-            tanh = torch.div(logits, self.softcap, out=torch.empty(logits.shape, dtype=torch.float32)).tanh_()
+            tanh = torch.div(logits, self.softcap, out=torch.empty(logits.shape, dtype=torch.float32, device=logits.device)).tanh_()
             torch.mul(tanh, self.softcap, out=logits)
         logits = logits.float()
         return logits.gather(1, self.y[rows].unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=1)
@@ -261,12 +261,12 @@ class _Chunks:
             # The 16-bit product (V, E) is added to the float32 gradient a piece of
             # vocabulary rows at a time (as many elements as a chunk of logits): whole,
             # it would be a second copy of the head beside grad_w (1 GB for Llama-3).
-            # (One expression: a named product would stay alive beside the next one.)
+            # (The product is let go before the next one is made: on a GPU both would be alive.)
             for v in range(0, grad_w.shape[0], self.vocab_rows):
                 piece = slice(v, v + self.vocab_rows)
-                part = grad[:, piece].t()  # (piece, rows)
-                product = _scratch((part.shape[0], hc.shape[1]), self.dtype, hc.device, 4)
-                (grad_w[piece].add_ if start else grad_w[piece].copy_)(torch.mm(part, hc, out=product))
+                into = _scratch(tuple(grad_w[piece].shape), self.dtype, hc.device, 4)  # kept on a CPU
+                (grad_w[piece].add_ if start else grad_w[piece].copy_)(torch.mm(grad[:, piece].t(), hc, out=into))
+                del into
         elif start:
             grad_w.addmm_(grad.t(), hc)
         else:
