@@ -68,9 +68,21 @@ def _fit(model, objective, train_batches, val_batches, log_dir: Path):
                           seq=SEQ, steps=STEPS, lr=LR)
 
 
+def _padding_mask(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) 1 for each row's tokens up to its last label, 0 after them (the padding), as a
+    right-padded batch's attention_mask is in transformers."""
+    mask = torch.zeros(labels.shape, dtype=torch.long)
+    for row, row_labels in enumerate(labels):
+        labelled = (row_labels != IGNORE_INDEX).nonzero()
+        if labelled.numel():
+            mask[row, : int(labelled.max()) + 1] = 1
+    return mask
+
+
 def _transformers_terms(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed token cross-entropy, transformers' load-balancing loss, z-loss, expert load (L, X)) of
-    one forward pass, from the routers' logits as transformers' Mixtral and Qwen3-MoE collect them."""
+    one forward pass, from the routers' logits as transformers' Mixtral and Qwen3-MoE collect them;
+    the padding counted out by its attention_mask."""
     from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
     captured = []
@@ -81,9 +93,11 @@ def _transformers_terms(model, batch) -> tuple[torch.Tensor, torch.Tensor, torch
         for hook in hooks:
             hook.remove()
     config = model.config
-    aux = load_balancing_loss_func(tuple(captured), config.n_expert, config.n_expert_per_token)
-    z = torch.cat(captured).logsumexp(dim=-1).square().mean()
-    chosen = [logits.topk(config.n_expert_per_token, dim=-1).indices.flatten() for logits in captured]
+    mask = _padding_mask(batch["labels"])
+    aux = load_balancing_loss_func(tuple(captured), config.n_expert, config.n_expert_per_token, attention_mask=mask)
+    real = mask.reshape(-1).bool()
+    z = torch.cat([logits[real] for logits in captured]).logsumexp(dim=-1).square().mean()
+    chosen = [logits[real].topk(config.n_expert_per_token, dim=-1).indices.flatten() for logits in captured]
     load = torch.stack([torch.bincount(c, minlength=config.n_expert).float() for c in chosen])
     return loss_sum, aux, z, load
 

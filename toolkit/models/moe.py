@@ -19,8 +19,9 @@ run to the rank holding its expert and brings the results back, and nothing here
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.nn as nn
@@ -36,6 +37,44 @@ KERNEL = Switch("expert backend", None, (None, "grouped", "loop"))
 # Whether MoE layers keep what they routed (`MoE.router_stats`); `router_stats_off` clears it for
 # forward passes whose routing no loss reads.
 RECORDING = Switch("router recording", True, (True, False))
+
+
+class CountedTokens:
+    """(N,) bool, the tokens of the forward pass under way that the router losses count (None: all);
+    padding is routed as every token but counted by none of the losses nor the load (transformers
+    counts it out alike through `attention_mask`). Set from outside the model (`counting_only`)."""
+
+    value: Optional[torch.Tensor] = None
+
+
+COUNTED = CountedTokens()
+
+
+@contextmanager
+def counting_only(tokens: Optional[torch.Tensor]) -> Iterator[None]:
+    """Inside the `with` block, MoE layers count only `tokens` (B, T) bool in their `router_stats`."""
+    saved, COUNTED.value = COUNTED.value, None if tokens is None else tokens.reshape(-1)
+    try:
+        yield
+    finally:
+        COUNTED.value = saved
+
+
+def as_recomputed():
+    """The context of a checkpointed block's recomputation, made when its forward pass runs (entered
+    in the backward pass): routing again keeps no `router_stats`, and counts the tokens the forward
+    pass counted, so that it saves the router terms' weights the forward pass saved."""
+    return _recomputing(COUNTED.value)
+
+
+@contextmanager
+def _recomputing(counted: Optional[torch.Tensor]) -> Iterator[None]:
+    with router_stats_off():
+        saved, COUNTED.value = COUNTED.value, counted
+        try:
+            yield
+        finally:
+            COUNTED.value = saved
 
 
 def expert_backend(name: Optional[str]):
@@ -144,7 +183,7 @@ class RouterStats:
     counts: torch.Tensor  # (X,) float32: assignments per expert (sum N * K), no gradient
     prob_sum: torch.Tensor  # (X,) float32: router probabilities summed over the N tokens
     z_sum: torch.Tensor  # () float32: logsumexp(router logits)^2 summed over the N tokens
-    tokens: int  # N
+    tokens: torch.Tensor  # () float32: N, or the tokens counted (`counting_only`)
 
 
 class MoE(nn.Module):
@@ -183,11 +222,18 @@ class MoE(nn.Module):
         y = self.experts(flat[token_of_row], counts)  # (M, C)
         y = y * weights.reshape(-1)[order, None].to(y.dtype)
         out = torch.zeros_like(flat).index_add_(0, token_of_row, y.to(flat.dtype))
-        # Computed whether kept or not: a checkpointed block's recomputation must save what its
-        # forward pass saved.
+        # Computed whether kept or not, each token weighted 1, or 0 where it is not counted (padding,
+        # `counting_only`): the same operations either way, so that a checkpointed block's
+        # recomputation (outside the `with` block) saves what its forward pass saved.
+        counted = COUNTED.value
+        if counted is None or counted.shape[0] != flat.shape[0]:
+            weight = probs.new_ones(flat.shape[0])  # (N,) float32
+        else:
+            weight = counted.to(torch.float32)
+        z = torch.logsumexp(logits.float(), dim=-1).square()  # (N,)
         stats = RouterStats(
-            counts=counts.detach().float(), prob_sum=probs.sum(dim=0),
-            z_sum=torch.logsumexp(logits.float(), dim=-1).square().sum(), tokens=flat.shape[0],
+            counts=weight.new_zeros(self.n_expert).index_add_(0, assignments, weight.repeat_interleave(self.top_k)),
+            prob_sum=(probs * weight[:, None]).sum(dim=0), z_sum=(z * weight).sum(), tokens=weight.sum(),
         )
         if RECORDING.value:
             self.router_stats = stats
@@ -228,7 +274,7 @@ def router_losses(layers: list[MoE], per_layer: bool = False) -> Optional[Router
     counts = torch.stack([s.counts for s in stats])  # (L, X)
     prob_sums = torch.stack([s.prob_sum for s in stats])  # (L, X)
     if per_layer:
-        tokens_per_layer = torch.tensor([float(s.tokens) for s in stats], device=counts.device)[:, None]  # (L, 1)
+        tokens_per_layer = torch.stack([s.tokens for s in stats])[:, None]  # (L, 1)
         aux = counts.shape[1] * ((counts / tokens_per_layer) * (prob_sums / tokens_per_layer)).sum(dim=1).mean()
     else:
         tokens = sum(s.tokens for s in stats)

@@ -32,12 +32,12 @@ def checkpoint_blocks(module: nn.Module, block_cls: type[nn.Module]) -> None:
         checkpoint_wrapper,
     )
 
-    from toolkit.models.moe import router_stats_off
+    from toolkit.models.moe import as_recomputed
 
     if any(isinstance(m, CheckpointWrapper) for m in module.modules()):
         return  # already checkpointed (e.g. set up twice)
     apply_activation_checkpointing(
-        module, checkpoint_wrapper_fn=partial(checkpoint_wrapper, context_fn=lambda: (nullcontext(), router_stats_off())),
+        module, checkpoint_wrapper_fn=partial(checkpoint_wrapper, context_fn=lambda: (nullcontext(), as_recomputed())),
         check_fn=lambda m: isinstance(m, block_cls),
     )
 

@@ -193,8 +193,9 @@ class WithRouterLosses(Objective):
     last log, like the loss. `per_layer`: the load-balancing loss is each layer's own, averaged
     (`router_losses`). The stats are cleared before the objective runs and once read, so no
     micro-batch sees another's; forward passes that must not count (a preference loss's reference,
-    a checkpointed block's recomputation) route under `router_stats_off`. Padding tokens are routed
-    as every token, and count in the router terms too.
+    a checkpointed block's recomputation: `as_recomputed`) route under `router_stats_off`. Padding (the tokens after
+    each row's last label, `real_tokens`) is routed as every token but counted by none of the router
+    terms, as transformers leaves it out through `attention_mask`.
     """
 
     def __init__(self, objective: Objective, aux_coef: float, z_coef: float, per_layer: bool = False) -> None:
@@ -226,11 +227,12 @@ class WithRouterLosses(Objective):
                 "(--train.router_aux_loss_coef, --train.router_z_loss_coef, --train.router_aux_loss_per_layer)")
 
     def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
-        from toolkit.models.moe import clear_router_stats, load_summary, router_losses
+        from toolkit.models.moe import clear_router_stats, counting_only, load_summary, router_losses
 
         layers = self._moe_layers(model)
         clear_router_stats(layers)  # nothing routed before this micro-batch counts
-        output = self.objective(model, batch)
+        with counting_only(real_tokens(batch["labels"]) if "labels" in batch else None):
+            output = self.objective(model, batch)
         losses = router_losses(layers, self.per_layer)
         clear_router_stats(layers)
         if losses is None:
@@ -291,6 +293,17 @@ def tokens_before_padding(labels: torch.Tensor) -> torch.Tensor:
     only follows it: a row's real tokens end at its last label that is not IGNORE_INDEX (in a
     packed row, its last sample's).
     """
+    return _real_lengths(labels).sum()
+
+
+def real_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """(B, T) labels -> (B, T) bool: the tokens before each row's padding (`tokens_before_padding`)."""
+    positions = torch.arange(labels.shape[1], device=labels.device)
+    return positions < _real_lengths(labels)[:, None]
+
+
+def _real_lengths(labels: torch.Tensor) -> torch.Tensor:
+    """(B,): 1 + the index of each row's last label that is not IGNORE_INDEX (0: none)."""
     counted = labels != IGNORE_INDEX
-    length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)  # 1 + index of the last counted label
-    return torch.where(counted.any(dim=1), length, 0).sum()
+    length = labels.shape[1] - counted.flip(1).int().argmax(dim=1)
+    return torch.where(counted.any(dim=1), length, 0)
