@@ -236,7 +236,8 @@ class _Chunks:
         else:
             torch.addmm(self.b, self.h[rows], self.w.t(), out=logits)
         if self.softcap is not None:
-            tanh = torch.div(logits, self.softcap, out=torch.empty(logits.shape, dtype=torch.float32, device=logits.device)).tanh_()
+            tanh = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+            torch.div(logits, self.softcap, out=tanh).tanh_()
             torch.mul(tanh, self.softcap, out=logits)
         logits = logits.float()
         return logits.gather(1, self.y[rows].unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=1)
