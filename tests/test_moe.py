@@ -54,30 +54,9 @@ def test_dense_and_moe_layers_follow_the_config():
     assert count_parameters(tiny_moe()) - count_parameters(tiny_moe(), active=True) == expert_weights * 4 // 6
 
 
-def test_router_losses_equal_transformers_load_balancing_loss():
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
-    config = tiny_moe(moe_layers=None)
-    model = GPT(config)
-    init_weights(model, config.n_layer, seed=5)
-    captured = []
-    hooks = [layer.router.register_forward_hook(lambda m, i, out: captured.append(out.detach()))
-             for layer in moe_layers(model)]
-    ids = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
-    model(ids)
-    for hook in hooks:
-        hook.remove()
-    losses = router_losses(moe_layers(model))
-    expected = load_balancing_loss_func(tuple(captured), config.n_expert, config.n_expert_per_token)
-    torch.testing.assert_close(losses.aux, expected.float(), rtol=1e-6, atol=1e-6)
-    z = torch.cat(captured).logsumexp(dim=-1).square().mean()
-    torch.testing.assert_close(losses.z, z, rtol=1e-6, atol=1e-6)
-    assert losses.load.shape == (3, 6) and losses.load.sum() == 3 * 3 * 17 * 2
-
-
-def test_padding_counts_in_no_router_loss_as_transformers_attention_mask_leaves_it_out():
-    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
-
+def _route_a_batch(real=None):
+    """A tiny MoE's forward pass over 3 x 17 tokens, counting only `real` (None: all): (config, the
+    routers' logits as transformers collects them, the router losses)."""
     from toolkit.models.moe import counting_only
 
     config = tiny_moe(moe_layers=None)
@@ -87,20 +66,36 @@ def test_padding_counts_in_no_router_loss_as_transformers_attention_mask_leaves_
     hooks = [layer.router.register_forward_hook(lambda m, i, out: captured.append(out.detach()))
              for layer in moe_layers(model)]
     ids = torch.randint(0, 96, (3, 17), generator=torch.Generator().manual_seed(1))
-    real = torch.ones(3, 17, dtype=torch.bool)
-    real[1, 9:], real[2, 4:] = False, False  # two rows padded on the right
     with counting_only(real):
         model(ids)
     for hook in hooks:
         hook.remove()
-    losses = router_losses(moe_layers(model))
-    expected = load_balancing_loss_func(tuple(captured), config.n_expert, config.n_expert_per_token,
-                                        attention_mask=real.long())
+    return config, tuple(captured), router_losses(moe_layers(model))
+
+
+def test_router_losses_equal_transformers_load_balancing_loss():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    config, captured, losses = _route_a_batch()
+    expected = load_balancing_loss_func(captured, config.n_expert, config.n_expert_per_token)
+    torch.testing.assert_close(losses.aux, expected.float(), rtol=1e-6, atol=1e-6)
+    z = torch.cat(captured).logsumexp(dim=-1).square().mean()
+    torch.testing.assert_close(losses.z, z, rtol=1e-6, atol=1e-6)
+    assert losses.load.shape == (3, 6) and losses.load.sum() == 3 * 3 * 17 * 2
+
+
+def test_padding_counts_in_no_router_loss_as_transformers_attention_mask_leaves_it_out():
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    real = torch.ones(3, 17, dtype=torch.bool)
+    real[1, 9:], real[2, 4:] = False, False  # two rows padded on the right
+    config, captured, losses = _route_a_batch(real)
+    expected = load_balancing_loss_func(captured, config.n_expert, config.n_expert_per_token, attention_mask=real.long())
     torch.testing.assert_close(losses.aux, expected.float(), rtol=1e-6, atol=1e-6)
     counted = torch.cat([logits[real.reshape(-1)] for logits in captured])
     torch.testing.assert_close(losses.z, counted.logsumexp(dim=-1).square().mean(), rtol=1e-6, atol=1e-6)
     assert losses.load.sum() == 3 * int(real.sum()) * 2
-    everything = load_balancing_loss_func(tuple(captured), config.n_expert, config.n_expert_per_token)
+    everything = load_balancing_loss_func(captured, config.n_expert, config.n_expert_per_token)
     assert not torch.allclose(expected, everything)  # the padding would have changed it
 
 
