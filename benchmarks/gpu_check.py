@@ -532,7 +532,9 @@ def nccl_paths(ctx: Context) -> dict:
     set_rng_state(older)
     figures["rng_from_more_gpus"] = draw() == first
     figures["rng_saved_cuda_state"] = "cuda" in rng_state()
-    torch.distributed.destroy_process_group()
+    from toolkit.training.failures import release_process_group
+
+    release_process_group()  # destroys the group and frees what holds its threads
     if not (figures["export_identical"] and figures["rng_round_trip"] and figures["rng_from_more_gpus"]):
         raise CheckFailed("an export or RNG round trip differs", figures)
     return figures
@@ -656,7 +658,9 @@ def _offload_run(ctx: Context, nf4: bool, fake_peer: bool = False) -> dict:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            dist.destroy_process_group()
+            from toolkit.training.failures import release_process_group
+
+            release_process_group()  # destroys the group and frees what holds its threads
         os.environ.clear()
         os.environ.update(saved_env)
 
@@ -817,7 +821,9 @@ def _real_step_peak(device: str, config, finetune: Optional[str], checkpointing:
                 step(2)
         return {**peak.figures, "allocated_before_bytes": left_over} if device == "cuda" else peak.figures
     finally:
-        dist.destroy_process_group()
+        from toolkit.training.failures import release_process_group
+
+        release_process_group()  # destroys the group and frees what holds its threads
 
 
 def _throughput(ctx: Context, compiled: bool) -> dict:

@@ -123,7 +123,9 @@ def run(plan: StrategyPlan, port: int, emulate_device: bool) -> dict:
         result["weights"] = dist_train.replica_weights(model)
         return result
     finally:
-        torch.distributed.destroy_process_group()
+        from toolkit.training.failures import release_process_group
+
+        release_process_group()  # destroys the group and frees what holds its threads
 
 
 def _offloaded(model) -> bool:

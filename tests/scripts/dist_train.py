@@ -250,7 +250,9 @@ def main() -> None:
     for i, options in enumerate(args.run):
         run_args = parser.parse_args([*argv, *shlex.split(options)])
         run_one(run_args, args.out / f"run{i}")
-    torch.distributed.destroy_process_group()
+    from toolkit.training.failures import release_process_group
+
+    release_process_group()  # destroys the group and frees what holds its threads
 
 
 if __name__ == "__main__":

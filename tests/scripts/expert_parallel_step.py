@@ -168,7 +168,9 @@ def worker(rank: int, out: str) -> None:
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(results, indent=1))
     dist.barrier()
-    dist.destroy_process_group()
+    from toolkit.training.failures import release_process_group
+
+    release_process_group()  # destroys the group and frees what holds its threads
 
 
 if __name__ == "__main__":

@@ -100,7 +100,9 @@ def main() -> None:
     fabric.launch()
     for case_dir, args in cases:
         export_case(fabric, case_dir, args)
-    torch.distributed.destroy_process_group()
+    from toolkit.training.failures import release_process_group
+
+    release_process_group()  # destroys the group and frees what holds its threads
 
 
 if __name__ == "__main__":

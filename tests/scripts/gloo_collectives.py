@@ -164,7 +164,9 @@ def _run(rank: int, out_dir: str) -> None:
                                      "embedding": embedding})
     if rank == 0:
         Path(out_dir, "result.json").write_text(json.dumps({"ranks": results, "buffer_bytes": numel * 4}))
-    dist.destroy_process_group()
+    from toolkit.training.failures import release_process_group
+
+    release_process_group()  # destroys the group and frees what holds its threads
 
 
 if __name__ == "__main__":

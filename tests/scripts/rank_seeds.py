@@ -58,7 +58,9 @@ def main() -> None:
     rank = session.fabric.global_rank
     report = {"rank": rank, "digest": digest, "mask": masks[0], "lora_params": sum("lora_" in n for n in weights)}
     (Path(sys.argv[2]) / f"rank{rank}.json").write_text(json.dumps(report))
-    torch.distributed.destroy_process_group()
+    from toolkit.training.failures import release_process_group
+
+    release_process_group()  # destroys the group and frees what holds its threads
 
 
 if __name__ == "__main__":

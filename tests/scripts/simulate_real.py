@@ -85,7 +85,9 @@ def main() -> None:
             for setup in args.setups.split(",")
         }
     finally:
-        dist.destroy_process_group()
+        from toolkit.training.failures import release_process_group
+
+        release_process_group()  # destroys the group and frees what holds its threads
     (args.out / f"rank{os.environ['RANK']}.json").write_text(json.dumps(results))
 
 
