@@ -548,13 +548,18 @@ def test_activations_equal_what_autograd_saves(name, precision, lora, dropout):
 
 def _assert_recorded_equals_saved(config: Config, precision: str, lora: tuple, dropout: float) -> None:
     """What autograd saves in a real forward pass of `config` (with LoRA r=4 on `lora`, only the
-    adapters training, as finetune_lora) equals the estimator's recording, at 2 x 32 tokens."""
+    adapters training, as finetune_lora) equals the estimator's recording, at 2 x 32 tokens. `lora`
+    names modules (`q_proj`) and parameters (`experts.gate_up_proj`)."""
     torch.manual_seed(0)
     model = GPT(config)
     if lora:
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import inject_adapter_in_model
 
-        model = inject_adapter_in_model(LoraConfig(r=4, target_modules=list(lora), lora_dropout=dropout), model)
+        from toolkit.models.expert_adapters import lora_config
+
+        modules, parameters = [n for n in lora if "." not in n], [n for n in lora if "." in n]
+        model = inject_adapter_in_model(lora_config(r=4, target_modules=modules, target_parameters=parameters or None,
+                                                    lora_dropout=dropout), model)
         for n, p in model.named_parameters():
             p.requires_grad_("lora_" in n)
     apply_precision_policy(model, precision)

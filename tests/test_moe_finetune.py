@@ -130,6 +130,62 @@ def test_expert_adapters_equal_their_update_added_to_the_weights(backend):
     assert all(g is not None and g.abs().max() > 0 for g in grads)
 
 
+def test_expert_adapters_compute_from_their_factors_what_peft_computes_from_the_updated_weight():
+    """The toolkit's expert adapter (`FactoredExpertLoRA`) against peft's own (`ParamWrapper`, which
+    forms W + dW) on the same weights, in float32: the same output and adapter gradients. peft's
+    keeps tensors the size of a layer's experts for the backward pass that are not the experts'
+    weights (W + dW); the toolkit's keeps none."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from toolkit.models.expert_adapters import FactoredExpertLoRA, lora_config
+    from toolkit.models.gpt import GPT, init_weights
+
+    config = tiny_moe()
+    base = GPT(config)
+    init_weights(base, config.n_layer, seed=3)
+    settings = dict(r=4, lora_alpha=8, target_modules=["q_proj"], target_parameters=["experts.gate_up_proj",
+                    "experts.down_proj"], bias="none")  # fmt: skip
+    models = {"peft": get_peft_model(copy.deepcopy(base), LoraConfig(**settings)),
+              "factored": get_peft_model(base, lora_config(**settings))}
+    assert sum(isinstance(m, FactoredExpertLoRA) for m in models["factored"].modules()) == 2 * config.n_layer
+    assert not any(isinstance(m, FactoredExpertLoRA) for m in models["peft"].modules())
+    with torch.no_grad():
+        trained = dict(models["peft"].named_parameters())
+        for name, p in models["factored"].named_parameters():
+            if p.requires_grad:
+                p.copy_(trained[name].normal_(0, 0.3))
+    expert_sizes = {config.n_expert * 2 * config.moe_intermediate_size * config.n_embd,
+                    config.n_expert * config.n_embd * config.moe_intermediate_size}
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def run(model):
+        """Output, adapter gradients, and the expert-sized tensors kept for backward that are not weights."""
+        weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        kept = []
+
+        def pack(tensor):
+            if tensor.dim() == 3 and tensor.numel() in expert_sizes and tensor.untyped_storage().data_ptr() not in weights:
+                kept.append(tuple(tensor.shape))
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = model(ids)
+        out.float().square().mean().backward()
+        grads = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.requires_grad])
+        model.zero_grad(set_to_none=True)
+        return out.float(), grads, kept
+
+    (out, grads, kept), (peft_out, peft_grads, peft_kept) = run(models["factored"]), run(models["peft"])
+    assert len(peft_kept) >= 2 * config.n_layer and not kept, (peft_kept, kept)
+    torch.testing.assert_close(out, peft_out, atol=1e-5, rtol=1e-5)
+    scale = peft_grads.abs().max()
+    assert scale > 0
+    torch.testing.assert_close(grads / scale, peft_grads / scale, atol=1e-5, rtol=1e-5)
+
+
+
 @pytest.mark.parametrize("family", list(HF_MODELS))
 def test_expert_adapter_in_peft_format_gives_transformers_the_same_logits(family, tmp_path):
     """The adapter as finetune_lora writes it in peft's format (attention modules and the experts'
@@ -317,8 +373,8 @@ def _nf4_bytes(log: str) -> list[int]:
 def test_qlora_with_nf4_experts_on_one_and_two_processes(moe_checkpoint, tmp_path):
     """--quantize nf4 stores the experts in NF4 beside the attention weights (the router stays in
     16 bits), shards them by expert over 2 processes, and trains the adapter of one process (the
-    tolerance of tests/test_qlora_distributed.py at bf16-mixed); the estimator predicts each rank's
-    NF4 bytes exactly."""
+    tolerance of tests/test_qlora_distributed.py at bf16-mixed), adapters on the NF4 experts
+    included; the estimator predicts each rank's NF4 bytes exactly."""
     from toolkit.memory import estimator as est
 
     logs, adapters = {}, {}
@@ -326,10 +382,11 @@ def test_qlora_with_nf4_experts_on_one_and_two_processes(moe_checkpoint, tmp_pat
         out = tmp_path / devices
         runner = run_in_process if devices == "1" else run_toolkit
         logs[devices] = runner(_args(moe_checkpoint, out, "--quantize", "nf4", "--precision", "bf16-mixed",
-                                     "--devices", devices))
+                                     "--lora.targets", "[query, value, experts]", "--devices", devices))
         adapters[devices] = load_file(str(out / "final" / "lora_adapter.safetensors"))
     assert "QLoRA scheme: sharded" in logs["2"]
-    assert max(v.abs().max().item() for k, v in adapters["1"].items() if "lora_B" in k) > 1e-3
+    assert all(v.abs().max().item() > 1e-3 for k, v in adapters["1"].items() if "lora_B" in k)  # every adapter trained
+    assert any(".experts.gate_up_proj.lora_B" in k for k in adapters["1"])
     assert adapters["1"].keys() == adapters["2"].keys()
     for name in adapters["1"]:
         torch.testing.assert_close(adapters["2"][name], adapters["1"][name], atol=1e-4, rtol=0, msg=name)
@@ -354,8 +411,8 @@ def test_moe_lora_refusals_are_one_clear_line(moe_checkpoint, base, tmp_path, ca
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and all(n in err[0] for n in needles), err
 
-    fails_with(_args(moe_checkpoint, tmp_path / "a", "--lora.targets", "[experts]", "--quantize", "nf4"),
-               "--lora.targets experts cannot be combined with --quantize")
+    fails_with(_args(moe_checkpoint, tmp_path / "a", "--lora.targets", "[experts]", "--quantize", "bnb.nf4"),
+               "--quantize nf4")
     fails_with(_args(moe_checkpoint, tmp_path / "b", "--lora.targets", "[experts]", "--lora.dropout", "0.05"),
                "--lora.dropout 0")
     fails_with(_args(moe_checkpoint, tmp_path / "c", "--quantize", "bnb.nf4"), "--quantize nf4")

@@ -53,11 +53,12 @@ def _quiet(function, *args, **kwargs):
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
 @pytest.mark.parametrize("make", [qwen3_moe_like, gpt_oss_like])
-@pytest.mark.parametrize("lora", [(), ("q_proj", "v_proj")])
+@pytest.mark.parametrize("lora", [(), ("q_proj", "v_proj"), ("v_proj", "experts.gate_up_proj", "experts.down_proj")])
 def test_activations_of_a_mixture_of_experts_equal_what_autograd_saves(make, precision, lora):
     """Exact, at 2 x 32 tokens: the expert rows (M = 64 tokens x K), the sorted copy, the router's
     float32 probabilities, the routing indices; recorded through the grouped products (torch's
-    fake kernel of them takes bf16 only: float32 goes through `grouped_mm_output`)."""
+    fake kernel of them takes bf16 only: float32 goes through `grouped_mm_output`). With adapters
+    on the experts (rank 4, padded to 8 in bf16 for the grouped products), their (M, r) rows."""
     _assert_recorded_equals_saved(make(), precision, lora, 0.0)
 
 
@@ -125,6 +126,17 @@ def test_bad_expert_parallel_is_refused_in_one_line(kwargs, message):
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(lora_dropout=0.0), "debug has no mixture of experts"),
+    (dict(lora_dropout=0.05, model_overrides=dict(n_expert=8, n_expert_per_token=2, moe_intermediate_size=64)),
+     "lora target experts needs lora_dropout 0"),
+])
+def test_bad_lora_on_the_experts_is_refused_in_one_line(kwargs, message):
+    with pytest.raises(UserError, match=message) as refused:
+        _quiet(estimate, "debug", max_seq_length=64, finetune="lora", lora_targets=("query", "experts"), **kwargs)
+    assert "\n" not in str(refused.value)
+
+
 def test_expert_parallel_of_a_dense_model_is_refused():
     with pytest.raises(UserError, match="expert_parallel applies to a mixture of experts"):
         _quiet(estimate, "debug", devices=8, expert_parallel=2, max_seq_length=64)
@@ -153,6 +165,28 @@ def test_estimate_is_within_3_percent_of_the_simulated_step(make, checkpointing)
     assert sim.persistent["Sharded Param"] == figures["parameters"]
     assert sim.peak_total > figures["parameters"] + figures["optimizer_state"]  # the step ran
     assert estimated == pytest.approx(sim.peak_total, rel=0.03), (estimated / 2**20, sim.peak_total / 2**20)
+
+
+def test_estimate_of_lora_on_the_experts_is_within_3_percent_of_the_simulated_step():
+    """LoRA (rank 8) on attention and on the experts' weights, 8 fake ranks, FULL_SHARD, bf16-mixed:
+    the adapters count as parameters (their float32 shards, gradients and AdamW states) and their
+    (M, r) rows as activations; the updated experts (W + dW, each layer's the size of its experts)
+    are never formed."""
+    from toolkit.models.adapters import LoRAArgs
+
+    config = qwen3_moe_like(n_layer=4, moe_layers=[1, 2, 3], n_embd=256, n_head=8, head_size=32, intermediate_size=512,
+                            moe_intermediate_size=128, block_size=256)
+    lora = LoRAArgs(r=8, alpha=16, dropout=0.0, targets=("query", "value", "experts"))
+    sim = simulate(config, 8, 1, 1, 256, "bf16-mixed", "FULL_SHARD", "lora", lora, False, 2)
+    names = (*lora.module_names(), *lora.parameter_names())
+    figures = column_memory(Options(config, "bf16-mixed", "lora", names, 8, None, 256, device="fake"),
+                            make_column("FULL_SHARD", 8, 1), 1)
+    adapters = sum(s.numel for s in parameter_specs(config, names, 8) if s.trainable)
+    per_layer = 8 * config.n_expert * ((256 + 2 * 128) + (128 + 256))  # A and B of both expert weights
+    assert adapters > 3 * per_layer  # the experts' adapters are counted
+    assert figures["optimizer_state"] == pytest.approx(2 * 4 * adapters / 8, rel=0.05)
+    assert sim.persistent["Sharded Param"] == figures["parameters"]
+    assert figures["total"] == pytest.approx(sim.peak_total, rel=0.03), (figures["total"] / 2**20, sim.peak_total / 2**20)
 
 
 def test_fewer_experts_than_ranks_pad_as_the_simulated_step_does():

@@ -205,11 +205,6 @@ def finetune_lora(
                 "yet: each rank would need its own experts' adapters; drop 'experts' (adapters on attention work with "
                 "expert parallelism) or use --distributed.expert_parallel 1."
             )
-        if lora.parameter_names() and quantize is not None:
-            raise UserError(
-                "--lora.targets experts cannot be combined with --quantize: peft's adapters on the experts are added "
-                "to their weights, which the 4-bit experts cannot hold; drop 'experts' (the experts stay frozen) or --quantize."
-            )
         if config.is_moe and quantize is not None and quantize != "nf4":
             raise UserError(
                 f"--quantize {quantize} quantizes Linear layers only and would leave the experts of {config.name} "

@@ -58,8 +58,9 @@ from toolkit.models.gpt import count_parameters, flops_per_token
 # whether each keeps a reference model (its `uses_reference`; tests/test_preference_memory.py holds them equal).
 PREFERENCE_REFERENCE = {"dpo": True, "ipo": True, "simpo": False, "orpo": False}
 ObjectiveName = Literal["sft", "dpo", "ipo", "simpo", "orpo"]
-from toolkit.models.adapters import TARGETS as LORA_TARGETS
-from toolkit.models.adapters import LoRAArgs
+from toolkit.models.adapters import PARAMETER_TARGETS, TARGETS, LoRAArgs
+
+LORA_TARGETS = {**TARGETS, **PARAMETER_TARGETS}
 from toolkit.parallel.plan import QUANTIZED_BASE_NOT_SHARDED, effective_sharding, plan_quantized_base
 from toolkit.parallel.precision import PRECISION_ALIASES, PRECISIONS
 
@@ -209,7 +210,8 @@ def estimate(
         sharding: Show only this FSDP sharding strategy (default: all of them).
         finetune: None (pretraining) or "full": every weight trains; "lora": only the adapters.
         lora_r: LoRA rank.
-        lora_targets: Layers that get adapters: query, key, value, projection, mlp, head.
+        lora_targets: Layers that get adapters: query, key, value, projection, mlp, head; experts (a mixture
+            of experts' weights; with lora_dropout 0).
         lora_dropout: Dropout on the adapters' input (finetune_lora's default 0.05; 0 saves a mask per input).
         quantize: Quantization of the frozen linear weights (QLoRA; needs finetune lora): nf4
             (torchao, sharded by FSDP2 on several devices) or bnb.* (bitsandbytes, replicated).
@@ -366,6 +368,11 @@ def _resolve(
             raise UserError("lora target head cannot be combined with quantize: the head is not quantized; drop 'head'.")
         if isinstance(lora_dropout, bool) or not isinstance(lora_dropout, (int, float)) or not 0 <= lora_dropout < 1:
             raise UserError(f"lora_dropout must be in [0, 1), got {lora_dropout!r}.")
+        if any(t in PARAMETER_TARGETS for t in lora_targets):
+            if not config.is_moe:
+                raise UserError(f"lora target experts: {config.name} has no mixture of experts; drop 'experts'.")
+            if lora_dropout:
+                raise UserError(f"lora target experts needs lora_dropout 0 (got {lora_dropout}), as finetune_lora does.")
         leaves = {leaf for t in lora_targets for leaf in LORA_TARGETS[t]}
         lora_modules = tuple(sorted(leaves))
     if memory_budget_gb is not None and (isinstance(memory_budget_gb, bool) or not memory_budget_gb > 0):

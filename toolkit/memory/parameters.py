@@ -25,7 +25,8 @@ _MODELS: dict = {}
 def meta_model(config: Config, lora_modules: tuple[str, ...] = (), lora_r: int = 8, lora_dropout: float = 0.0,
                layers: Optional[tuple[int, ...]] = None):  # fmt: skip
     """`GPT(config)` on the meta device, with peft's LoRA on `lora_modules` (only the adapters train),
-    as finetune_lora prepares it. Cached: the estimate asks for the same model many times.
+    as finetune_lora prepares it: module names (`q_proj`), and parameters as "<module>.<parameter>"
+    (`experts.gate_up_proj`). Cached: the estimate asks for the same model many times.
 
     `layers`: only these blocks of it (indices into the config's layers; what they do comes from
     `Block(config, index)`), a fresh model the caller may change (`toolkit.memory.activations`)."""
@@ -52,12 +53,16 @@ def meta_model(config: Config, lora_modules: tuple[str, ...] = (), lora_r: int =
             whole.blocks = blocks
         model.blocks = torch.nn.ModuleList(copy.deepcopy(blocks[i]) for i in layers)
     if lora_modules:
-        from peft import LoraConfig, inject_adapter_in_model
+        from peft import inject_adapter_in_model
+
+        from toolkit.models.expert_adapters import lora_config
 
         present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         targets = [m for m in lora_modules if m in present]
-        lora = LoraConfig(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, target_modules=targets,
-                          bias="none")  # fmt: skip
+        # "<module>.<parameter>" names (the experts' weights, `PARAMETER_TARGETS`): peft's LoRA on parameters
+        parameters = [m for m in lora_modules if "." in m and any(n.endswith("." + m) for n, _ in model.named_parameters())]
+        lora = lora_config(r=lora_r, lora_alpha=2 * lora_r, lora_dropout=lora_dropout, target_modules=targets,
+                           target_parameters=parameters or None, bias="none")  # fmt: skip
         with torch.device("meta"):
             model = inject_adapter_in_model(lora, model)
         for name, p in model.named_parameters():

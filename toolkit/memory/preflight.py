@@ -54,7 +54,7 @@ def check_fits(
     lora_dropout = 0.0
     if finetune == "lora":
         lora = lora or LoRAArgs()
-        lora_modules, lora_dropout = tuple(lora.module_names()), float(lora.dropout)
+        lora_modules, lora_dropout = (*lora.module_names(), *lora.parameter_names()), float(lora.dropout)
     world = devices * num_nodes
     shard = sharding if world > 1 else "single"
     if shard not in ("single", "DDP"):

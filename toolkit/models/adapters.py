@@ -24,11 +24,10 @@ TARGETS = {
     "head": ("lm_head",),
 }
 # Targets that are parameters rather than modules: "<module>.<parameter>", adapted by peft's LoRA on
-# parameters (`LoraConfig.target_parameters`, `peft.tuners.lora.ParamWrapper`). A mixture of
-# experts' 3-D weights (X, out, in) get one rank-r update per expert, added to the weight in each
-# forward pass; that updated weight is kept for the backward pass (one layer's at a time under
-# activation checkpointing). Listed in the order the experts module registers them, which is the
-# order peft wraps them in (`peft_parameter_paths`).
+# parameters (`LoraConfig.target_parameters`, as `toolkit.models.expert_adapters.FactoredExpertLoRA`).
+# A mixture of experts' 3-D weights (X, out, in) get one rank-r update per expert, applied to the
+# rows from its factors: the updated weight is never formed. Listed in the order the experts module
+# registers them, which is the order peft wraps them in (`peft_parameter_paths`).
 PARAMETER_TARGETS = {
     "experts": ("experts.gate_up_proj", "experts.down_proj"),
 }
@@ -59,8 +58,8 @@ class LoRAArgs:
             raise UserError("--lora.targets is empty: name at least one of " + ", ".join(valid))
         if self.parameter_names() and self.dropout:
             raise UserError(
-                f"--lora.targets experts needs --lora.dropout 0 (got {self.dropout}): the experts' adapters are added "
-                "to their weights, which leaves no input of theirs to drop out."
+                f"--lora.targets experts needs --lora.dropout 0 (got {self.dropout}): peft's LoRA on parameters, "
+                "the experts' adapters, has no dropout."
             )
 
     def module_names(self) -> list[str]:
@@ -72,12 +71,12 @@ class LoRAArgs:
     def peft_config(self, module_names: Optional[list[str]] = None, parameter_names: Optional[list[str]] = None):
         """peft's LoraConfig for these adapters; the names default to the toolkit model's (an export
         passes those of the Hugging Face model)."""
-        from peft import LoraConfig
+        from toolkit.models.expert_adapters import lora_config
 
         modules = self.module_names() if module_names is None else module_names
         parameters = self.parameter_names() if parameter_names is None else parameter_names
-        return LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=modules,
-                          target_parameters=parameters or None, bias="none")
+        return lora_config(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout, target_modules=modules,
+                           target_parameters=parameters or None, bias="none")
 
 
 def peft_parameter_paths(module_path: str, parameters: list[str]) -> dict[str, str]:

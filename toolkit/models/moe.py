@@ -125,8 +125,9 @@ class GroupedExperts(nn.Module):
         down_proj    (X, C, I)
         gate_up_bias (X, 2I), down_bias (X, C): with `Config.bias` only (gpt-oss)
 
-    `forward(x, counts)`: x (M, C) rows sorted by expert, counts (X,) rows per expert -> (M, C),
-    row i computed by the expert it belongs to.
+    `forward(x, counts, low_rank)`: x (M, C) rows sorted by expert, counts (X,) rows per expert ->
+    (M, C), row i computed by the expert it belongs to; `low_rank` maps a weight's name to an update
+    of it (`LowRankUpdate`, LoRA's adapters), added without forming the updated weight.
     """
 
     def __init__(self, config: Config) -> None:
@@ -139,19 +140,31 @@ class GroupedExperts(nn.Module):
         self.gate_up_bias = nn.Parameter(torch.empty(X, 2 * I)) if config.bias else None
         self.down_bias = nn.Parameter(torch.empty(X, C)) if config.bias else None
 
-    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: torch.Tensor,
+                low_rank: Optional[dict[str, LowRankUpdate]] = None) -> torch.Tensor:  # fmt: skip
         grouped = _use_grouped(self.gate_up_proj)
+        low_rank = low_rank or {}
         experts = None  # (M,) each row's expert, for the biases
         if self.gate_up_bias is not None:
             experts = torch.repeat_interleave(torch.arange(counts.numel(), device=x.device), counts, output_size=x.shape[0])
         h = self.product(x, self.gate_up_proj, counts, grouped)  # (M, 2I)
+        if "gate_up_proj" in low_rank:
+            h = h + low_rank_product(x, low_rank["gate_up_proj"], counts).to(h.dtype)
         if self.gate_up_bias is not None:
             h = h + self.gate_up_bias[experts]
         h = gated_activation(h[:, : self.hidden], h[:, self.hidden :], self.config).contiguous()  # (M, I)
         y = self.product(h, self.down_proj, counts, grouped)  # (M, C)
+        if "down_proj" in low_rank:
+            y = y + low_rank_product(h, low_rank["down_proj"], counts).to(y.dtype)
         if self.down_bias is not None:
             y = y + self.down_bias[experts]
         return y
+
+    def weight_shape(self, name: str) -> tuple[int, int, int]:
+        """(X, out, in) of the weight `name` ("gate_up_proj", "down_proj"), however it is stored (a
+        subclass may hold it otherwise: NF4 holds each expert as one row)."""
+        X, C, I = self.config.n_expert, self.config.n_embd, self.hidden
+        return {"gate_up_proj": (X, 2 * I, C), "down_proj": (X, C, I)}[name]
 
     def product(self, x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, grouped: bool) -> torch.Tensor:
         """x (M, in) sorted by expert, weight (X, out, in) -> (M, out). The seam a subclass that stores
@@ -174,6 +187,69 @@ def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     matrices = weight.unbind(0)
     outputs = [F.linear(rows, matrices[e]) for e, rows in enumerate(x.split(counts.tolist(), dim=0)) if rows.shape[0]]
     return torch.cat(outputs) if outputs else x.new_zeros(0, weight.shape[1])
+
+
+@dataclass(frozen=True)
+class LowRankUpdate:
+    """A rank-r update of one of the experts' weights (X, out, in): expert e's matrix W_e becomes
+    W_e + scale * B_e @ A_e, with A (X, r, in) and B (X, out, r).
+
+    It is applied to the rows, not to the weight (`low_rank_product`): two more grouped products
+    through an (M, r) intermediate. W + dW, the size of all the experts, is never formed: nothing
+    that size is kept for the backward pass, and a frozen W gets no gradient product of its size."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: float
+
+
+def low_rank_product(x: torch.Tensor, update: LowRankUpdate, counts: torch.Tensor) -> torch.Tensor:
+    """x (M, in) sorted by expert, counts (X,) -> (M, out): scale * (x A_e^T) B_e^T for each row's expert e.
+    In the rows' dtype (or autocast's), as the experts' own product: adapters kept in float32 over a
+    bf16 base (peft's default) would otherwise leave the grouped kernels, which take bf16 alone
+    compiled or on a GPU."""
+    A, B = update.A.to(x.dtype), update.B.to(x.dtype)
+    grouped = _use_grouped(A)
+    if grouped:
+        # Grouped products take operands whose rows are whole 16-byte units (in bf16 a rank that is
+        # a multiple of 8): the rank is padded with zeros, which add nothing and whose gradients
+        # are dropped. The copies are also what makes the operands dense: peft stores B with the
+        # experts fastest (`FactoredExpertLoRA`), a layout no grouped kernel reads.
+        device = A.device.type
+        dtype = torch.get_autocast_dtype(device) if device != "meta" and torch.is_autocast_enabled(device) else A.dtype
+        unit = max(1, 16 // dtype.itemsize)
+        rank = -(-A.shape[1] // unit) * unit
+        A, B = grouped_operand(A, 1, rank), grouped_operand(B, 2, rank)
+    h = expert_product(x, A, counts, grouped)  # (M, r)
+    return expert_product(h * update.scale, B, counts, grouped)
+
+
+@torch.library.custom_op("toolkit::grouped_operand", mutates_args=())
+def grouped_operand(weight: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    """A dense copy of `weight` with dimension `dim` padded by zeros to `size`.
+
+    An operator of its own so that compiled code keeps the copy as made: inductor otherwise drops a
+    copy that only changes the layout and hands the grouped kernel the strided original."""
+    padded = weight.new_zeros(*weight.shape[:dim], size, *weight.shape[dim + 1 :])
+    padded.narrow(dim, 0, weight.shape[dim]).copy_(weight)
+    return padded
+
+
+@grouped_operand.register_fake
+def _grouped_operand_shape(weight: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    return weight.new_empty(*weight.shape[:dim], size, *weight.shape[dim + 1 :])
+
+
+def _grouped_operand_context(ctx, inputs, output) -> None:
+    weight, dim, _ = inputs
+    ctx.dim, ctx.size = dim, weight.shape[dim]
+
+
+def _grouped_operand_backward(ctx, grad: torch.Tensor):
+    return grad.narrow(ctx.dim, 0, ctx.size), None, None
+
+
+grouped_operand.register_autograd(_grouped_operand_backward, setup_context=_grouped_operand_context)
 
 
 @dataclass
