@@ -149,7 +149,8 @@ def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tm
     Each rank also reports what is still alive once the command returned: no process group (one
     left for the interpreter's finalization to destroy can abort the process after its work), and
     no module of the sharded model. The one process is this one: what the command left alive is
-    what is tracked after it beyond what was alive before it.
+    what is tracked after it beyond what was alive before it. The two ranks, processes of their own,
+    imported neither bitsandbytes nor torchao, which a run without --quantize does not use.
     """
     import gc
     import importlib.util
@@ -184,6 +185,7 @@ def test_lora_under_two_fsdp_processes_saves_the_adapter_of_one_process(base, tm
             assert result.returncode == 0, result.stderr[-3000:]
             reports = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
             assert [r.split(":")[0] for r in reports] == [f"rank {i}" for i in range(int(devices))], result.stdout[-2000:]
+            assert all(r.endswith("quantization libraries imported: none") for r in reports), reports
         for report in reports:
             groups, modules = (int(word) for word in report.split(":")[1].split()[::3][:2])
             assert groups == 0, report

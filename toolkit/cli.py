@@ -200,8 +200,9 @@ def _show_toolkit_logs() -> None:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     logging.getLogger("lightning_fabric.utilities.seed").setLevel(logging.WARNING)
-    # peft imports torchao and bitsandbytes whenever they are installed, so every LoRA run printed
-    # their import-time warnings, none about what the run uses: torchao 0.18 "Failed to load
+    # peft imports torchao and bitsandbytes whenever they are installed and not left out
+    # (`toolkit.process`: a LoRA run keeps out those its --quantize does not use); their
+    # import-time warnings say nothing about what the run uses: torchao 0.18 "Failed to load
     # .../_C_cutlass_90a.abi3.so" (a Hopper GPU kernel), bitsandbytes 0.50.2 "Failed to load CPU
     # gemm_4bit_forward from kernels-community" (an optional package), and torch 2.13's pytree
     # notices that torchao registers Enum classes the old way. Their errors still show.
@@ -343,7 +344,10 @@ def set_environment_defaults(environ=os.environ) -> None:
 
 
 def main() -> None:
+    from toolkit.process import runs_one_command
+
     set_environment_defaults()
+    runs_one_command()
     try:
         code = run()
     except BrokenPipeError:  # the reader went away (`toolkit list | head`): nothing more to say

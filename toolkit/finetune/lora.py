@@ -29,6 +29,7 @@ from toolkit.data.instruct import InstructData
 from toolkit.training.objectives import Objective
 from toolkit.training.preference_objectives import PreferenceObjective  # noqa: F401  (its losses are --objective choices)
 from toolkit.errors import UserError, did_you_mean
+from toolkit.process import leave_out
 from toolkit.finetune.common import FINETUNE_EVAL, run_finetune
 from toolkit.models.adapters import LoRAArgs
 from toolkit.models.param_names import unwrapped_name, without_wrappers
@@ -193,6 +194,7 @@ def finetune_lora(
         raise UserError("No training data given: pass --data Alpaca --data.json_path <file.json> (or --data JSON ...).")
     if quantize is not None and quantize not in QUANTIZE_CHOICES:
         raise UserError(f"Unknown --quantize {quantize!r}.{did_you_mean(quantize, QUANTIZE_CHOICES)}")
+    leave_out(*unused_quantization_libraries(quantize))
 
     def check_args(config, run_plan, meta_model) -> None:
         if quantize is not None and "head" in lora.targets:
@@ -252,6 +254,12 @@ def finetune_lora(
         check_args=check_args, hparams=hparams, lora=lora, quantize=quantize, objective=objective,
     )
     return model
+
+
+def unused_quantization_libraries(quantize: Optional[str]) -> list[str]:
+    """The quantization libraries a run with `quantize` does not use (peft imports both if installed)."""
+    uses = {"bitsandbytes": quantize is not None and quantize.startswith("bnb."), "torchao": quantize == "nf4"}
+    return [name for name, used in uses.items() if not used]
 
 
 def report_nf4_bytes(fabric, model) -> list[int]:
