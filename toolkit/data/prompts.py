@@ -91,7 +91,13 @@ _BUILTIN = (
     ),
     # "[INST] ... [/INST] response</s>": the tokenizer's EOS closes the response.
     PromptStyle(name="llama-2", template="[INST] {instruction} [/INST]", response_prefix=" "),
-    PromptStyle(name="phi", template="Instruct: {instruction}\nOutput:", response_prefix=" "),
+    PromptStyle(name="phi", template="Instruct: {instruction}\nOutput:", response_prefix=" "),  # Phi-2
+    PromptStyle(name="phi-3", template="<|user|>\n{instruction}<|end|>\n<|assistant|>\n", response_end="<|end|>"),
+    PromptStyle(name="phi-4", template="<|im_start|>user<|im_sep|>{instruction}<|im_end|><|im_start|>assistant<|im_sep|>",
+                response_end="<|im_end|>"),
+    PromptStyle(name="phi-4-mini", template="<|user|>{instruction}<|end|><|assistant|>", response_end="<|end|>"),
+    # Tulu's turns (OLMo 2's instruct models): the tokenizer's EOS closes the response.
+    PromptStyle(name="tulu", template="<|user|>\n{instruction}\n<|assistant|>\n"),
     PromptStyle(
         name="gemma",
         template="<start_of_turn>user\n{instruction}<end_of_turn>\n<start_of_turn>model\n",
@@ -135,14 +141,19 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
     ("qwen", "chatml"),  # qwen2.5, qwen3
     ("smollm3", "chatml"),
     ("gemma", "gemma"),
-    ("phi", "phi"),
+    ("phi", "phi"),  # phi-2
+    ("phi-3", "phi-3"),  # phi-3 and phi-3.5
+    ("phi-4", "phi-4"),
+    ("phi-4-mini", "phi-4-mini"),
+    ("olmo-2", "tulu"),
     ("pythia", "alpaca"),
     ("tiny-llama", "alpaca"),
     ("debug", "alpaca"),
 )
 # For a model name the table does not know (a custom config): by architecture family, then this.
 DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma",
-                                             "phi": "phi", "qwen3": "chatml", "smollm3": "chatml",
+                                             "phi": "phi", "phi3": "phi-3", "olmo2": "tulu", "qwen3": "chatml",
+                                             "smollm3": "chatml",
                                              "mixtral": "llama-2", "qwen3_moe": "chatml"}
 FALLBACK_STYLE = "alpaca"
 
