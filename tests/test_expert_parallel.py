@@ -161,14 +161,15 @@ def _finetune_lora(base: Path, out: Path, devices: int, expert_parallel: int) ->
         "--train.global_batch_size", "8", "--train.max_seq_length", "64", "--train.max_steps", str(STEPS),
         "--train.warmup_steps", "1", "--train.learning_rate", "0.01", "--eval.interval", "1000",
         "--eval.final_validation", "false", "--log.interval", "1", "--log.loggers", "[csv]",
-        "--lora.dropout", "0", "--lora.targets", "[query, value, projection]",
+        "--lora.dropout", "0", "--lora.targets", "[query, value, projection, experts]",
         "--devices", str(devices), "--distributed.expert_parallel", str(expert_parallel),
     ]
 
 
-def test_lora_on_attention_with_expert_parallel_2_trains_as_one_process(runs):
-    """The experts are frozen; the adapters' gradients of the first layer cross both MoE layers'
-    all-to-alls backwards. (Adapters on the experts themselves do not exist yet.)"""
+def test_lora_on_attention_and_experts_with_expert_parallel_2_trains_as_one_process(runs):
+    """The experts are frozen under adapters of their own, of which each rank applies its experts'
+    rows; the adapters' gradients of the first layer cross both MoE layers' all-to-alls backwards.
+    The adapter the two processes write equals the one process's, every factor trained."""
     base = runs["one"] / "final"
     one, two = runs["root"] / "lora-one", runs["root"] / "lora-two"
     run_in_process(_finetune_lora(base, one, 1, 1)[3:])
@@ -176,35 +177,28 @@ def test_lora_on_attention_with_expert_parallel_2_trains_as_one_process(runs):
     a = load_file(str(one / "final" / "lora_adapter.safetensors"))
     b = load_file(str(two / "final" / "lora_adapter.safetensors"))
     assert a.keys() == b.keys() and any("blocks.0.attn" in name for name in a)
+    assert {f"blocks.{i}.mlp.experts.{w}.lora_{f}.weight" for i in (0, 1) for w in ("gate_up_proj", "down_proj")
+            for f in "AB"} <= a.keys()
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=WEIGHTS, rtol=0, msg=name)
+        if "lora_B" in name:
+            assert a[name].abs().max() > 1e-3, name
     torch.testing.assert_close(torch.tensor(_train_losses(two)), torch.tensor(_train_losses(one)), atol=1e-5, rtol=0)
-
-
-def test_adapters_on_the_experts_are_refused_with_expert_parallelism_before_anything_starts(runs, capsys):
-    from toolkit.cli import run
-
-    out = runs["root"] / "lora-experts"
-    args = _finetune_lora(runs["one"] / "final", out, 2, 2)[3:]
-    args[args.index("--lora.targets") + 1] = "[query, experts]"
-    assert run(args) != 0
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--lora.targets experts cannot be combined with --distributed.expert_parallel 2" in err[0], err
-    assert not out.exists()
 
 
 def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path):
     """tests/scripts/expert_parallel_step.py: every gradient, the loss, the clipped norm, the rows
     each shard holds and the experts' export, on FULL_SHARD with the experts also FSDP-sharded,
     HYBRID_SHARD over two simulated nodes with activation checkpointing, one expert per pair
-    (uneven), LoRA on attention with the experts frozen, and ranks whose experts get no token."""
+    (uneven), LoRA on attention and on the frozen experts, and ranks whose experts get no token
+    (with and without adapters on them)."""
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env=launch_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     import json
 
     report = json.loads((tmp_path / "result.json").read_text())
-    assert report.keys() == {"full_shard", "hybrid", "uneven", "lora", "idle"}
+    assert report.keys() == {"full_shard", "hybrid", "uneven", "lora", "idle", "lora_idle"}
     for layout, found in report.items():
         loss, reference = found["loss"]
         assert abs(loss - reference) < 1e-6, layout
@@ -216,8 +210,13 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
         assert found["rows_filled"] and all(found["rows_filled"].values()), (layout, found["rows_filled"])
         assert len(found["exported"]) == 4 and all(found["exported"].values()), (layout, found["exported"])
     assert report["idle"]["unrouted_grad"] == 0 and report["full_shard"]["unrouted_grad"] > 0
-    assert any("lora_A" in name for name in report["lora"]["grads"])
-    assert not any("experts" in name for name in report["lora"]["grads"])  # frozen
+    for layout in ("lora", "lora_idle"):
+        grads = report[layout]["grads"]
+        assert any("attn" in name and "lora_A" in name for name in grads)
+        for weight in (".experts.base_layer.lora_A", ".experts.lora_B"):  # gate_up_proj's A, down_proj's B
+            assert sum(weight in name for name in grads) == 2, (layout, weight, sorted(grads))  # both layers
+        assert not any("experts" in name and ".lora_" not in name for name in grads)  # the experts: frozen
+        assert all(largest > 0 for name, (_, largest) in grads.items() if ".lora_" in name), layout
     assert "each expert's weights sharded over 2 process(es)" in report["full_shard"]["describe"]
     assert "replicated 2 times" in report["hybrid"]["describe"]
 

@@ -16,8 +16,11 @@ against the reference on the whole batch:
                  (the all-to-alls run again in the recomputation)
     uneven       FULL_SHARD, expert_parallel 2, 2 experts (top-1): one expert per pair, FSDP pads
                  its second shard to nothing; grouped products
-    lora         FULL_SHARD, expert_parallel 2, peft LoRA on attention: experts frozen, the adapters'
+    lora         FULL_SHARD, expert_parallel 2, LoRA on attention and on the experts (each rank
+                 applies its own experts' rows of the factors): experts frozen, the adapters'
                  gradients cross the all-to-all backward
+    lora_idle    as lora, with the routing of idle below: a rank without rows still gives its
+                 experts' factors (zero) gradients, which every rank reduces
     idle         FULL_SHARD, expert_parallel 2, every token routed to experts 0 and 1 (a hook on
                  the routers' logits): the second rank of each pair receives no row at all; the
                  experts run one product per expert (`expert_backend("loop")`, where CUDA has no
@@ -53,6 +56,7 @@ LAYOUTS = {
     "uneven": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, backend="grouped"),
     "lora": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True),
     "idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, idle=True, backend="loop"),
+    "lora_idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True, idle=True, backend="loop"),
 }
 
 
@@ -73,7 +77,7 @@ def build(config, lora: bool):
 
         from toolkit.models.adapters import LoRAArgs
 
-        model = get_peft_model(model, LoRAArgs(r=4, dropout=0.0, targets=("query", "value", "projection")).peft_config())
+        model = get_peft_model(model, LoRAArgs(r=4, dropout=0.0, targets=("query", "value", "projection", "experts")).peft_config())
         with torch.no_grad():  # B starts at zero, which would leave A without a gradient
             g = torch.Generator().manual_seed(1)
             for name, p in model.named_parameters():
@@ -90,7 +94,7 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     from toolkit.args import DistributedArgs
     from toolkit.models.gpt import Block
     from toolkit.models.moe import expert_backend
-    from toolkit.models.param_names import unwrapped_name
+    from toolkit.models.param_names import without_wrappers
     from toolkit.parallel.expert import clip_grad_norm
     from toolkit.parallel.fsdp import shard_model
     from toolkit.parallel.plan import plan_strategy
@@ -127,9 +131,10 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     dist.all_reduce(total)
 
     result: dict = {"describe": plan.describe(), "loss": [total.item() / WORLD, reference_loss.item()]}
-    # Names without wrapper segments (activation checkpointing, peft's base_model.model and base_layer).
-    ref_params = {unwrapped_name(n): p for n, p in reference.named_parameters()}
-    named = [(unwrapped_name(n), p) for n, p in model.named_parameters()]
+    # Names without wrapper segments (activation checkpointing, peft's base_model.model), peft's
+    # base_layer kept: it tells the adapters of the experts' two weights apart.
+    ref_params = {without_wrappers(n): p for n, p in reference.named_parameters()}
+    named = [(without_wrappers(n), p) for n, p in model.named_parameters()]
     grads, rows_filled, exported = {}, {}, {}
     for pname, param in named:
         ref = ref_params[pname]
@@ -141,7 +146,7 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
             rows, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
             full = ref.detach()[offset[0]:offset[0] + rows[0]]
             rows_filled[pname] = bool(torch.equal(param.to_local().detach(), full))
-        if "experts" in pname:
+        if "experts" in pname and ".lora_" not in pname:
             layout = _row_layout(param)
             parts: list = []
             if layout is not None:

@@ -201,12 +201,6 @@ def finetune_lora(
             raise UserError("--lora.targets head cannot be combined with --quantize: the output head is not quantized; drop 'head'.")
         if lora.parameter_names() and not config.is_moe:
             raise UserError(f"--lora.targets experts: {config.name} has no mixture of experts; drop 'experts'.")
-        if lora.parameter_names() and run_plan.strategy.expert_parallel > 1:
-            raise UserError(
-                f"--lora.targets experts cannot be combined with --distributed.expert_parallel {run_plan.strategy.expert_parallel} "
-                "yet: each rank would need its own experts' adapters; drop 'experts' (adapters on attention work with "
-                "expert parallelism) or use --distributed.expert_parallel 1."
-            )
         if config.is_moe and quantize is not None and quantize != "nf4":
             raise UserError(
                 f"--quantize {quantize} quantizes Linear layers only and would leave the experts of {config.name} "

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from toolkit.models.moe import GroupedExperts, moe_layers
+from toolkit.models.moe import GroupedExperts, LowRankUpdate
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -110,11 +110,21 @@ def _local_weights(module: nn.Module, gradient_factor: float) -> Iterator[None]:
         module._parameters.update(saved)
 
 
-def expert_parallel_forward(experts: GroupedExperts, group: Any, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def expert_parallel_forward(experts: GroupedExperts, group: Any, rows: torch.Tensor, counts: torch.Tensor,
+                            low_rank: Optional[dict[str, LowRankUpdate]] = None) -> torch.Tensor:  # fmt: skip
     """`GroupedExperts.forward` over an all-to-all group: rows (M, C) sorted by expert, counts (X,)
-    rows per expert -> (M, C), row i computed by its expert wherever that expert lives."""
+    rows per expert -> (M, C), row i computed by its expert wherever that expert lives.
+
+    `low_rank` (LoRA on the experts) holds every expert's factors, whole on every rank (the adapters
+    are sharded with the dense weights, not by expert); each rank applies its own experts' rows of
+    them. Their gradients need no scaling: the rank holding an expert computes its factors' gradient
+    for the rows its whole group sent, the other ranks add zeros, and FSDP2 averages over all W ranks.
+    """
     n = group.size()
     local = counts.numel() // n  # L experts per rank
+    if low_rank:
+        mine = slice(group.rank() * local, (group.rank() + 1) * local)
+        low_rank = {name: LowRankUpdate(u.A[mine], u.B[mine], u.scale) for name, u in low_rank.items()}
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts, group=group)  # [j * L + e]: rows rank j sends my expert e
     received = received.view(n, local)
@@ -127,19 +137,22 @@ def expert_parallel_forward(experts: GroupedExperts, group: Any, rows: torch.Ten
     order = ((run_of_row % local) * n + run_of_row // local).argsort(stable=True)
     if arrived.shape[0]:
         with _local_weights(experts, 1.0 / n):  # see the module's docstring, Gradients
-            out = GroupedExperts.forward(experts, arrived[order], received.sum(dim=0))  # (R, C)
+            out = GroupedExperts.forward(experts, arrived[order], received.sum(dim=0), low_rank)  # (R, C)
         # Arrival order again, in the dtype the rows came in: every rank sends the same dtype back.
         out = out[order.argsort()].to(arrived.dtype)
     else:
         # No row for this rank's experts: nothing to compute (one product per expert would leave no
-        # graph). The backward pass must still reach the all-to-all above: the group's other ranks run it.
+        # graph). The backward pass must still reach the all-to-all above: the group's other ranks run it,
+        # and the adapters' factors, whose gradients every rank reduces (zeros here).
         out = arrived * 0
+        for update in (low_rank or {}).values():
+            out = out + (update.A.sum() + update.B.sum()).to(out.dtype) * 0
     return _AllToAll.apply(out, receive, send, group)  # (M, C), the layer's order
 
 
 def expert_units(model: nn.Module) -> list[GroupedExperts]:
-    """The experts modules of every MoE layer of `model`, in order."""
-    return [layer.experts for layer in moe_layers(model)]
+    """The experts modules of every MoE layer of `model`, in order (inside peft's adapters on them, if any)."""
+    return [m for m in model.modules() if isinstance(m, GroupedExperts)]
 
 
 def distribute_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:
