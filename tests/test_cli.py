@@ -176,6 +176,25 @@ def test_the_process_ends_with_its_code_after_threads_exit_handlers_and_buffered
     assert marker.read_text() == "thread"
 
 
+def test_the_process_ends_with_an_idle_thread_pool_alive():
+    """Inductor compiles on a thread pool whose idle workers stop only when the interpreter's
+    thread-shutdown hooks tell them to: a compiled run with a cold cache hung after its work when
+    `end_process` joined the threads first. A pool that has run a task and sits idle must not keep
+    the process alive."""
+    import subprocess
+    import sys
+
+    code = (
+        "from concurrent.futures import ThreadPoolExecutor\n"
+        "from toolkit.cli import end_process\n"
+        "pool = ThreadPoolExecutor(2)\n"
+        "print(pool.submit(sum, [1, 2]).result())\n"
+        "end_process(0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and result.stdout == "3\n", result.stderr[-2000:]
+
+
 def test_importing_peft_through_the_cli_prints_no_import_noise():
     """peft imports torchao and bitsandbytes when they are installed; their import-time warnings
     (kernels for other hardware, an optional package, pytree notices) are not printed by a LoRA run."""

@@ -365,13 +365,22 @@ def end_process(code: int) -> None:
     on it. What an exit must do is done here, in the interpreter's order: threads still at work
     finish, the atexit handlers run (logging's flush, the libraries' own clean-up), the standard
     streams are flushed. It also leaves no communication thread to be destroyed mid-teardown.
+
+    The threads end as the interpreter ends them (`threading._shutdown`): first the hooks that tell
+    idle pools to stop, then the join. Joining first waited forever on the idle workers of the
+    thread pool inductor compiles with, which only that hook stops: every compiled run that had
+    compiled anything (a cold cache) hung after its work.
     """
     import atexit
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    shutdown = getattr(threading, "_shutdown", None)  # CPython 3.8 to 3.13
+    if shutdown is not None:
+        shutdown()
+    else:
+        for thread in threading.enumerate():
+            if thread is not threading.current_thread() and not thread.daemon:
+                thread.join()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         try:
