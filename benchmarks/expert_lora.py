@@ -20,7 +20,6 @@ left out. The two variants' losses and adapter gradients are checked against eac
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from moe_experts import model_and_batch  # noqa: E402  (the same model)
+from moe_experts import model_and_batch, start  # noqa: E402  (the same model and command line)
 
 VARIANTS = ("peft", "factored")
 SETTINGS = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
@@ -103,24 +102,9 @@ def agreement(models, ids) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="*", default=["bf16", "float32"], choices=["float32", "bf16"])
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (set OMP_NUM_THREADS alike)")
-    parser.add_argument("--tokens", type=int, default=1024)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--top_k", type=int, default=4)
-    parser.add_argument("--expert_size", type=int, default=384, help="moe_intermediate_size")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps per variant per round, after a warm-up")
-    args = parser.parse_args()
+    args = start(__doc__, ["bf16", "float32"], ", rank-8 adapters on the experts, query and value")
     import torch
 
-    torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {args.threads} thread(s) (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}), "
-          f"{args.layers} MoE layers, n_embd 512, {args.experts} experts top-{args.top_k}, expert width "
-          f"{args.expert_size}, {args.tokens} tokens, rank-8 adapters on the experts, query and value; "
-          "load average %.2f %.2f %.2f" % os.getloadavg(), flush=True)
     print("| dtype | peft (W + dW) | factored | peft / factored (median of rounds) | saved for backward: peft | "
           "factored | loss, gradients: max rel. difference |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -73,9 +73,11 @@ def check(model, ids, dtype) -> float:
     return float((grads["grouped"] - grads["loop"]).abs().max() / grads["loop"].abs().max())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", nargs="*", default=["float32", "bf16"], choices=["float32", "bf16"])
+def start(doc: str, dtypes: list[str], what: str = "") -> argparse.Namespace:
+    """Parse the command line (the model's shape, threads, rounds; shared with expert_lora.py), set
+    the threads, print the set-up line, with `what` after the model's sizes."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", nargs="*", default=dtypes, choices=["float32", "bf16"])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (set OMP_NUM_THREADS alike)")
     parser.add_argument("--tokens", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -83,14 +85,21 @@ def main() -> None:
     parser.add_argument("--top_k", type=int, default=4)
     parser.add_argument("--expert_size", type=int, default=384, help="moe_intermediate_size")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="timed steps per backend per round, after a warm-up")
+    parser.add_argument("--repeats", type=int, default=2, help="timed steps of each variant per round, after a warm-up")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s) (OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}), "
           f"{args.layers} MoE layers, n_embd 512, {args.experts} experts top-{args.top_k}, expert width "
-          f"{args.expert_size}, {args.tokens} tokens; load average %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+          f"{args.expert_size}, {args.tokens} tokens{what}; load average %.2f %.2f %.2f" % os.getloadavg(), flush=True)
+    return args
+
+
+def main() -> None:
+    args = start(__doc__, ["float32", "bf16"])
+    import torch
+
     print("| dtype | grouped | min - max | loop | min - max | loop / grouped (median of rounds) | gradients, max rel. difference |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.dtypes:
