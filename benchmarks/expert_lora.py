@@ -24,11 +24,12 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from moe_experts import model_and_batch, start  # noqa: E402  (the same model and command line)
+from moe_experts import model_and_batch, paired_rounds, start  # noqa: E402  (the same model, command line, timing)
 
 VARIANTS = ("peft", "factored")
 SETTINGS = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
@@ -113,16 +114,8 @@ def main() -> None:
         models, ids = adapted_models(args, dtype)
         loss_diff, grad_diff = agreement(models, ids)
         saved = {variant: saved_bytes(models[variant], ids) for variant in VARIANTS}
-        times: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
-        ratios = []
-        for round_ in range(args.rounds):
-            medians = {}
-            for variant in VARIANTS if round_ % 2 == 0 else VARIANTS[::-1]:
-                step(models[variant], ids)  # warm-up
-                got = [step(models[variant], ids) for _ in range(args.repeats)]
-                times[variant] += got
-                medians[variant] = statistics.median(got)
-            ratios.append(medians["peft"] / medians["factored"])
+        times, rounds = paired_rounds({v: partial(step, models[v], ids) for v in VARIANTS}, args.rounds, args.repeats)
+        ratios = [medians["peft"] / medians["factored"] for medians in rounds]
         p, f = times["peft"], times["factored"]
         print(f"| {name} | {1000 * statistics.median(p):.0f} ms ({1000 * min(p):.0f} - {1000 * max(p):.0f}) | "
               f"{1000 * statistics.median(f):.0f} ms ({1000 * min(f):.0f} - {1000 * max(f):.0f}) | "

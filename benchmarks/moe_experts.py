@@ -26,7 +26,9 @@ import os
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
@@ -96,6 +98,26 @@ def start(doc: str, dtypes: list[str], what: str = "") -> argparse.Namespace:
     return args
 
 
+def paired_rounds(steps: dict[str, Callable[[], float]], rounds: int, repeats: int
+                  ) -> tuple[dict[str, list[float]], list[dict[str, float]]]:  # fmt: skip
+    """Time each variant's `steps[name]()` (one step, returns its seconds) `repeats` times after a
+    warm-up step, variant after variant, the order reversed every other round so that the shared
+    machine's drift falls on all of them. Returns every timed step per variant, and each round's
+    median per variant (shared with expert_lora.py)."""
+    names = list(steps)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    medians = []
+    for round_ in range(rounds):
+        this_round = {}
+        for name in names if round_ % 2 == 0 else names[::-1]:
+            steps[name]()  # warm-up
+            got = [steps[name]() for _ in range(repeats)]
+            times[name] += got
+            this_round[name] = statistics.median(got)
+        medians.append(this_round)
+    return times, medians
+
+
 def main() -> None:
     args = start(__doc__, ["float32", "bf16"])
     import torch
@@ -106,17 +128,9 @@ def main() -> None:
         dtype = {"float32": torch.float32, "bf16": torch.bfloat16}[name]
         model, ids = model_and_batch(args, dtype)
         difference = check(model, ids, dtype)
-        times: dict[str, list[float]] = {"grouped": [], "loop": []}
-        ratios = []
-        for round_ in range(args.rounds):
-            order = ("grouped", "loop") if round_ % 2 == 0 else ("loop", "grouped")
-            medians = {}
-            for backend in order:
-                step(model, ids, backend)  # warm-up
-                got = [step(model, ids, backend) for _ in range(args.repeats)]
-                times[backend] += got
-                medians[backend] = statistics.median(got)
-            ratios.append(medians["loop"] / medians["grouped"])
+        times, rounds = paired_rounds({b: partial(step, model, ids, b) for b in ("grouped", "loop")}, args.rounds,
+                                      args.repeats)
+        ratios = [medians["loop"] / medians["grouped"] for medians in rounds]
         g, lp = times["grouped"], times["loop"]
         print(f"| {name} | {1000 * statistics.median(g):.0f} ms | {1000 * min(g):.0f} - {1000 * max(g):.0f} | "
               f"{1000 * statistics.median(lp):.0f} ms | {1000 * min(lp):.0f} - {1000 * max(lp):.0f} | "
