@@ -1,8 +1,11 @@
 """The mixture-of-experts layer on one device: grouped experts equal looped ones, the router's
 losses equal transformers' definition, config refusals."""
 
+import contextlib
+
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from toolkit.errors import UserError
 from toolkit.models.config import Config
@@ -146,6 +149,52 @@ def test_grouped_experts_compute_under_autocast_as_linear_layers_do():
         assert outputs["grouped"].dtype == outputs["loop"].dtype == torch.bfloat16
         torch.testing.assert_close(outputs["grouped"], outputs["loop"], rtol=2e-2, atol=1e-2)
 
+
+
+class _GroupedRuns(TorchDispatchMode):
+    """Records where each run ends (`offs`) in every grouped product, forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ends: list[list[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default:
+            self.ends.append((kwargs["offs"] if "offs" in kwargs else args[2]).tolist())
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_16_bit_runs_on_a_cpu_are_padded_and_compute_what_unpadded_runs_compute(dtype):
+    """A CPU's 16-bit products go through oneDNN, which keeps a compiled kernel per height of rows:
+    each expert's run reaches the grouped kernel padded to a multiple of RUN_ROWS (forward and
+    backward), and gives the output and gradients of the runs as routed, bit for bit. float32, and
+    fake tensors standing for a GPU's step (`expert_runs_as_on_a_gpu`), keep the runs as routed."""
+    from toolkit.models.moe import RUN_ROWS, expert_product, expert_runs_as_on_a_gpu
+
+    counts = torch.tensor([0, 5, RUN_ROWS, RUN_ROWS + 1, 1, 70])
+    generator = torch.Generator().manual_seed(2)
+    x = torch.randn(int(counts.sum()), 48, generator=generator).to(dtype)
+    weight = torch.randn(6, 24, 48, generator=generator).to(dtype)
+    grad = torch.randn(int(counts.sum()), 24, generator=generator).to(dtype)
+    results, ends = {}, {}
+    for padded in (True, False):
+        rows, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        with (contextlib.nullcontext() if padded else expert_runs_as_on_a_gpu()), _GroupedRuns() as runs:
+            out = expert_product(rows, w, counts, grouped=True)
+            out.backward(grad)
+        results[padded], ends[padded] = (out, rows.grad, w.grad), runs.ends
+    routed = counts.cumsum(0).tolist()
+    assert ends[False] == [routed] * 3  # the forward product and the two of its backward pass
+    if dtype == torch.bfloat16:
+        lengths = torch.diff(torch.tensor(ends[True][0]), prepend=torch.tensor([0]))
+        assert ends[True] == [ends[True][0]] * 3 and lengths.tolist() == [0, 32, 32, 64, 32, 96]
+        assert all(n % RUN_ROWS == 0 for n in lengths.tolist())
+    else:
+        assert ends[True] == [routed] * 3
+    for padded_result, routed_result in zip(results[True], results[False]):
+        assert torch.equal(padded_result, routed_result)
 
 def test_a_backend_switch_holds_only_inside_its_block_and_refuses_unknown_names():
     """`expert_backend` (like `attention_backend` and `router_stats_off`, one `Switch` each): the

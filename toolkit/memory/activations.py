@@ -190,7 +190,7 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
     head_module = edges[1][-1] if edges is not None else model.lm_head
     model.train()
     autocast = torch.autocast("cpu", dtype=compute) if mode.autocast else _Nothing()
-    with FakeTensorMode(allow_non_fake_inputs=True), loss_as_on_a_gpu():
+    with FakeTensorMode(allow_non_fake_inputs=True), on_fake_tensors(mode.real_cpu):
         model.to_empty(device="cpu")
         recorder = _Recorder(model, blocks, head_module, mode.cuda)
         ids = torch.zeros(micro_batch, opts.max_seq_length, dtype=torch.long)
@@ -241,14 +241,19 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
 
 
 @contextmanager
-def loss_as_on_a_gpu():
-    """The fused loss as a GPU runs it, for the recording and the simulation: every row computed and
-    its chunk buffers allocated at each call (`toolkit.models.loss.loss_settings`)."""
-    from toolkit.models.loss import loss_settings
+def on_fake_tensors(real_cpu: bool = False):
+    """What the layers do differently for the recording and the simulation, whose fake tensors have
+    no values and stand for a step on a GPU, or on real CPU tensors (`real_cpu`, `Mode.real_cpu`):
+    the fused loss computes every row (no values to find ignored rows by) and allocates its chunk
+    buffers at each call (kept as its scratch buffers, fake tensors would outlive the recording);
+    the experts' runs are padded on a real CPU only (`toolkit.models.moe.RUN_ROWS`)."""
+    from contextlib import nullcontext
 
-    # Fake tensors have no values to find ignored rows by, and kept as the fused loss's scratch
-    # buffers they would outlive the recording or the simulation.
-    with loss_settings(reuse_scratch=False, skip_ignored=False):
+    from toolkit.models.loss import loss_settings
+    from toolkit.models.moe import expert_runs_as_on_a_gpu
+
+    runs = nullcontext() if real_cpu else expert_runs_as_on_a_gpu()
+    with loss_settings(reuse_scratch=False, skip_ignored=False), runs:
         yield
 
 

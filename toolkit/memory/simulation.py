@@ -238,9 +238,9 @@ def _run(model, decay, plan, train, rows, max_seq_length, micro_batches, forward
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from toolkit.memory.activations import loss_as_on_a_gpu
+    from toolkit.memory.activations import on_fake_tensors
 
-    with FakeTensorMode(allow_non_fake_inputs=True), loss_as_on_a_gpu():
+    with FakeTensorMode(allow_non_fake_inputs=True), on_fake_tensors():
         model.to_empty(device="cpu")  # each rank's shards (setup_model then reads the rows)
         reference = None
         if copy is not None:

@@ -34,6 +34,15 @@ from toolkit.models.switch import Switch
 # Which kernel runs the experts: "grouped" (torch._grouped_mm: one product per weight for all
 # experts), "loop" (a product per expert), None: grouped where torch has it (`_use_grouped`), else loop.
 KERNEL = Switch("expert backend", None, (None, "grouped", "loop"))
+# On a CPU a 16-bit matrix product runs through oneDNN, which compiles a kernel for each shape it
+# meets and keeps the last 1,024. Every expert's run of rows is a product of its own height, and
+# routing changes the heights at every step, so unpadded a CPU keeps compiling: a third of a small
+# Qwen3-MoE step in bf16 (benchmarks/README.md, "MoE step against LitGPT"). Runs padded with zero
+# rows to a multiple of RUN_ROWS meet a few dozen heights, whose kernels stay compiled.
+RUN_ROWS = 32
+# Whether grouped products on a CPU pad the runs (`_pads_runs`); off where fake tensors on the CPU
+# stand for a GPU's step, whose grouped kernels take runs of any height.
+PADDED_RUNS = Switch("padded expert runs", True, (True, False))
 # Whether MoE layers keep what they routed (`MoE.router_stats`); `router_stats_off` clears it for
 # forward passes whose routing no loss reads.
 RECORDING = Switch("router recording", True, (True, False))
@@ -80,6 +89,12 @@ def _recomputing(counted: Optional[torch.Tensor]) -> Iterator[None]:
 def expert_backend(name: Optional[str]):
     """Inside the `with` block, experts run through `name` ("grouped", "loop"; None: chosen by device)."""
     return KERNEL.use(name)
+
+
+def expert_runs_as_on_a_gpu():
+    """Inside the `with` block, grouped products on a CPU leave the experts' runs unpadded, as a GPU
+    computes them (see RUN_ROWS): for fake tensors on the CPU that stand for a GPU's step."""
+    return PADDED_RUNS.use(False)
 
 
 def router_stats_off():
@@ -180,6 +195,8 @@ def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     x, weight = _as_linear_computes(x, weight)
     x = x.to(weight.dtype)
     if grouped:
+        if _pads_runs(x):
+            return _padded_grouped_product(x, weight.transpose(-2, -1), counts)
         ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
     # unbind, not indexing: the backward of weight[e] would write a zero gradient of the whole
@@ -188,6 +205,28 @@ def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     outputs = [F.linear(rows, matrices[e]) for e, rows in enumerate(x.split(counts.tolist(), dim=0)) if rows.shape[0]]
     return torch.cat(outputs) if outputs else x.new_zeros(0, weight.shape[1])
 
+
+
+def _pads_runs(x: torch.Tensor) -> bool:
+    """Whether grouped products pad each expert's run (`_padded_grouped_product`): 16-bit rows on a
+    CPU, unless `expert_runs_as_on_a_gpu` (the memory recording under a GPU's rules, the simulation)."""
+    return PADDED_RUNS.value and x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def _padded_grouped_product(x: torch.Tensor, weight_t: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x (M, in) sorted by expert, weight_t (X, in, out), counts (X,) -> (M, out), as one grouped
+    product over runs padded with zero rows to a multiple of RUN_ROWS. The padded rows are never read
+    back, so they add nothing to any gradient. The buffer holds M + X * (RUN_ROWS - 1) rows, a bound
+    known without reading `counts` (no wait for the values, and a fixed shape when compiled); rows
+    after the last run are not computed."""
+    M, X = x.shape[0], counts.numel()
+    padded = (counts + RUN_ROWS - 1) // RUN_ROWS * RUN_ROWS  # (X,)
+    moved = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # (X,) how far each run moves down
+    expert = torch.repeat_interleave(torch.arange(X, device=x.device), counts, output_size=M)  # (M,)
+    slots = torch.arange(M, device=x.device) + moved[expert]  # (M,) each row's place among the padded
+    rows = x.new_zeros(M + X * (RUN_ROWS - 1), x.shape[1]).index_copy(0, slots, x)
+    out = torch._grouped_mm(rows, weight_t, offs=padded.cumsum(0).to(torch.int32))
+    return out.index_select(0, slots)
 
 @dataclass(frozen=True)
 class LowRankUpdate:
