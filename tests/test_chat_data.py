@@ -442,6 +442,23 @@ def test_generation_stops_at_the_template_end_of_turn_token(tokenizer_dirs):
         assert stops == {tokenizer.token_to_id(token), tokenizer.eos_id}, name
 
 
+def test_generation_also_stops_at_every_eos_id_of_generation_config(tokenizer_dirs, tmp_path):
+    """Llama 3.1's instruct checkpoints list <|end_of_text|>, <|eom_id|> and <|eot_id|> as
+    eos_token_id in generation_config.json: chat generation stops at each of them, beside the
+    template's own end of turn."""
+    import shutil
+
+    from toolkit.generate_chat import end_of_turn_ids
+
+    folder = tmp_path / "llama3.2"
+    shutil.copytree(tokenizer_dirs["llama3.2"], folder)
+    listed = [Tokenizer(folder).token_to_id(token) for token in ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>")]
+    assert None not in listed
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": listed}))
+    tokenizer = Tokenizer(folder)
+    assert end_of_turn_ids(resolve_chat_template(tokenizer), tokenizer) == set(listed) | {tokenizer.eos_id}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Typed template variables, from the command line, YAML and `generate`
 

@@ -105,6 +105,7 @@ def test_resolution_order(tmp_path, assets):
     )
     tok = Tokenizer(folder)
     assert (tok.bos_id, tok.eos_id, tok.pad_id, tok.add_bos) == (1, 7, 3, True)
+    assert tok.stop_ids == {7, 8}  # generation stops at every listed EOS
     assert tok.encode("x").tolist()[0] == 1
 
 

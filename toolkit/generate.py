@@ -122,7 +122,7 @@ def generate(
         if messages is not None:
             return answer_messages(session, conversation, num_samples)
         return interactive(session, system)
-    stop_ids = {tokenizer.eos_id} - {None}
+    stop_ids = tokenizer.stop_ids
     stop_texts: list[str] = []
     if prompt_style is not None:
         from toolkit.data.prompts import resolve_style

@@ -47,8 +47,9 @@ def read_messages(path: Path, system: Optional[str] = None) -> list[dict[str, st
 
 
 def end_of_turn_ids(template: ChatTemplate, tokenizer: "Tokenizer") -> set[int]:
-    """EOS and the special token that closes an assistant turn in this template (if it has one)."""
-    stops = {tokenizer.eos_id} if tokenizer.eos_id is not None else set()
+    """The tokenizer's stop ids (EOS, generation_config.json's eos_token_id) and the special token
+    that closes an assistant turn in this template (if it has one)."""
+    stops = tokenizer.stop_ids
     probe = Conversation.of([{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}], "probe")
     try:
         ids, spans, unclosed = assistant_spans(probe, template, tokenizer)

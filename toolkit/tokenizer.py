@@ -150,6 +150,12 @@ class Tokenizer:
         else:
             self.add_bos = self.bos_id is not None and prepended == self.bos_id
 
+    @property
+    def stop_ids(self) -> set[int]:
+        """The ids generation stops at: EOS and every id generation_config.json names as eos_token_id
+        (Llama 3's instruct models: <|end_of_text|>, <|eom_id|> and <|eot_id|>)."""
+        return ({self.eos_id} - {None}) | set(self.generation_stop_ids)
+
     def _post_processor_prefix(self) -> Optional[int]:
         """The id the tokenizer's post-processor puts before the text (llama2: <s>), if any."""
         # Ask the tokenizer rather than parse post_processor JSON (Template, Sequence, Roberta... differ).
