@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
-from moe_experts import model_and_batch, paired_rounds, start  # noqa: E402  (the same model, command line, timing)
+from moe_experts import batch_streams, model_and_batch, paired_rounds, start  # noqa: E402  (the same model, command line, timing)
 
 VARIANTS = ("peft", "factored")
 SETTINGS = dict(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
@@ -59,7 +59,8 @@ def adapted_models(args, dtype):
     return models, ids
 
 
-def step(model, ids) -> float:
+def step(model, batches) -> float:
+    ids = next(batches)
     start = time.perf_counter()
     model(ids, labels=ids).backward()
     model.zero_grad(set_to_none=True)
@@ -114,7 +115,8 @@ def main() -> None:
         models, ids = adapted_models(args, dtype)
         loss_diff, grad_diff = agreement(models, ids)
         saved = {variant: saved_bytes(models[variant], ids) for variant in VARIANTS}
-        times, rounds = paired_rounds({v: partial(step, models[v], ids) for v in VARIANTS}, args.rounds, args.repeats)
+        streams = batch_streams(args, ids, VARIANTS)
+        times, rounds = paired_rounds({v: partial(step, models[v], streams[v]) for v in VARIANTS}, args.rounds, args.repeats)
         ratios = [medians["peft"] / medians["factored"] for medians in rounds]
         p, f = times["peft"], times["factored"]
         print(f"| {name} | {1000 * statistics.median(p):.0f} ms ({1000 * min(p):.0f} - {1000 * max(p):.0f}) | "

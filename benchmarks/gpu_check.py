@@ -12,6 +12,13 @@ random weights, data is random tokens.
     fused_loss            the fused head + cross-entropy (`linear_cross_entropy_sum`, its CUDA
                           branch) against `cross_entropy_sum` of the full logits, bfloat16 and
                           float32: loss and gradient differences, peak memory of each
+    attention_kernels     a sliding-window, softcapped attention layer through each kernel the
+                          toolkit could use: time, memory, agreement
+    attention_sinks       gpt-oss's attention sinks through both kernels that take them
+    moe_experts           one Qwen3-30B-A3B-shaped MoE layer: grouped products against one product
+                          per expert, time and agreement
+    moe_step_litgpt       a whole optimizer step of small Qwen3-MoE and Mixtral shapes, the toolkit
+                          against LitGPT 0.5.13 (benchmarks/litgpt_step.py; LitGPT from gpu_wheels.sh)
     fp16_mixed            "16-mixed" trains a small model a few steps on one batch: the GradScaler
                           path (loss finite and falling, the scale it ended with)
     nccl_paths            FSDP on a 1-process NCCL group: the streamed final export (`stream_weights`)
@@ -425,6 +432,32 @@ def moe_experts(ctx: Context) -> dict:
     figures["speedup"] = figures["loop"]["seconds"] / max(figures["grouped"]["seconds"], 1e-9)
     if not figures["agrees"]:
         raise CheckFailed("grouped experts differ from looped experts beyond tolerance", figures)
+    return figures
+
+
+@check("moe_step_litgpt", budget=120)
+def moe_step_litgpt(ctx: Context) -> dict:
+    """benchmarks/litgpt_step.py on the GPU: a whole optimizer step of the small Qwen3-MoE and Mixtral
+    shapes (bf16 weights, 2 x 512 tokens), the toolkit against LitGPT 0.5.13, fresh processes
+    alternating pair by pair (the issue's goal: at least 3x). LitGPT comes from benchmarks/gpu_wheels.sh;
+    where it is not installed (the dry run) the toolkit's runs alone."""
+    import importlib.util
+
+    litgpt = importlib.util.find_spec("litgpt") is not None
+    figures: dict = {"litgpt_installed": litgpt, "device": ctx.device}
+    for shape, pairs in ctx.pick((("qwen3-moe", 3), ("mixtral", 2)), (("mixtral", 1),)):
+        results = ctx.work / f"litgpt_step_{shape}.json"
+        command = [sys.executable, str(REPO / "benchmarks" / "litgpt_step.py"), "--shape", shape, "--dtype", "bfloat16",
+                   "--device", ctx.device, "--pairs", str(pairs), "--tools", "toolkit,litgpt" if litgpt else "toolkit",
+                   "--litgpt_python", sys.executable, "--out", str(results),
+                   *ctx.pick(("--warmup", "3", "--steps", "10"), ("--warmup", "0", "--steps", "1", "--seq_len", "32"))]
+        run = subprocess.run(command, capture_output=True, text=True)
+        if run.returncode != 0:
+            raise CheckFailed(f"litgpt_step.py --shape {shape} exited with {run.returncode}: "
+                              + (run.stdout + run.stderr).strip().splitlines()[-1], {**figures, "command": " ".join(command)})
+        summary = json.loads(results.read_text())["summary"]
+        figures[shape] = {k: v for k, v in summary.items() if k != "load_average"}
+        figures[shape]["command"] = " ".join(command[1:])
     return figures
 
 

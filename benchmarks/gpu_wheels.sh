@@ -3,7 +3,9 @@
 # by git), for its Python (3.12, x86-64). The image has torch, peft, transformers, safetensors,
 # tokenizers, huggingface-hub, jinja2 and numpy; it lacks these, or has other versions:
 #   lightning-fabric, litdata (and what it imports: boto3, botocore, s3transfer, jmespath, obstore),
-#   torchao, jsonargparse (docstring-parser, typeshed-client).
+#   torchao, jsonargparse (docstring-parser, typeshed-client);
+#   and for the check against LitGPT (gpu_check.py's moe_step_litgpt): litgpt 0.5.13, lightning,
+#   torchmetrics, lightning-utilities.
 # Versions from constraints.txt where it names them, else this machine's venv.
 #
 #   bash benchmarks/gpu_wheels.sh                      # here, once (about 27 MiB)
@@ -20,5 +22,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
   "$(pinned lightning-fabric)" "$(pinned litdata)" "$(pinned torchao)" "$(pinned jsonargparse)" \
   "$(pinned docstring-parser)" "$(pinned typeshed-client)" \
-  "$(installed boto3)" "$(installed botocore)" "$(installed s3transfer)" "$(installed jmespath)" "$(installed obstore)"
+  "$(installed boto3)" "$(installed botocore)" "$(installed s3transfer)" "$(installed jmespath)" "$(installed obstore)" \
+  "litgpt==0.5.13" "lightning==$(pinned lightning-fabric | cut -d= -f3)" "torchmetrics==1.9.0" "$(installed lightning-utilities)"
 du -sh .whl

@@ -11,7 +11,9 @@ n_embd 512, 8 heads (4 KV) of 64, 4 layers, a 2,048-token vocabulary (so that th
 beside the experts), micro-batch 1; trained in the precision asked ("bf16": every weight bf16, as
 bf16-true; "float32"). A step is one forward pass with the loss and its backward pass.
 
-Paired and repeated: both backends live in one process on the same model and batch; each round
+Paired and repeated: both backends live in one process on the same model and step through the same
+batches, a new one at each step as in training (`--fixed_batch`: one batch throughout, whose routing
+never changes, so that on a CPU every shape's oneDNN kernel stays compiled); each round
 times `--repeats` steps of one backend after a warm-up step, then the other's, the order
 alternating from round to round, so that the shared machine's drift falls on both. The median of
 each backend's steps over the rounds, its range, and the median of the per-round ratios are
@@ -49,9 +51,24 @@ def model_and_batch(args, dtype):
     return model, ids
 
 
-def step(model, ids, backend: str) -> float:
+def batch_streams(args, ids, names) -> dict:
+    """For each variant its own iterator over one list of batches, so that every variant steps through
+    the same batches in the same order: a new batch at each step (new routing, new heights of the
+    experts' runs, as in training), or `ids` at every step with `--fixed_batch`."""
+    import itertools
+
+    import torch
+
+    generator = torch.Generator().manual_seed(3)
+    count = args.rounds * (args.repeats + 1)  # a warm-up step and the timed ones per round
+    batches = [ids] if args.fixed_batch else [torch.randint(0, 2048, ids.shape, generator=generator) for _ in range(count)]
+    return {name: itertools.cycle(batches) for name in names}
+
+
+def step(model, batches, backend: str) -> float:
     from toolkit.models.moe import expert_backend
 
+    ids = next(batches)
     start = time.perf_counter()
     with expert_backend(backend):
         loss = model(ids, labels=ids)
@@ -88,6 +105,8 @@ def start(doc: str, dtypes: list[str], what: str = "") -> argparse.Namespace:
     parser.add_argument("--expert_size", type=int, default=384, help="moe_intermediate_size")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--repeats", type=int, default=2, help="timed steps of each variant per round, after a warm-up")
+    parser.add_argument("--fixed_batch", action="store_true",
+                        help="every step on one batch: the routing never changes (how the figures before 2026-11-27's second set were taken)")
     args = parser.parse_args()
     import torch
 
@@ -128,7 +147,8 @@ def main() -> None:
         dtype = {"float32": torch.float32, "bf16": torch.bfloat16}[name]
         model, ids = model_and_batch(args, dtype)
         difference = check(model, ids, dtype)
-        times, rounds = paired_rounds({b: partial(step, model, ids, b) for b in ("grouped", "loop")}, args.rounds,
+        streams = batch_streams(args, ids, ("grouped", "loop"))
+        times, rounds = paired_rounds({b: partial(step, model, streams[b], b) for b in ("grouped", "loop")}, args.rounds,
                                       args.repeats)
         ratios = [medians["loop"] / medians["grouped"] for medians in rounds]
         g, lp = times["grouped"], times["loop"]

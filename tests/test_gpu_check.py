@@ -19,6 +19,7 @@ EXPECTED = {
     "attention_kernels": {"shape", "dense", "chunked", "tolerance"},
     "attention_sinks": {"shape", "cases"},
     "moe_experts": {"shape", "grouped", "loop", "grouped_vs_loop", "agrees", "speedup"},
+    "moe_step_litgpt": {"litgpt_installed", "mixtral"},
     "fp16_mixed": {"precision", "losses", "finite", "falls", "scaler"},
     "nccl_paths": {"backend", "export_identical", "rng_round_trip", "rng_from_more_gpus"},
     "cpu_offload_nf4": {"one_rank_group", "nf4_two_ranks", "nf4_one_rank"},
@@ -54,6 +55,8 @@ def test_dry_run_figures_hold(dry_run):
     checks = {name: entry["figures"] for name, entry in dry_run[1]["checks"].items()}
     for dtype in ("bfloat16", "float32"):
         assert checks["fused_loss"][dtype]["agrees"], checks["fused_loss"][dtype]
+    step = checks["moe_step_litgpt"]["mixtral"]  # the toolkit's step (LitGPT is not installed here)
+    assert step["toolkit_median_s"] > 0 and step["parameters"]["toolkit"] > 0 and step["device"] == "cpu"
     assert checks["fp16_mixed"]["finite"] and checks["fp16_mixed"]["falls"]
     assert checks["nccl_paths"]["export_identical"] and checks["nccl_paths"]["rng_from_more_gpus"]
     offload = checks["cpu_offload_nf4"]

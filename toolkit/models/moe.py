@@ -217,8 +217,9 @@ def _padded_grouped_product(x: torch.Tensor, weight_t: torch.Tensor, counts: tor
     """x (M, in) sorted by expert, weight_t (X, in, out), counts (X,) -> (M, out), as one grouped
     product over runs padded with zero rows to a multiple of RUN_ROWS. The padded rows are never read
     back, so they add nothing to any gradient. The buffer holds M + X * (RUN_ROWS - 1) rows, a bound
-    known without reading `counts` (no wait for the values, and a fixed shape when compiled); rows
-    after the last run are not computed."""
+    known without the counts' values: a shape fixed when compiled, and the same on the fake tensors
+    of the memory recording (`toolkit.memory.activations`) as in the run. Rows after the last run
+    are not computed."""
     M, X = x.shape[0], counts.numel()
     padded = (counts + RUN_ROWS - 1) // RUN_ROWS * RUN_ROWS  # (X,)
     moved = (padded.cumsum(0) - padded) - (counts.cumsum(0) - counts)  # (X,) how far each run moves down
