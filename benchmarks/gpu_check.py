@@ -445,7 +445,7 @@ def moe_step_litgpt(ctx: Context) -> dict:
 
     litgpt = importlib.util.find_spec("litgpt") is not None
     figures: dict = {"litgpt_installed": litgpt, "device": ctx.device}
-    for shape, pairs in ctx.pick((("qwen3-moe", 3), ("mixtral", 2)), (("mixtral", 1),)):
+    for shape, pairs in ctx.pick((("qwen3-moe", 2), ("mixtral", 2)), (("mixtral", 1),)):
         results = ctx.work / f"litgpt_step_{shape}.json"
         command = [sys.executable, str(REPO / "benchmarks" / "litgpt_step.py"), "--shape", shape, "--dtype", "bfloat16",
                    "--device", ctx.device, "--pairs", str(pairs), "--tools", "toolkit,litgpt" if litgpt else "toolkit",
