@@ -190,6 +190,8 @@ def test_a_custom_objective_with_a_frozen_reference_gives_on_two_fsdp_processes_
         assert report["reference_outside_the_optimizer"] and report["sharded_alike"], report
         assert report["decayed_parameters"] == report["matrices"], report
     assert [r["sharded"] for r in reports] == [False, True, True]
+    # validation frees what its forward passes gathered (the head and final norm wait for a backward pass)
+    assert [r["sharded_after_validation"] for r in reports] == [False, True, True]
     assert [r["reference_sharded_after_fit"] for r in reports] == [False, True, True]
 
     a, b = load_file(str(one / "final" / "model.safetensors")), load_file(str(two / "final" / "model.safetensors"))

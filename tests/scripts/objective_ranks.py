@@ -24,6 +24,7 @@ from session_ranks import STEPS, shares, start_session  # noqa: E402
 from toolkit.models import IGNORE_INDEX  # noqa: E402
 from toolkit.models.config import Config  # noqa: E402
 from toolkit.models.gpt import GPT  # noqa: E402
+from toolkit.training.loop import validate  # noqa: E402
 from toolkit.training.objectives import Objective  # noqa: E402
 
 CONFIG = Config.from_name("debug-neox", vocab_size=128)
@@ -76,6 +77,9 @@ def run(out_dir: Path, devices: int) -> None:
     session.fit(model, optimizer, train_data, val_data, total_steps=STEPS, tokens_per_step=None,
                 objective=LossAboveReference(reference))
     session.export_final(model)
+    # Validation's forward passes have no backward pass: what they gathered is freed after them.
+    validate(fabric, model, val_data, max_iters=2)
+    sharded_after_validation = all(hasattr(p, "placements") for p in model.parameters())
 
     trained_ids = {id(p) for group in adamw.param_groups for p in group["params"]}
     with torch.device("meta"):
@@ -90,6 +94,7 @@ def run(out_dir: Path, devices: int) -> None:
         # After its forward passes the reference holds its shards only, nothing gathered.
         "reference_sharded_after_fit": all(hasattr(p, "placements") for p in reference.parameters()),
         "sharded": any(hasattr(p, "placements") for p in model.parameters()),
+        "sharded_after_validation": sharded_after_validation,
         "decayed_parameters": len(decay_group[0]["params"]) if decay_group else 0,
         "matrices": matrices,
     }

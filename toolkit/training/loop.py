@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.parallel.fsdp import release_gathered
 from toolkit.training.objectives import CausalLM, Objective, ObjectiveOutput
 
 
@@ -385,7 +386,8 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
     loader's global order does not depend on the number of processes, and rank r's i-th batch is
     batch i * world_size + r of that order. Each rank runs ceil(max_iters / world_size) forward
     passes (under FSDP every rank must run as many), and a rank's last one is left out of the sums
-    when it lies beyond `max_iters`. `objective` None is `CausalLM()`.
+    when it lies beyond `max_iters`. `objective` None is `CausalLM()`. Under FSDP every unit holds
+    only its shards afterwards.
     """
     objective = objective if objective is not None else CausalLM()
     was_training = model.training
@@ -406,6 +408,10 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
         output = objective(model, fabric.to_device(batch))
         if i * fabric.world_size + fabric.global_rank < max_iters:
             sums.add(output)
+    # Forward passes without a backward pass leave the units that wait for one gathered (the final
+    # norm and head, the root, every unit under SHARD_GRAD_OP): freed here, not held through the
+    # training forward pass that follows.
+    release_gathered(model)
     model.train(was_training)
     means = sums.means(fabric)
     if objective.reports_perplexity:
