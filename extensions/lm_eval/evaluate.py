@@ -120,6 +120,7 @@ def evaluate(
     files = check_data_files(names, data_files or {})
     task_manager = make_task_manager(names, files, include_path)
     task_dict = check_tasks_load(names, task_manager)
+    check_data_files_read(files, task_dict, names)
     check_unsafe_code(task_dict, confirm_run_unsafe_code)
     check_generation_lengths(task_dict, generation, max_length=settings[1])
     out_dir = Path(out_dir) if out_dir is not None else (adapter_dir or checkpoint) / "eval"
@@ -177,21 +178,35 @@ def _drop_metadata_hint(record: logging.LogRecord) -> bool:
 
 
 def check_data_files(names: list[str], data_files: dict[str, Path]) -> dict[str, str]:
-    """{task: absolute path} for the offline tasks among `names`; each file read once to check it."""
+    """{task: absolute path} for the offline tasks among `names`; each file read once to check it.
+    Whether a task that runs reads each file is known once groups and tags are opened
+    (`check_data_files_read`)."""
     from extensions.lm_eval.tasks.local_files import read_documents
 
     local = local_task_names()
     for task in data_files:
         if task not in local:
             raise UserError(f"--data_files names {task!r}, which reads no local file; the offline tasks are {', '.join(local)}.")
-        if task not in names:
-            raise UserError(f"--data_files names {task!r}, which is not among --tasks {','.join(names)}.")
     for task in names:
         if task in local and task not in data_files:
             raise UserError(f"Task {task} reads a local file: pass --data_files '{{{task}: FILE}}'.")
     for path in data_files.values():
         read_documents(path)
     return {task: str(Path(path).resolve()) for task, path in data_files.items()}
+
+
+def check_data_files_read(data_files: dict[str, str], task_dict: dict, names: list[str]) -> None:
+    """Every --data_files entry is read by a task that runs: one named in --tasks, or in a group or
+    tag it names, or a task of the user's that includes an offline task (which reads that task's file)."""
+    read = set()
+    for name, task in _tasks_in(task_dict).items():
+        read.add(name)
+        dataset_kwargs = getattr(getattr(task, "config", None), "dataset_kwargs", None) or {}
+        if "task_name" in dataset_kwargs:  # local_files.load_documents reads data_files[task_name]
+            read.add(dataset_kwargs["task_name"])
+    for task in data_files:
+        if task not in read:
+            raise UserError(f"--data_files names {task!r}, which no task of --tasks {','.join(names)} reads.")
 
 
 def make_task_manager(names: list[str], data_files: dict[str, str], include_path: Optional[Path]):

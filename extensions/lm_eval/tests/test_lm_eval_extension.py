@@ -440,6 +440,34 @@ def _cli(capsys, args: list[str]) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def test_a_group_and_a_tag_of_the_users_own_run_the_tasks_they_name(models, lambada_file, one_process, capsys, tmp_path):
+    """--include_path with a group over the offline tasks and a tag on a task of the user's: --tasks
+    names the group and the tag, --data_files the files of the tasks inside them; each task scores as
+    when named alone, and the group's acc is its one acc-bearing task's. A file that no task inside
+    them reads is refused in one line."""
+    folder = tmp_path / "suite"
+    folder.mkdir()
+    (folder / "my_suite.yaml").write_text(
+        "group: my_suite\ntask: [local_lambada, local_perplexity]\n"
+        "aggregate_metric_list: [{metric: acc, aggregation: mean, weight_by_size: true}]\n"
+    )
+    (folder / "lambada_tagged.yaml").write_text(f"include: {TASKS_DIR / 'local_lambada.yaml'}\ntask: lambada_tagged\ntag: my_tag\n")
+    files = {"local_lambada": str(lambada_file), "local_perplexity": str(LAMBADA)}
+    common = [str(models["fp32"]), "--include_path", str(folder), "--precision", "32-true", "--batch_size", "4",
+              "--bootstrap_iters", "0", "--limit", str(DOCUMENTS), "--log_samples", "true", "--out_dir", str(tmp_path / "out")]
+    code, stdout, err = _cli(capsys, [*common, "--tasks", "my_suite,my_tag", "--data_files", json.dumps(files)])
+    assert code == 0, err
+    run, alone = _read_run(tmp_path / "out"), one_process["results"]
+    for task in ("local_lambada", "local_perplexity"):
+        assert _responses(run, task) == _responses(alone, task)
+    assert _responses(run, "lambada_tagged") == _responses(alone, "local_lambada")
+    assert run["groups"]["my_suite"]["acc,none"] == alone["results"]["local_lambada"]["acc,none"] > 0.1
+    assert "my_suite" in stdout  # the groups' table
+    # The tag's task reads local_lambada's file only.
+    _one_line_error(capsys, [*common, "--tasks", "my_tag", "--data_files", json.dumps(files)],
+                    "--data_files names 'local_perplexity', which no task of --tasks my_tag reads")
+
+
 def _generation_tasks(root: Path) -> Path:
     """Two tasks of the user's: one that leaves max_gen_toks to the model (256 by default, more than
     the test model's context) and one marked unsafe_code whose metric executes the answer."""
