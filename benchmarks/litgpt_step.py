@@ -10,6 +10,12 @@ pair by pair, so that a change of load on the machine hits both.
     OMP_NUM_THREADS=1 python benchmarks/litgpt_step.py --shape qwen3-moe --pairs 5 --dtype bfloat16
     OMP_NUM_THREADS=1 python benchmarks/litgpt_step.py --shape mixtral --pairs 5 --dtype float32
     OMP_NUM_THREADS=1 python benchmarks/litgpt_step.py --shape gemma3-small --pairs 3 --dtype bfloat16 --autocast
+    OMP_NUM_THREADS=1 python benchmarks/litgpt_step.py --part moe --shape qwen3-moe --pairs 5   # one MoE layer alone
+    python benchmarks/litgpt_step.py --device cuda --litgpt_python python3 --shape qwen3-moe   # on a GPU (gpu_check.py)
+
+`--part moe` times one MoE layer's forward and backward instead of a step, both tools' layers given
+the same weights (`build_moe_layer`), new random rows at each step. `--device cuda` runs on a GPU
+(both tools' AdamW fused there); `--tools toolkit` runs the toolkit alone where LitGPT is missing.
 
 `--autocast` keeps the weights in float32 and runs forward and loss under `torch.autocast` in
 `--dtype` (bf16-mixed, both tools' default training precision); without it every weight is in

@@ -34,6 +34,8 @@ from typing import Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
+VOCAB = 2048  # small, so that the head stays small beside the experts
+
 
 def model_and_batch(args, dtype):
     import torch
@@ -41,7 +43,7 @@ def model_and_batch(args, dtype):
     from toolkit.models.config import Config
     from toolkit.models.gpt import GPT, init_weights
 
-    config = Config(name="qwen3-moe-bench", vocab_size=2048, block_size=args.tokens, n_layer=args.layers, n_embd=512,
+    config = Config(name="qwen3-moe-bench", vocab_size=VOCAB, block_size=args.tokens, n_layer=args.layers, n_embd=512,
                     n_head=8, n_query_groups=4, head_size=64, qk_norm="head", norm_eps=1e-6, intermediate_size=1536,
                     n_expert=args.experts, n_expert_per_token=args.top_k, moe_intermediate_size=args.expert_size)
     model = GPT(config)
@@ -61,7 +63,7 @@ def batch_streams(args, ids, names) -> dict:
 
     generator = torch.Generator().manual_seed(3)
     count = args.rounds * (args.repeats + 1)  # a warm-up step and the timed ones per round
-    batches = [ids] if args.fixed_batch else [torch.randint(0, 2048, ids.shape, generator=generator) for _ in range(count)]
+    batches = [ids] if args.fixed_batch else [torch.randint(0, VOCAB, ids.shape, generator=generator) for _ in range(count)]
     return {name: itertools.cycle(batches) for name in names}
 
 

@@ -150,7 +150,6 @@ def test_grouped_experts_compute_under_autocast_as_linear_layers_do():
         torch.testing.assert_close(outputs["grouped"], outputs["loop"], rtol=2e-2, atol=1e-2)
 
 
-
 class _GroupedRuns(TorchDispatchMode):
     """Records where each run ends (`offs`) in every grouped product, forward and backward."""
 

@@ -206,7 +206,6 @@ def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
     return torch.cat(outputs) if outputs else x.new_zeros(0, weight.shape[1])
 
 
-
 def _pads_runs(x: torch.Tensor) -> bool:
     """Whether grouped products pad each expert's run (`_padded_grouped_product`): 16-bit rows on a
     CPU, unless `expert_runs_as_on_a_gpu` (the memory recording under a GPU's rules, the simulation)."""
@@ -228,6 +227,7 @@ def _padded_grouped_product(x: torch.Tensor, weight_t: torch.Tensor, counts: tor
     rows = x.new_zeros(M + X * (RUN_ROWS - 1), x.shape[1]).index_copy(0, slots, x)
     out = torch._grouped_mm(rows, weight_t, offs=padded.cumsum(0).to(torch.int32))
     return out.index_select(0, slots)
+
 
 @dataclass(frozen=True)
 class LowRankUpdate:
