@@ -177,8 +177,8 @@ def _random_reader(model, config, seed: int = 0):
 
     specs = init_specs(model, config.n_layer)
     shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    return lambda name, start=0, stop=None, out=None: initial_value(specs[name], shapes[name], seed, name, start,
-                                                                     stop, out=out)
+    return lambda name, start=0, stop=None, out=None, inner=None: initial_value(specs[name], shapes[name], seed, name,
+                                                                                 start, stop, out=out, inner=inner)
 
 
 def _fixed_batch(config, batch: int, seq: int, device):

@@ -36,9 +36,9 @@ TINY_MOE = ("{n_embd: 32, n_head: 4, n_query_groups: 2, intermediate_size: 48, n
 SCRIPT = Path(__file__).parent / "scripts" / "expert_parallel_step.py"
 
 
-def _pretrain(out: Path, devices: int, expert_parallel: int, *extra: str) -> list[str]:
+def _pretrain(out: Path, devices: int, expert_parallel: int, *extra: str, model: str = TINY_MOE) -> list[str]:
     return [
-        sys.executable, "-m", "toolkit", "pretrain", "debug-llama2", "--model_overrides", TINY_MOE, "--out_dir", str(out),
+        sys.executable, "-m", "toolkit", "pretrain", "debug-llama2", "--model_overrides", model, "--out_dir", str(out),
         "--data", "TextFiles", "--data.train_path", str(ASSETS / "tinyshakespeare.txt"),
         "--data.cache_dir", str(out.parent / "cache"), "--tokenizer_dir", str(ASSETS / "tokenizers" / "llama2"),
         "--precision", "32-true", "--train.micro_batch_size", "2", "--train.global_batch_size", "8",
@@ -153,6 +153,30 @@ def test_an_expert_parallel_checkpoint_resumes_on_four_processes_with_expert_par
     _assert_same_moments(_checkpoint(runs["one"], STEPS), _checkpoint(out, STEPS))
 
 
+def test_experts_split_inside_each_expert_resume_on_one_process(tmp_path):
+    """3 experts over 2 FSDP processes (no expert parallelism) are split along each expert's rows
+    (`expert_shard_dim`): the checkpoint of step 1, resumed on one process, ends where the two
+    processes ended, weights and AdamW's moments; the export holds every expert, as does the last
+    checkpoint converted."""
+    three = TINY_MOE.replace("n_expert: 4", "n_expert: 3")
+    two, resumed = tmp_path / "two", tmp_path / "resumed"
+    _run(_pretrain(two, 2, 1, model=three))
+    shutil.copytree(two, resumed)
+    stdout = _run(_pretrain(resumed, 1, 1, "--resume", str(_checkpoint(resumed, 1)), model=three))
+    assert "Resharded step-00000001: saved by 2 process(es), resuming on 1" in stdout
+    _assert_same_weights(two, resumed)
+    _assert_same_moments(_checkpoint(two, STEPS), _checkpoint(resumed, STEPS))
+    exported = load_file(str(two / "final" / "model.safetensors"))
+    assert exported["blocks.1.mlp.experts.gate_up_proj"].shape == (3, 48, 32)
+    from toolkit.cli import run
+
+    assert run(["convert_pretrained_checkpoint", str(_checkpoint(two, STEPS)), str(tmp_path / "model")]) == 0
+    converted = load_file(str(tmp_path / "model" / "model.safetensors"))
+    assert converted.keys() == exported.keys()
+    for name in exported:
+        assert torch.equal(converted[name], exported[name]), name
+
+
 def _finetune_lora(base: Path, out: Path, devices: int, expert_parallel: int) -> list[str]:
     return [
         sys.executable, "-m", "toolkit", "finetune_lora", str(base), "--out_dir", str(out),
@@ -187,18 +211,20 @@ def test_lora_on_attention_and_experts_with_expert_parallel_2_trains_as_one_proc
 
 
 def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path):
-    """tests/scripts/expert_parallel_step.py: every gradient, the loss, the clipped norm, the rows
-    each shard holds and the experts' export, on FULL_SHARD with the experts also FSDP-sharded,
-    HYBRID_SHARD over two simulated nodes with activation checkpointing, one expert per pair
-    (uneven), LoRA on attention and on the frozen experts, and ranks whose experts get no token
-    (with and without adapters on them)."""
+    """tests/scripts/expert_parallel_step.py: every gradient, the loss, the clipped norm, the part
+    each shard holds, the experts' export and the set-up's fill from a file and from the
+    initialiser, on FULL_SHARD with the experts also FSDP-sharded, HYBRID_SHARD over two simulated
+    nodes with activation checkpointing, one expert per pair (split along dim 1 over the other
+    pair), 2 experts over 4 ranks without expert parallelism (split along dim 1; with LoRA too),
+    LoRA on attention and on the frozen experts, and ranks whose experts get no token (with and
+    without adapters on them)."""
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env=launch_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     import json
 
     report = json.loads((tmp_path / "result.json").read_text())
-    assert report.keys() == {"full_shard", "hybrid", "uneven", "lora", "idle", "lora_idle"}
+    assert report.keys() == {"full_shard", "hybrid", "uneven", "columns", "columns_lora", "lora", "idle", "lora_idle"}
     for layout, found in report.items():
         loss, reference = found["loss"]
         assert abs(loss - reference) < 1e-6, layout
@@ -209,6 +235,11 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
         assert found["clipped_worst"] < 1e-8, layout
         assert found["rows_filled"] and all(found["rows_filled"].values()), (layout, found["rows_filled"])
         assert len(found["exported"]) == 4 and all(found["exported"].values()), (layout, found["exported"])
+        # Experts split along dim 1 where they do not split evenly over the ranks sharding them.
+        dims = [0, 1] if layout == "uneven" else [1] if layout.startswith("columns") else [0]
+        assert all(d == dims for d in found["expert_dims"].values()), (layout, found["expert_dims"])
+        if "lora" not in layout:
+            assert found["set_up"] == {"checkpoint": True, "initialiser": True}, layout
     assert report["idle"]["unrouted_grad"] == 0 and report["full_shard"]["unrouted_grad"] > 0
     for layout in ("lora", "lora_idle"):
         grads = report[layout]["grads"]

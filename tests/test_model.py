@@ -205,6 +205,26 @@ def test_initial_rows_equal_the_rows_of_the_full_initial_value(shape):
     assert not torch.equal(other, full)  # the seed matters
 
 
+@pytest.mark.parametrize("shape", [(4, 6000, 100), (4, 10, 3), (4, 6)])
+def test_initial_rows_of_part_of_each_expert_equal_the_full_initial_value(shape):
+    """Expert weights split along dim 1 (`expert_shard_dim`): a rank draws rows [first, last) of every
+    expert, and gets the full tensor's. (4, 6000, 100) draws as 24,000 rows, several blocks each
+    expert; (4, 6) is a bias, drawn whole row by row."""
+    from toolkit.models.gpt import initial_value
+
+    name = "blocks.0.mlp.experts.gate_up_proj"
+    full = initial_value(("normal", 0.02), shape, 7, name)
+    assert full.shape == shape and full.std() > 0
+    for start, stop, inner in [(0, 4, (0, shape[1] // 2)), (1, 3, (shape[1] // 2, shape[1])), (0, 4, (1, 2)),
+                               (3, 4, (0, shape[1]))]:
+        part = initial_value(("normal", 0.02), shape, 7, name, start, stop, inner=inner)
+        assert torch.equal(part, full[start:stop, inner[0]:inner[1]]), (start, stop, inner)
+        into = torch.empty(part.shape, dtype=torch.bfloat16)
+        assert initial_value(("normal", 0.02), shape, 7, name, start, stop, out=into, inner=inner) is into
+        assert torch.equal(into, part.to(torch.bfloat16))
+    assert torch.equal(initial_value(("normal", 0.02), shape, 7, name, 1, 3), full[1:3])
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [({"n_layer": "abc"}, "n_layer must be an integer"), ({"n_layer": 2.5}, "n_layer must be an integer"),

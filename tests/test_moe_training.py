@@ -317,11 +317,13 @@ def test_pretrain_refuses_a_negative_coefficient_in_one_line(tmp_path, capsys):
 
 
 # ------------------------------------------------------------------ two FSDP processes
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_two_fsdp_processes_train_a_mixture_of_experts_as_one_does(tmp_path, checkpointing):
+@pytest.mark.parametrize("checkpointing, experts", [(False, 4), (True, 4), (False, 3)])
+def test_two_fsdp_processes_train_a_mixture_of_experts_as_one_does(tmp_path, checkpointing, experts):
     """The same global batch on 1 process (4 accumulation steps) and 2 FSDP processes (2 each):
     the same weights, losses and router metrics (tests/scripts/moe_ranks.py). The experts' weights
-    are sharded along the experts; each rank's router terms join its gradient before the reduction."""
+    are sharded along the experts, or, 3 experts over 2 processes, along each expert's rows (set up
+    from the initialiser's rows, trained and exported so); each rank's router terms join its
+    gradient before the reduction."""
     import json
     import subprocess
     import sys
@@ -330,10 +332,11 @@ def test_two_fsdp_processes_train_a_mixture_of_experts_as_one_does(tmp_path, che
 
     script = Path(__file__).parent / "scripts" / "moe_ranks.py"
     outs = [tmp_path / "devices1", tmp_path / "devices2"]
-    load_script(script).run(outs[0], 1, checkpointing)
-    result = subprocess.run([sys.executable, str(script), str(outs[1]), "2", json.dumps(checkpointing)],
+    load_script(script).run(outs[0], 1, checkpointing, experts)
+    result = subprocess.run([sys.executable, str(script), str(outs[1]), "2", json.dumps(checkpointing), str(experts)],
                             capture_output=True, text=True, env=launch_env(), timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    assert f"expert weights split along dim(s) {[0] if experts == 4 else [1]}" in result.stdout
     a, b = (load_file(str(out / "final" / "model.safetensors")) for out in outs)
     assert a.keys() == b.keys() and any("experts.gate_up_proj" in name for name in a)
     for name in a:

@@ -150,15 +150,15 @@ def checkpoint_row_reader(checkpoint_dir: Path | str):
     stored = open_checkpoint(checkpoint_dir)
     tied = Config.from_file(checkpoint_dir).tie_embeddings
 
-    def read(name: str, start: int = 0, stop: Optional[int] = None, out=None):
+    def read(name: str, start: int = 0, stop: Optional[int] = None, out=None, inner: Optional[tuple[int, int]] = None):
         key = "embed.weight" if tied and name == "lm_head.weight" and name not in stored else name
         if key not in stored:
             raise UserError(f"{checkpoint_dir} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
         # Into `out` (a rank's shard) the rows are copied a few MiB at a time, each through a mapping
         # of its own, so that no more than that is mapped at once.
         if out is None:
-            return stored.read_rows(key, start, stop)
-        return stored.read_rows_into(key, start, out, READ_CHUNK_BYTES)
+            return stored.read_rows(key, start, stop, inner)
+        return stored.read_rows_into(key, start, out, READ_CHUNK_BYTES, inner)
 
     return read
 

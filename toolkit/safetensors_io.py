@@ -228,8 +228,10 @@ def read_tensor(info: TensorInfo) -> "torch.Tensor":
         return handle.get_tensor(info.name)
 
 
-def read_rows(info: TensorInfo, start: int = 0, stop: Optional[int] = None) -> "torch.Tensor":
-    """Rows [start, stop) (dim 0) of the tensor, a fresh CPU tensor; all of a 0-d tensor.
+def read_rows(info: TensorInfo, start: int = 0, stop: Optional[int] = None,
+              inner: Optional[tuple[int, int]] = None) -> "torch.Tensor":
+    """Rows [start, stop) (dim 0) of the tensor, a fresh CPU tensor; all of a 0-d tensor. With
+    `inner=(first, last)`, only rows [first, last) of dim 1 of each (a rank's part of every expert).
 
     The file is mapped for this read only: the pages it touched leave the process's resident set
     with the mapping, instead of adding up to the size of the file over many reads.
@@ -237,17 +239,20 @@ def read_rows(info: TensorInfo, start: int = 0, stop: Optional[int] = None) -> "
     if not info.shape:
         return read_tensor(info)
     with _opened(info) as handle:
-        return handle.get_slice(info.name)[start:stop]
+        stored = handle.get_slice(info.name)
+        return stored[start:stop] if inner is None else stored[start:stop, inner[0]:inner[1]]
 
 
-def read_rows_into(info: TensorInfo, start: int, out: "torch.Tensor", chunk_bytes: int = 16 << 20) -> "torch.Tensor":
-    """Rows [start, start + len(out)) of the tensor copied into `out`, `chunk_bytes` at a time, so that
-    no more than that is mapped or allocated at once (a rank's shard of a weight). Returns `out`."""
+def read_rows_into(info: TensorInfo, start: int, out: "torch.Tensor", chunk_bytes: int = 16 << 20,
+                   inner: Optional[tuple[int, int]] = None) -> "torch.Tensor":
+    """Rows [start, start + len(out)) of the tensor (of each, rows `inner` of dim 1, as `read_rows`)
+    copied into `out`, `chunk_bytes` at a time, so that no more than that is mapped or allocated at
+    once (a rank's shard of a weight). Returns `out`."""
     rows = out.view(out.shape[0] if out.dim() else 1, -1)
     step = max(1, chunk_bytes // max(rows.shape[1] * out.element_size(), 1))
     for first in range(0, rows.shape[0], step):
         last = min(first + step, rows.shape[0])
-        chunk = read_rows(info, start + first, start + last)
+        chunk = read_rows(info, start + first, start + last, inner)
         rows[first:last].copy_(chunk.reshape(last - first, -1))
         del chunk
     return out
@@ -266,11 +271,13 @@ class SafetensorsReader:
     def read(self, name: str) -> "torch.Tensor":
         return read_tensor(self.infos[name])
 
-    def read_rows(self, name: str, start: int = 0, stop: Optional[int] = None) -> "torch.Tensor":
-        return read_rows(self.infos[name], start, stop)
+    def read_rows(self, name: str, start: int = 0, stop: Optional[int] = None,
+                  inner: Optional[tuple[int, int]] = None) -> "torch.Tensor":
+        return read_rows(self.infos[name], start, stop, inner)
 
-    def read_rows_into(self, name: str, start: int, out: "torch.Tensor", chunk_bytes: int = 16 << 20) -> "torch.Tensor":
-        return read_rows_into(self.infos[name], start, out, chunk_bytes)
+    def read_rows_into(self, name: str, start: int, out: "torch.Tensor", chunk_bytes: int = 16 << 20,
+                       inner: Optional[tuple[int, int]] = None) -> "torch.Tensor":
+        return read_rows_into(self.infos[name], start, out, chunk_bytes, inner)
 
 
 def open_checkpoint(directory: Path | str) -> SafetensorsReader:
@@ -415,12 +422,13 @@ class SafetensorsStream:
         return size
 
     def append(self, name: str, rows: "torch.Tensor") -> None:
-        """Write the next rows (dim 0) of the tensor `name`, in order; the tensor is done when all
-        its bytes are written. Lets a tensor be written from pieces that never exist together."""
+        """Write the next rows (dim 0, or dim 1 of the tensor read as (shape[0] * shape[1], ...)) of
+        the tensor `name`, in order; the tensor is done when all its bytes are written. Lets a
+        tensor be written from pieces that never exist together."""
         dtype, shape = self._expect(name, whole=False)
         total = _nbytes(dtype, shape)
         size = rows.numel() * rows.element_size()
-        if rows.dtype != dtype or tuple(rows.shape[1:]) != shape[1:] or self._appended + size > total:
+        if rows.dtype != dtype or tuple(rows.shape[1:]) not in (shape[1:], shape[2:]) or self._appended + size > total:
             raise ValueError(f"safetensors stream: rows {rows.dtype} {tuple(rows.shape)} do not continue {name} ({dtype} {shape})")
         self._appended += self._put(rows)
         if self._appended == total:

@@ -14,8 +14,11 @@ against the reference on the whole batch:
                  which float32 weights do not choose by themselves)
     hybrid       HYBRID_SHARD as 2 nodes x 2 devices, expert_parallel 2, activation checkpointing
                  (the all-to-alls run again in the recomputation)
-    uneven       FULL_SHARD, expert_parallel 2, 2 experts (top-1): one expert per pair, FSDP pads
-                 its second shard to nothing; grouped products
+    uneven       FULL_SHARD, expert_parallel 2, 2 experts (top-1): one expert per pair, which FSDP
+                 splits along dim 1 over the other pair (`expert_shard_dim`); grouped products
+    columns      FULL_SHARD, no expert parallelism, 2 experts (top-1) over 4 ranks: the blocks'
+                 expert weights split along dim 1, the rest along dim 0
+    columns_lora as columns, with LoRA on attention and on the (frozen, dim-1-split) experts
     lora         FULL_SHARD, expert_parallel 2, LoRA on attention and on the experts (each rank
                  applies its own experts' rows of the factors): experts frozen, the adapters'
                  gradients cross the all-to-all backward
@@ -28,9 +31,12 @@ against the reference on the whole batch:
 
 For each: the summed loss over ranks, every gradient gathered whole (`full_tensor`), the clipped
 norm of `toolkit.parallel.expert.clip_grad_norm` against torch's on the reference, whether each
-shard holds the rows [offset, offset + rows) that model set-up fills (`compute_local_shape_and_global_offset`),
-and each expert weight sent to rank 0 row run by row run as the final export sends it
-(`checkpoint_io._row_layout`, `_send_rows_to_rank_zero`). Rank 0 writes OUT_DIR/result.json.
+shard holds the part (rows of dim 0, and of dim 1 where split) that model set-up fills
+(`compute_local_shape_and_global_offset`), each expert weight sent to rank 0 piece by piece as the
+final export sends it (`checkpoint_io._row_layout`, `_send_rows_to_rank_zero`), and (without LoRA)
+that a copy sharded on the meta device and filled by `model_setup.fill_shards`, from a safetensors
+file of the reference's weights and from the initialiser, holds the reference's values. Rank 0
+writes OUT_DIR/result.json.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ LAYOUTS = {
     "full_shard": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, backend="grouped"),
     "hybrid": dict(sharding="HYBRID_SHARD", nodes=2, experts=4, top_k=2, checkpointing=True),
     "uneven": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, backend="grouped"),
+    "columns": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, backend="grouped", expert_parallel=1),
+    "columns_lora": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, lora=True, expert_parallel=1),
     "lora": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True),
     "idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, idle=True, backend="loop"),
     "lora_idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True, idle=True, backend="loop"),
@@ -86,10 +94,9 @@ def build(config, lora: bool):
     return model
 
 
-def one_layout(rank: int, name: str, spec: dict) -> dict:
+def one_layout(rank: int, name: str, spec: dict, out: Path) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     from toolkit.args import DistributedArgs
     from toolkit.models.gpt import Block
@@ -103,7 +110,8 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     config = tiny_moe(spec["experts"], spec["top_k"])
     devices = WORLD // spec["nodes"]
     plan = plan_strategy(devices, spec["nodes"], "32-true", DistributedArgs(
-        sharding=spec["sharding"], expert_parallel=2, activation_checkpointing=spec.get("checkpointing", False)),
+        sharding=spec["sharding"], expert_parallel=spec.get("expert_parallel", 2),
+        activation_checkpointing=spec.get("checkpointing", False)),
         accelerator="cpu", model=config)
     model = build(config, spec.get("lora", False))
     if spec.get("idle"):
@@ -115,8 +123,10 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     reference = copy.deepcopy(model)
     shape, names = plan.mesh
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    shape, names = plan.expert_mesh
-    expert_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    expert_mesh = None
+    if plan.expert_mesh is not None:
+        shape, names = plan.expert_mesh
+        expert_mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     shard_model(model, mesh, plan, Block, expert_mesh=expert_mesh)
 
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(2))
@@ -135,7 +145,7 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     # base_layer kept: it tells the adapters of the experts' two weights apart.
     ref_params = {without_wrappers(n): p for n, p in reference.named_parameters()}
     named = [(without_wrappers(n), p) for n, p in model.named_parameters()]
-    grads, rows_filled, exported = {}, {}, {}
+    grads, rows_filled, exported, expert_dims = {}, {}, {}, {}
     for pname, param in named:
         ref = ref_params[pname]
         if param.grad is not None or ref.grad is not None:
@@ -143,15 +153,15 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
             expected = ref.grad if ref.grad is not None else torch.zeros_like(ref)
             grads[pname] = [(grad - expected).abs().max().item(), expected.abs().max().item()]
         if isinstance(param, DTensor):
-            rows, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-            full = ref.detach()[offset[0]:offset[0] + rows[0]]
-            rows_filled[pname] = bool(torch.equal(param.to_local().detach(), full))
+            rows_filled[pname] = bool(torch.equal(param.to_local().detach(), _part(ref.detach(), param)))
         if "experts" in pname and ".lora_" not in pname:
+            expert_dims[pname] = sorted({p.dim for p in param.placements if p.is_shard()})
             layout = _row_layout(param)
             parts: list = []
             if layout is not None:
                 _send_rows_to_rank_zero(param, layout, torch.float32, parts.append)
-            exported[pname] = layout is not None and (rank != 0 or torch.equal(torch.cat(parts), ref.detach()))
+            exported[pname] = layout is not None and (rank != 0 or torch.equal(torch.cat([t.flatten() for t in parts]),
+                                                                                  ref.detach().flatten()))
     trained = [(n, p) for n, p in named if p.requires_grad]
     norm = clip_grad_norm([p for _, p in trained], max_norm=0.01)
     reference_norm = torch.nn.utils.clip_grad_norm_([p for p in reference.parameters() if p.requires_grad], 0.01)
@@ -162,14 +172,61 @@ def one_layout(rank: int, name: str, spec: dict) -> dict:
     result["unrouted_grad"] = max((g[2:].abs().max().item() for g in expert_grads if g is not None and len(g) > 2),
                                   default=None)
     result.update(grads=grads, rows_filled=rows_filled, exported=exported, norm=[norm.item(), reference_norm.item()],
-                  clipped_worst=max(clipped))
+                  clipped_worst=max(clipped), expert_dims=expert_dims)
+    if not spec.get("lora"):
+        result["set_up"] = set_up_from_files(rank, name, config, reference, out, plan, mesh, expert_mesh)
     return result
+
+
+def _part(full: torch.Tensor, param) -> torch.Tensor:
+    """This rank's part of `full` as `param` (a DTensor) holds it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+
+
+def set_up_from_files(rank: int, name: str, config, reference, out: Path, plan, mesh, expert_mesh) -> dict:
+    """{"checkpoint", "initialiser"}: whether a copy of the model sharded on the meta device and
+    filled by `fill_shards` holds, on every parameter, this rank's part of the reference's values,
+    read from a safetensors file (`SafetensorsReader`, as a checkpoint is read) or drawn."""
+    from safetensors.torch import save_file
+
+    from toolkit.models.gpt import GPT, Block, init_specs, initial_value
+    from toolkit.models.param_names import unwrapped_name
+    from toolkit.parallel.fsdp import shard_model
+    from toolkit.safetensors_io import SafetensorsReader
+    from toolkit.training.model_setup import fill_shards
+
+    path = out / f"{name}.safetensors"
+    if rank == 0:
+        save_file({n: p.detach().contiguous() for n, p in reference.named_parameters()}, str(path))
+    dist.barrier()
+    stored = SafetensorsReader([path])
+    specs = init_specs(reference, config.n_layer)
+    shapes = {n: tuple(p.shape) for n, p in reference.named_parameters()}
+    readers = {
+        "checkpoint": lambda n, start=0, stop=None, out=None, inner=None: stored.read_rows_into(n, start, out, 1 << 10, inner),
+        "initialiser": lambda n, start=0, stop=None, out=None, inner=None: initial_value(specs[n], shapes[n], 0, n, start,
+                                                                                        stop, out=out, inner=inner),
+    }
+    expected = dict(reference.named_parameters())
+    found = {}
+    for source, read_rows in readers.items():
+        with torch.device("meta"):
+            model = GPT(config)
+        shard_model(model, mesh, plan, Block, expert_mesh=expert_mesh)
+        model.to_empty(device="cpu")
+        fill_shards(model, read_rows)
+        found[source] = all(torch.equal(p.to_local(), _part(expected[unwrapped_name(n)].detach(), p))
+                            for n, p in model.named_parameters())
+    return found
 
 
 def worker(rank: int, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     torch.manual_seed(0)
-    results = {name: one_layout(rank, name, spec) for name, spec in LAYOUTS.items()}
+    results = {name: one_layout(rank, name, spec, Path(out)) for name, spec in LAYOUTS.items()}
     if rank == 0:
         (Path(out) / "result.json").write_text(json.dumps(results, indent=1))
     dist.barrier()

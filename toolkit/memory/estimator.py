@@ -23,7 +23,8 @@ Assumptions (the toolkit's own set-up): the precision policy of `precision_dtype
 weights, their gradients and AdamW state float32 under "*-mixed" and "32-true", frozen weights in
 the compute dtype; "*-true" all 16-bit); attention in a fused kernel (no T x T matrix); FSDP2 as
 `shard_model` applies it (one unit per block, the embedding, the final norm and the head; a tied
-embedding and head in the root), each parameter split along dim 0 and padded to equal shards;
+embedding and head in the root), each parameter split along dim 0 and padded to equal shards
+(expert weights whose experts do not split evenly: along dim 1, `expert_shard_dim`);
 DDP's bucket copy of the gradients; QLoRA as finetune_lora runs it (bitsandbytes replicated with
 DDP, torchao's NF4 sharded by FSDP2); CPU offload moves shards, gradients and AdamW state to the
 host. Whose kernels (`Options.device`): CUDA's by default; the tests use the CPU's ("cpu", real

@@ -218,7 +218,8 @@ def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# FSDP2 shards: every parameter split along dim 0
+# FSDP2 shards: every parameter split along dim 0, expert weights along dim 1 where their experts
+# do not split evenly (`toolkit.parallel.fsdp.expert_shard_dim`)
 # --------------------------------------------------------------------------------------------
 
 
@@ -229,9 +230,20 @@ def shard_rows(rows: int, shards: int) -> list[int]:
     return [max(0, min(chunk, rows - r * chunk)) for r in range(shards)]
 
 
+def split_inside(s: ParamSpec, shards: int, quantized: frozenset | set = frozenset()) -> bool:
+    """Whether FSDP2 splits `s` along dim 1 over `shards` ranks: a mixture's expert weight whose
+    experts do not split evenly and whose dim 1 does (never an NF4 one, `expert_placement`)."""
+    from toolkit.parallel.fsdp import expert_shard_dim
+
+    return s.kind == "experts" and s.name not in quantized and expert_shard_dim(s.shape, shards) == 1
+
+
 def padded_shard_numel(s: ParamSpec, shards: int) -> int:
     """Elements FSDP2 allocates for one rank's shard of `s`: every rank pads its shard to the first
-    rank's ceil(rows / shards) rows, so that the all-gather and the reduce-scatter are even."""
+    rank's ceil(rows / shards) rows, so that the all-gather and the reduce-scatter are even (split
+    along dim 1, the split is even: numel / shards)."""
+    if split_inside(s, shards):
+        return s.numel // shards
     rows = s.shape[0]
     return -(-rows // shards) * (s.numel // rows)
 
@@ -268,8 +280,8 @@ def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") 
         if s.trainable:
             grads += padded_shard_numel(s, group) * opts.trainable_bytes
             row = s.numel // s.shape[0]
-            rows_of = shard_rows(s.shape[0], group)
+            rows_of = [s.shape[0] / group] * group if split_inside(s, group) else shard_rows(s.shape[0], group)
             for r in range(W):
-                states[r] += 2 * rows_of[r % group] * row * opts.trainable_bytes
+                states[r] += int(2 * rows_of[r % group] * row * opts.trainable_bytes)
     return [{"parameters": params, "gradients": grads, "optimizer_state": n, "quantized_base": quantized_base}
             for n in states]

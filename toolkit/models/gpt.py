@@ -362,28 +362,53 @@ def init_specs(model: nn.Module, n_layer: int, std: float = 0.02) -> dict[str, t
 
 def initial_value(
     spec: tuple[str, float], shape: tuple[int, ...], seed: int, name: str, start: int = 0, stop: Optional[int] = None,
-    out: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None, inner: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
-    """Rows [start, stop) (dim 0) of the initial value of parameter `name` (see `init_specs`).
+    """Rows [start, stop) (dim 0) of the initial value of parameter `name` (see `init_specs`); with
+    `inner=(first, last)`, only rows [first, last) of dim 1 of each (an expert weight split along
+    dim 1, `toolkit.parallel.fsdp.expert_shard_dim`).
 
     Returned as a new float32 CPU tensor, or written into `out` (same shape, any dtype and device)
     and `out` returned. Random values are drawn in blocks of whole rows (about INIT_BLOCK_ELEMENTS
     values each), each block from its own generator seeded by `seed`, the name and the block's
-    index. A rank that owns a few rows of a weight draws only the blocks that cover them, never the
-    full tensor, and gets the values any other sharding would give those rows.
+    index; a tensor of 3 or more dims is drawn as rows of its first two dims together (an expert's
+    (X, out, in) weight as X * out rows). A rank that owns a few rows of a weight draws only the
+    blocks that cover them, never the full tensor, and gets the values any other sharding would
+    give those rows.
     """
     kind, std = spec
     rows = shape[0] if shape else 1
     stop = rows if stop is None else min(stop, rows)
+    first, last = inner if inner is not None else (0, shape[1] if len(shape) > 1 else 1)
     part_shape = (max(stop - start, 0), *shape[1:]) if shape else ()
+    if inner is not None:
+        part_shape = (part_shape[0], last - first, *shape[2:])
     if out is None:
         out = torch.empty(part_shape)
     if kind in ("zeros", "ones"):
         return out.fill_(0.0 if kind == "zeros" else 1.0)
-    flat_rows = out.view(-1, *shape[1:]) if shape else out.view(1)  # () -> (1,) for the one value
-    row_numel = math.prod(shape[1:]) if shape else 1
-    block_rows = max(1, INIT_BLOCK_ELEMENTS // max(row_numel, 1))
     name_seed = seed * 1_000_003 + zlib.crc32(name.encode())
+    if len(shape) >= 3:
+        drawn = (shape[0] * shape[1], *shape[2:])
+        parts = out.view(part_shape[0], part_shape[1], *shape[2:])
+        if inner is None:
+            _draw_rows(parts.view(-1, *shape[2:]), drawn, start * shape[1], stop * shape[1], std, name_seed)
+        for row in range(start, stop) if inner is not None else ():
+            _draw_rows(parts[row - start], drawn, row * shape[1] + first, row * shape[1] + last, std, name_seed)
+    elif inner is not None:  # (X, out): whole rows drawn, their entries [first, last) kept
+        whole = _draw_rows(torch.empty(part_shape[0], shape[1]), shape, start, stop, std, name_seed)
+        out.copy_(whole[:, first:last])
+    else:
+        _draw_rows(out.view(-1, *shape[1:]) if shape else out.view(1), shape or (1,), start, stop, std, name_seed)
+    return out
+
+
+def _draw_rows(out: torch.Tensor, shape: tuple[int, ...], start: int, stop: int, std: float, name_seed: int) -> torch.Tensor:
+    """Rows [start, stop) of a tensor of `shape` drawn from N(0, std) block by block (see
+    `initial_value`), written into `out` (stop - start rows)."""
+    rows = shape[0]
+    row_numel = math.prod(shape[1:])
+    block_rows = max(1, INIT_BLOCK_ELEMENTS // max(row_numel, 1))
     for block in range(start // block_rows, -(-stop // block_rows)):
         first, last = block * block_rows, min((block + 1) * block_rows, rows)
         lo, hi = max(start, first), min(stop, last)
@@ -391,5 +416,5 @@ def initial_value(
             continue
         generator = torch.Generator().manual_seed((name_seed * 65_537 + block) % 2**63)
         values = torch.empty((last - first, *shape[1:])).normal_(0.0, std, generator=generator)
-        flat_rows[lo - start:hi - start].copy_(values[lo - first:hi - first])
+        out[lo - start:hi - start].copy_(values[lo - first:hi - first])
     return out

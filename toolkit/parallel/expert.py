@@ -178,6 +178,8 @@ def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, **fsdp_options: Any
     and offload policies, resharding). Call it before the blocks are sharded. Returns the units."""
     from torch.distributed.fsdp import fully_shard
 
+    from toolkit.parallel.fsdp import expert_placement, shard_size
+
     names = expert_mesh.mesh_dim_names
     ep_mesh = expert_mesh[EXPERT_DIM]
     data_mesh = expert_mesh[tuple(d for d in names if d != EXPERT_DIM)]
@@ -188,7 +190,8 @@ def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, **fsdp_options: Any
             raise ValueError(f"{experts.gate_up_proj.shape[0]} experts do not split over {ep_mesh.size()} ranks")
         distribute_experts(experts, ep_mesh)
         experts.forward = partial(expert_parallel_forward, experts, group)  # type: ignore[method-assign]
-        fully_shard(experts, mesh=data_mesh, **fsdp_options)
+        fully_shard(experts, mesh=data_mesh, shard_placement_fn=expert_placement(experts, shard_size(data_mesh, "expert_shard")),
+                    **fsdp_options)
         # A rank whose experts got no rows still takes part in their gradients' reduction, with zeros.
         experts.set_reduce_scatter_unused_params(True)
         units.append(experts)

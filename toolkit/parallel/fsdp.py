@@ -2,6 +2,9 @@
 activation checkpointing, when asked), one per edge (the embedding; the final norm and head), then
 the root, with the precision policies of the run's precision.
 
+Every parameter is split along dim 0, except a mixture's expert weights when their experts do not
+split evenly over the shard group (`expert_shard_dim`): those are split along dim 1.
+
 Training reaches it through Fabric's strategy (`toolkit.training.fabric.ShardedStrategy.setup_module`);
 the memory simulation (`toolkit.memory`) calls `shard_model` directly on a fake process group.
 """
@@ -79,7 +82,8 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
                                      reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
     for unit in block_units(module, block_cls):
         fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
-                    reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
+                    reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP",
+                    shard_placement_fn=expert_placement(unit, shard_size(mesh, "shard")))
     # The edges: what runs before the blocks (the embedding) and after them (final norm and
     # head) are units of their own, gathered in the compute dtype like the blocks. The
     # embedding is freed after its forward pass and gathered again at the very end of the
@@ -126,6 +130,48 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
                 group = expert_shard_group(expert_mesh) if id(unit) in experts else shard_group
                 use_in_place_collectives(unit, group)
     return module
+
+
+def expert_shard_dim(shape: tuple[int, ...], shards: int) -> int:
+    """The dimension along which FSDP2 splits an expert tensor of `shape` (X experts first, then each
+    expert's output rows) over `shards` ranks: dim 0 when the experts split evenly, else dim 1 when
+    it does (FSDP2 takes only even splits on other dims), else dim 0.
+
+    Dim 0 would pad every rank's shard to ceil(X / shards) whole experts: Mixtral's 8 experts over
+    16 ranks leave each rank one expert, twice its share; over 64 ranks, 8 times. Split along dim 1,
+    each rank holds 1/shards of every expert. The cost: gathering and reduce-scattering such a
+    weight copies it once more (FSDP2 interleaves the ranks' pieces)."""
+    if shards <= 1 or len(shape) < 2 or shape[0] % shards == 0 or shape[1] % shards:
+        return 0
+    return 1
+
+
+def expert_placement(unit: nn.Module, shards: int) -> Any:
+    """`fully_shard`'s `shard_placement_fn` for `unit`: Shard(`expert_shard_dim`) for the expert
+    weights of the MoE layers inside it (their local experts, under expert parallelism), None (dim
+    0) for every other parameter. NF4 experts (QLoRA) stay on dim 0, which their layout needs."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from toolkit.models.moe import GroupedExperts
+    from toolkit.parallel.nf4 import is_nf4
+
+    experts = {id(p) for m in unit.modules() if isinstance(m, GroupedExperts) for p in m.parameters(recurse=False)}
+
+    def placement(param: Any) -> Any:
+        if id(param) not in experts:
+            return None
+        local = param.to_local() if isinstance(param, DTensor) else param
+        if is_nf4(local):
+            return None
+        dim = expert_shard_dim(tuple(local.shape), shards)
+        return Shard(dim) if dim else None
+
+    return placement
+
+
+def shard_size(mesh: Any, name: str) -> int:
+    """Ranks of `mesh` that FSDP2 shards over: its dimension `name` when it has several, else all."""
+    return mesh[name].size() if mesh.ndim > 1 else mesh.size()
 
 
 def _free_flat_gather_output(module: nn.Module, args: Any) -> None:

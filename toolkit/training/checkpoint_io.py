@@ -14,6 +14,7 @@ Importing this module is cheap: torch and lightning are imported inside the func
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING, Any
 
 from toolkit.models.param_names import unwrapped_name
@@ -113,8 +114,10 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
     rows to `dtype` (floating-point weights; None keeps their dtype) a message at a time and sends
     them to rank 0, which appends them to the file in order (`SafetensorsStream.append`). Rank 0's
     host memory therefore grows by about two messages (`EXPORT_CHUNK_BYTES`), whatever the size of
-    the model; no rank gathers a whole weight. Weights that are not sharded, and any sharding other
-    than FSDP's on dim 0, take the plain path: the whole weight is gathered, converted and written.
+    the model; no rank gathers a whole weight. An expert weight FSDP2 split along dim 1 goes as each
+    rank's rows of dim 1 of each expert, in the file's order (`_row_layout`). Weights that are not
+    sharded, and any other sharding, take the plain path: the whole weight is gathered, converted
+    and written.
     A single file is byte for byte what `toolkit.model_dir.save_checkpoint_files` writes for the same
     weights (a tied head is stored once). Other ranks pass `directory=None`.
 
@@ -151,7 +154,7 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
         order = stream.order if stream is not None else sorted(specs)
     # Every rank goes through the weights in the same order: rank 0 sends the file's order to the others.
     order = fabric.broadcast(order if writing else None, src=0) if fabric.world_size > 1 else order
-    # Rows go to rank 0 only if every rank's shards are runs of rows (`_row_layout`; one collective, here).
+    # Rows go to rank 0 only if every rank's shards are pieces of rows (`_row_layout`; one collective, here).
     layouts = {name: _row_layout(t) for name, t in state.items() if isinstance(t, DTensor)}
     by_rows = fabric.world_size > 1 and all(layout is not None for layout in layouts.values())
     if fabric.world_size > 1:
@@ -188,18 +191,25 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
 
 
 def _row_layout(tensor: Any) -> Any:
-    """(global ranks whose shards tile the rows in order, this rank's index among them or None, rows
-    of each shard) when `tensor` (a DTensor) is split along dim 0 only and replicated over its
-    other mesh dims: FSDP2's Shard(0), and under expert parallelism the experts' Shard(0) with
-    FSDP2's _StridedShard(0) over it (`toolkit.parallel.expert`); else None. The ranks are those
-    of rank 0's replica (its coordinates on the replicated dims)."""
+    """How rank 0's replica of `tensor` (a DTensor) tiles its rows, or None when it does not.
+
+    Returns (runs, unit shape): `runs` lists, in the order of the tensor's bytes, (global rank, local
+    expert) pieces, each `unit shape` rows long. Split along dim 0 only (FSDP2's Shard(0); under
+    expert parallelism the experts' Shard(0) with FSDP2's _StridedShard(0) over it), each rank's
+    whole shard is one piece of rows of dim 0 (local expert None). An expert weight split along dim
+    1 as well (`toolkit.parallel.fsdp.expert_shard_dim`) is tiled by rows of dim 1, the tensor read
+    as (X * out, ...): each piece is one local expert's rows of dim 1 on a rank. Replicated mesh
+    dims are taken at rank 0's coordinates. None for any other layout, or a tensor subclass (NF4,
+    whose bytes are not its rows)."""
     import torch
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     placements = tensor.placements
     split = {i for i, p in enumerate(placements) if isinstance(p, (Shard, _StridedShard))}
-    if not split or any(placements[i].dim != 0 for i in split):
+    if not split or any(placements[i].dim not in (0, 1) for i in split):
+        return None
+    if any(placements[i].dim == 1 and type(placements[i]) is not Shard for i in split):
         return None
     if not all(isinstance(p, Replicate) for i, p in enumerate(placements) if i not in split):
         return None
@@ -210,73 +220,91 @@ def _row_layout(tensor: Any) -> Any:
     zero = (ranks == 0).nonzero()
     if len(zero) != 1:
         return None
-    shards = _replica_rows(tensor.shape[0], tuple(ranks.shape), tuple(placements), tuple(zero[0].tolist()))
-    if shards is None:
+    box = tuple(tensor.shape[:2]) if any(placements[i].dim == 1 for i in split) else tuple(tensor.shape[:1])
+    runs = _replica_runs(box, tuple(ranks.shape), tuple(placements), tuple(zero[0].tolist()))
+    if runs is None:
         return None
     coordinate = tuple(tensor.device_mesh.get_coordinate())
-    if local.shape[0] != _shard_rows(tensor.shape[0], tuple(ranks.shape), tuple(placements), coordinate)[1]:
+    if tuple(local.shape[:len(box)]) != tuple(count for _, count in _shard_box(box, tuple(ranks.shape), tuple(placements), coordinate)):
         return None
-    senders = [int(ranks[coordinate]) for coordinate, _, _ in shards]
-    me = torch.distributed.get_rank()
-    return senders, senders.index(me) if me in senders else None, [rows for _, _, rows in shards]
+    return [(int(ranks[c]), expert) for c, expert in runs], tuple(tensor.shape[len(box):])
 
 
 @functools.lru_cache(maxsize=256)
-def _replica_rows(rows: int, mesh_shape: tuple, placements: tuple, base: tuple) -> Any:
-    """[(mesh coordinate, first row, rows)] of the shards of the replica holding mesh coordinate
-    `base` (its coordinates on the replicated dims, any on the split ones), in row order; None when
-    they do not tile the rows. Cached: the weights of a model share a few row counts and meshes."""
+def _replica_runs(box: tuple, mesh_shape: tuple, placements: tuple, base: tuple) -> Any:
+    """[(mesh coordinate, local expert or None)] of the pieces of the replica holding mesh
+    coordinate `base` (its coordinates on the replicated dims, any on the split ones) of a tensor
+    whose first dims are `box` ((rows,), or (X, out) when dim 1 is split), in the order of the
+    tensor's bytes; None when they do not tile it. Cached: a model's weights share a few shapes."""
     import itertools
 
     split = [d for d, p in enumerate(placements) if not p.is_replicate()]
-    shards = []
+    pieces = []  # (first unit, units, coordinate, local expert)
     for coordinate in itertools.product(*(range(size) if d in split else [base[d]] for d, size in enumerate(mesh_shape))):
-        shards.append((coordinate, *_shard_rows(rows, mesh_shape, placements, coordinate)))
-    shards.sort(key=lambda shard: (shard[1], shard[2]))
+        parts = _shard_box(box, mesh_shape, placements, coordinate)
+        if len(box) == 1:
+            pieces.append((parts[0][0], parts[0][1], coordinate, None))
+            continue
+        (first_expert, experts), (first_row, rows) = parts
+        pieces += [((first_expert + e) * box[1] + first_row, rows, coordinate, e) for e in range(experts)]
+    pieces.sort(key=lambda piece: (piece[0], piece[1]))
     end = 0
-    for _, first, count in shards:
+    for first, count, _, _ in pieces:
         if count and first != end:
             return None
         end += count
-    return shards if end == rows else None
+    return [(coordinate, expert) for _, count, coordinate, expert in pieces if count] if end == math.prod(box) else None
 
 
 @functools.lru_cache(maxsize=4096)
-def _shard_rows(rows: int, mesh_shape: tuple, placements: tuple, coordinate: tuple) -> tuple[int, int]:
-    """(first row, rows) of the shard at mesh `coordinate` of `rows` rows split by `placements` (dim 0)."""
+def _shard_box(box: tuple, mesh_shape: tuple, placements: tuple, coordinate: tuple) -> tuple:
+    """((first, count) per dim of `box`) of the shard at mesh `coordinate` split by `placements`."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    shape, offset = _compute_local_shape_and_global_offset((rows,), mesh_shape, list(coordinate), placements)
-    return offset[0], shape[0]
+    shape, offset = _compute_local_shape_and_global_offset(box, mesh_shape, list(coordinate), placements)
+    return tuple(zip(offset, shape))
 
 
 def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows: Any) -> None:
-    """Every shard of `tensor` in rank 0's shard group, in order, converted to `out_dtype` in
-    messages of at most EXPORT_CHUNK_BYTES, to rank 0, which hands each to `write_rows`."""
-    import math
-
+    """Every piece of `tensor` in rank 0's replica (`_row_layout`), in order, converted to
+    `out_dtype` in messages of at most EXPORT_CHUNK_BYTES, to rank 0, which hands each to
+    `write_rows`: rows of dim 0, or of dim 1 for a weight split along it."""
     import torch
     import torch.distributed as dist
 
-    senders, mine, sizes = layout
+    runs, unit = layout
     me = dist.get_rank()
-    if mine is None:
+    if me != 0 and all(sender != me for sender, _ in runs):
         return  # another replica (HSDP): rank 0's own group holds every row
     local = tensor.to_local().detach()
-    row_bytes = max(1, math.prod(tensor.shape[1:]) * torch.empty((), dtype=out_dtype).element_size())
+    row_bytes = max(1, math.prod(unit) * torch.empty((), dtype=out_dtype).element_size())
     step = max(1, EXPORT_CHUNK_BYTES // row_bytes)
-    for index, sender in enumerate(senders):
-        for start in range(0, sizes[index], step):
-            stop = min(start + step, sizes[index])
+    for sender, expert in runs:
+        if me not in (0, sender):
+            continue
+        piece = local if expert is None else local[expert]  # (count, *unit)
+        count = _piece_rows(tensor, layout, sender, expert) if me == 0 and sender != 0 else piece.shape[0]
+        for start in range(0, count, step):
+            stop = min(start + step, count)
             if sender == me == 0:
-                write_rows(local[start:stop].to(out_dtype))
+                write_rows(piece[start:stop].to(out_dtype))
             elif me == 0:
-                rows = torch.empty((stop - start, *tensor.shape[1:]), dtype=out_dtype, device=local.device)
+                rows = torch.empty((stop - start, *unit), dtype=out_dtype, device=local.device)
                 dist.recv(rows, src=sender)
                 write_rows(rows)
                 del rows
-            elif sender == me:
-                dist.send(local[start:stop].to(out_dtype).contiguous(), dst=0)
+            else:
+                dist.send(piece[start:stop].to(out_dtype).contiguous(), dst=0)
+
+
+def _piece_rows(tensor: Any, layout: Any, sender: int, expert: Any) -> int:
+    """Rows of the piece rank `sender` sends (rank 0 does not hold it: computed from the mesh)."""
+    _, unit = layout
+    ranks = tensor.device_mesh.mesh
+    coordinate = tuple((ranks == sender).nonzero()[0].tolist())
+    box = tuple(tensor.shape[:tensor.dim() - len(unit)])
+    parts = _shard_box(box, tuple(ranks.shape), tuple(tensor.placements), coordinate)
+    return parts[-1][1]
 
 
 def gather_objects(fabric: Fabric, obj: Any) -> list[Any]:

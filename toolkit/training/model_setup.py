@@ -27,7 +27,9 @@ if TYPE_CHECKING:
 # returns rows [start, stop) (dim 0) of the full parameter `name` (toolkit name, no wrapper
 # prefixes), in any dtype; `stop=None` means to the last row. With `out` (a tensor of that shape, in
 # any dtype) it writes the rows into `out` and returns it, so that a rank's shard is filled without
-# a second copy of it. FSDP2 shards every parameter along dim 0.
+# a second copy of it. FSDP2 shards every parameter along dim 0, except expert weights that it
+# splits along dim 1 (`toolkit.parallel.fsdp.expert_shard_dim`): for those it is called with
+# `inner=(first, last)` as well, and returns only rows [first, last) of dim 1 of each row read.
 ReadRows = Callable[..., "Tensor"]
 
 
@@ -55,9 +57,6 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
     buffers = {unwrapped_name(n): b.detach().clone() for n, b in model.named_buffers()}
     module = fabric.setup_module(model)
     inner = module.module if hasattr(module, "module") else module
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     # Every parameter and buffer: allocated, not initialised. Offloaded shards on the host, the
     # buffers (RoPE tables) where the forward pass runs.
     plan = getattr(fabric.strategy, "plan", None)
@@ -68,26 +67,48 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
     with torch.no_grad():
         for name, buffer in inner.named_buffers():
             buffer.copy_(buffers[unwrapped_name(name)])
-        for name, param in inner.named_parameters():
+    fill_shards(inner, read_rows, preset)
+    return module
+
+
+def fill_shards(model: nn.Module, read_rows: ReadRows, preset: dict | None = None) -> None:
+    """Fill each parameter of a sharded model (allocated by `to_empty`, not initialised) with this
+    rank's part of its value: `preset[name]` (whole tensors, e.g. LoRA adapters made before
+    sharding) or else `read_rows`. A DTensor's part is the rows of dim 0 its placements give this
+    rank, and of dim 1 for expert weights split along it (`inner`); NF4 weights are quantized from
+    their rows (`_fill_nf4_rows`, a collective)."""
+    import torch
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    preset = preset or {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
             name = unwrapped_name(name)
+            inner: dict = {}  # the rows of dim 1 this rank holds, when they are not all of them
             if isinstance(param, DTensor):
                 local = param.to_local()
                 shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
-                assert all(o == 0 for o in offset[1:]) and tuple(shape[1:]) == tuple(param.shape[1:]), name
+                assert all(o == 0 for o in offset[2:]) and tuple(shape[2:]) == tuple(param.shape[2:]), name
                 start, stop = offset[0], offset[0] + shape[0]
+                if param.dim() > 1 and shape[1] != param.shape[1]:
+                    inner = {"inner": (offset[1], offset[1] + shape[1])}
             else:
                 local, start, stop = param, 0, None
             if is_nf4(local):
+                assert not inner, name  # NF4 weights are split along dim 0 only (`expert_placement`)
                 _fill_nf4_rows(local, param, name, start, stop, read_rows)
                 continue
             if local.numel() == 0:
                 continue
             full = preset.get(name)
             if full is not None:
-                local.copy_(full[start:stop].reshape(local.shape))
+                part = full[start:stop]
+                if inner:
+                    part = part[:, slice(*inner["inner"])]
+                local.copy_(part.reshape(local.shape))
             else:
-                read_rows(name, start, stop, out=local)
-    return module
+                read_rows(name, start, stop, out=local, **inner)
 
 
 def _move_buffers(model: nn.Module, device: Any) -> None:

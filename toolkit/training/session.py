@@ -279,9 +279,9 @@ class Session:
         shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
         seed = self.seed
 
-        def read_rows(name: str, start: int = 0, stop: Optional[int] = None, out=None):
+        def read_rows(name: str, start: int = 0, stop: Optional[int] = None, out=None, inner=None):
             # Only these rows are drawn; they have the same values under any sharding.
-            return initial_value(specs[name], shapes[name], seed, name, start, stop, out=out)
+            return initial_value(specs[name], shapes[name], seed, name, start, stop, out=out, inner=inner)
 
         return read_rows
 
