@@ -11,6 +11,7 @@ fake tensors and fake ranks for the set-ups named there and prints both peaks.
 
     python benchmarks/moe_memory.py                                  # the estimate table
     python benchmarks/moe_memory.py --simulate qwen3-30b-a3b:8       # and the simulated step
+    python benchmarks/moe_memory.py --simulate qwen3-30b-a3b:8:8     # with expert parallelism 8
 """
 
 from __future__ import annotations
@@ -82,21 +83,22 @@ def table(names: list[str]) -> None:
 
 
 def simulated(spec: str) -> None:
-    """`name:gpus`: the simulated step beside the estimate (checkpointing on, expert parallelism off)."""
-    name, gpus = spec.split(":")
-    config, gpus = MODELS[name], int(gpus)
+    """`name:gpus[:expert_parallel]`: the simulated step beside the estimate (checkpointing on)."""
+    name, gpus, *ep = spec.split(":")
+    config, gpus, ep = MODELS[name], int(gpus), int(ep[0]) if ep else 1
     nodes = max(1, gpus // 8)
     start = time.perf_counter()
-    sim = simulate(config, gpus // nodes, nodes, 1, SEQ, "bf16-mixed", "FULL_SHARD", None, None, True, 2)
-    estimated = peak(config, gpus, 1, True)
-    print(f"{name} on {gpus} GPUs, checkpointing: simulated {sim.peak_total / GiB:.2f} GiB, estimated {estimated:.2f} GiB "
-          f"({100 * (estimated * GiB / sim.peak_total - 1):+.1f}%), simulation {time.perf_counter() - start:.0f} s")
+    sim = simulate(config, gpus // nodes, nodes, 1, SEQ, "bf16-mixed", "FULL_SHARD", None, None, True, 2, expert_parallel=ep)
+    estimated = peak(config, gpus, ep, True)
+    print(f"{name} on {gpus} GPUs, expert parallel {ep}, checkpointing: simulated {sim.peak_total / GiB:.2f} GiB, "
+          f"estimated {estimated:.2f} GiB ({100 * (estimated * GiB / sim.peak_total - 1):+.1f}%), "
+          f"simulation {time.perf_counter() - start:.0f} s")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
-    parser.add_argument("--simulate", nargs="*", default=[], help="name:gpus, e.g. qwen3-30b-a3b:8")
+    parser.add_argument("--simulate", nargs="*", default=[], help="name:gpus[:expert_parallel], e.g. qwen3-30b-a3b:8 qwen3-30b-a3b:8:8")
     args = parser.parse_args()
     table(args.models)
     for spec in args.simulate:

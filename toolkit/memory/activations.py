@@ -132,6 +132,16 @@ class Recording:
     in_flight: int  # the most the last recorded block's backward pass holds beyond what it saved
     in_flight_grads: int = 0  # and with the block's weights' gradients as they are made
     forward_peak: int = 0  # the most the last recorded block's forward pass holds: what it saved so far and its transients
+    # a mixture of experts: (all but the experts' weight gradients, those gradients) alive after each
+    # event of that backward pass (`_Recorder.in_flight_with_experts`)
+    in_flight_expert_trace: tuple[tuple[int, int], ...] = ()
+
+    def grads_in_flight(self, expert_parallel: int = 1) -> int:
+        """`in_flight_grads` on a rank that makes the weight gradients of 1 / `expert_parallel` of
+        the experts (its own, under expert parallelism)."""
+        if expert_parallel == 1 or not self.in_flight_expert_trace:
+            return self.in_flight_grads
+        return max(rest + experts // expert_parallel for rest, experts in self.in_flight_expert_trace)
 
 
 _RECORDINGS: dict = {}
@@ -206,13 +216,13 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
             recorder.forward_done()
             if h.requires_grad:
                 h.backward(torch.ones_like(h))
-        in_flight, in_flight_grads = recorder.in_flight()
+        in_flight, in_flight_grads, expert_trace = recorder.in_flight_with_experts()
         before_head = (recorder.outside, recorder.outside_copies)
         if known is not None:
             return replace(known, blocks=tuple(recorder.blocks), block_inputs=tuple(recorder.inputs),
                            block_copies=tuple(recorder.copies), outside=before_head[0],
                            outside_copies=before_head[1] + known.head_copies, hidden=h.numel() * h.element_size(),
-                           in_flight=in_flight, in_flight_grads=in_flight_grads,
+                           in_flight=in_flight, in_flight_grads=in_flight_grads, in_flight_expert_trace=expert_trace,
                            forward_peak=recorder.forward_peak)  # fmt: skip
         # The head and the loss (`GPT.head_loss`), on one and on two rows: what they keep is affine
         # in the rows (a chunked loss over thousands of rows costs seconds on fake tensors).
@@ -237,7 +247,7 @@ def _record(opts: "Options", mode: Mode, gathered: bool, micro_batch: int, known
     per_row = loss_saved[1] - loss_saved[0]
     return Recording(tuple(recorder.blocks), tuple(recorder.inputs), tuple(recorder.copies), before_head[0],
                      before_head[1] + loss_copies, loss_copies, loss_saved[0] - per_row, per_row,
-                     h.numel() * h.element_size(), head, in_flight, in_flight_grads, recorder.forward_peak)  # fmt: skip
+                     h.numel() * h.element_size(), head, in_flight, in_flight_grads, recorder.forward_peak, expert_trace)  # fmt: skip
 
 
 @contextmanager
@@ -246,14 +256,16 @@ def on_fake_tensors(real_cpu: bool = False):
     no values and stand for a step on a GPU, or on real CPU tensors (`real_cpu`, `Mode.real_cpu`):
     the fused loss computes every row (no values to find ignored rows by) and allocates its chunk
     buffers at each call (kept as its scratch buffers, fake tensors would outlive the recording);
-    the experts' runs are padded on a real CPU only (`toolkit.models.moe.RUN_ROWS`)."""
+    the experts' runs are padded on a real CPU only (`toolkit.models.moe.RUN_ROWS`); expert
+    parallelism's all-to-alls move the rows of balanced routing (`balanced_exchange`)."""
     from contextlib import nullcontext
 
     from toolkit.models.loss import loss_settings
     from toolkit.models.moe import expert_runs_as_on_a_gpu
+    from toolkit.parallel.expert import balanced_exchange
 
     runs = nullcontext() if real_cpu else expert_runs_as_on_a_gpu()
-    with loss_settings(reuse_scratch=False, skip_ignored=False), runs:
+    with loss_settings(reuse_scratch=False, skip_ignored=False), runs, balanced_exchange():
         yield
 
 
@@ -518,16 +530,33 @@ class _Recorder:
         are made (FSDP's unsharded gradients, which it takes only when the block's backward pass
         ends: a mixture of experts makes its experts' large gradients first, while most of the
         block's activations are still there)."""
+        peak, peak_grads, _ = self.in_flight_with_experts()
+        return peak, peak_grads
+
+    def in_flight_with_experts(self) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+        """`in_flight`, and after each event of the backward pass with gradients (a, b): the bytes
+        alive but the experts' weight gradients, and those gradients (a rank under expert
+        parallelism makes those of its own experts only: a + b / N)."""
+        from toolkit.models.moe import GroupedExperts
+
         grads = {self.key(p.grad) for p in self.model.parameters() if p.grad is not None}
+        expert_grads = {self.key(p.grad) for m in self.model.modules() if isinstance(m, GroupedExperts)
+                        for p in m.parameters(recurse=False) if p.grad is not None}
         kept_as_grads = {number for number, key in self.alive.items() if key in grads}
-        live = peak = live_grads = peak_grads = 0
+        of_experts = {number for number, key in self.alive.items() if key in expert_grads}
+        live = peak = live_grads = peak_grads = live_experts = 0
+        trace = []
         for number, nbytes in self.events:
             live_grads += nbytes
             peak_grads = max(peak_grads, live_grads)
+            if number in of_experts:
+                live_experts += nbytes
+            if expert_grads:
+                trace.append((live_grads - live_experts, live_experts))
             if number not in kept_as_grads:
                 live += nbytes
                 peak = max(peak, live)
-        return peak, peak_grads
+        return peak, peak_grads, tuple(trace)
 
 
 class _QuantizedStandIn:
@@ -618,7 +647,7 @@ def activations(opts: "Options", gathered: bool, micro_batch_size: int, dequant_
         loss_kept=kept,
         hidden_grad=hidden if one.head.hidden_grad else 0,
         backward_in_flight=f(one.in_flight, two.in_flight),
-        backward_grads_in_flight=f(one.in_flight_grads, two.in_flight_grads),
+        backward_grads_in_flight=f(one.grads_in_flight(opts.expert_parallel), two.grads_in_flight(opts.expert_parallel)),
         forward_in_flight=f(one.forward_peak, two.forward_peak),
         weight_copies=sum(copies) + one.outside_copies,
         block_weight_copies=copies,

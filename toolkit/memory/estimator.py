@@ -147,6 +147,7 @@ def micro_batch_activations(opts: Options, column: Column, micro_batch_size: int
 
     With expert parallelism, the routed rows are taken as balanced over the ranks: each rank's
     experts compute on as many rows as they would without it (what they save is the recording's),
+    their backward pass makes the weight gradients of its own experts only (`Recording.grads_in_flight`),
     and one MoE layer's all-to-alls hold a send and a receive buffer of those rows, in the hidden
     states' dtype, beside them (`Activations.all_to_all`). A router that sends more of the tokens
     to one rank's experts puts more rows there (`router/load_max` in the training log says how
@@ -300,10 +301,6 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
         print("note: a mixture of experts cannot be simulated in 32-true (torch's fake grouped products take bf16 "
               "only): the figures above are the analytic estimate.")
         return None
-    if opts.expert_parallel > 1:
-        print("note: expert parallelism is not simulated (the all-to-alls need the training set-up): the figures "
-              "above are the analytic estimate; simulate with expert_parallel 1 to check the rest.")
-        return None
     from toolkit.memory.simulation import simulate
 
     lora = None
@@ -312,6 +309,7 @@ def _simulate(opts: "Options", devices, num_nodes, micro_batch_size, sharding, l
     result = simulate(
         opts.config, devices, num_nodes, micro_batch_size, opts.max_seq_length, opts.precision,
         sharding or "HYBRID_SHARD", opts.finetune, lora, checkpointing, pairs=opts.pairs, frozen_copy=opts.frozen_copy,
+        expert_parallel=opts.expert_parallel,
     )
     print()
     print(result.table())

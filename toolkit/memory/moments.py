@@ -103,6 +103,16 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     def larger(*moments: Moment) -> Moment:
         return max(moments, key=lambda m: sum(m.values()))
 
+    def reduced_last(members: list[ParamSpec]) -> list[ParamSpec]:
+        """What of a unit is reduce-scattered last in its backward pass: under expert parallelism a
+        block's experts are a unit of their own (`toolkit.parallel.expert`), reduced before the
+        rest of the block (attention, norms, router), whose reduce-scatter input replaces theirs."""
+        dense = [s for s in members if s.expert_parallel == 1]
+        return dense if len(dense) < len(members) else members
+
+    def experts_of(members: list[ParamSpec]) -> list[ParamSpec]:
+        return [s for s in members if s.expert_parallel > 1]
+
     def gather(unit: list[ParamSpec], before: list[ParamSpec], held: int) -> Moment:
         """`unit` gathered in the forward pass while the flat output of the unit `before` is alive."""
         if W == 1:
@@ -155,7 +165,7 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
 
     def backward(prefetched: list[ParamSpec], previous: list[ParamSpec], released: int) -> Moment:
         return {GATHERED: held + copies(block) - released, TEMPORARIES: root_grads,
-                ALL_GATHER: 0 if keep_all else flat(prefetched), REDUCE_SCATTER: reduce_input(previous)}  # fmt: skip
+                ALL_GATHER: 0 if keep_all else flat(prefetched), REDUCE_SCATTER: reduce_input(reduced_last(previous))}  # fmt: skip
 
     m["last block backward"] = backward(block, norm, 0)
     m["block backward"] = backward(block, block, done)
@@ -165,11 +175,16 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     # Its end, the larger of: released, its gradients copied into its reduce-scatter input beside the
     # prefetched unit's flat output; and the next block's turn (its copy-out, then the prefetch of the
     # one after it), beside this block's reduce-scatter input.
-    end = {GATHERED: held - done, TEMPORARIES: root_grads, UNSHARDED_GRADS: grads(block),
-           ALL_GATHER: 0 if keep_all else flat(block), REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
+    last_reduced = reduced_last(block)
+    end = {GATHERED: held - done, TEMPORARIES: root_grads, UNSHARDED_GRADS: grads(last_reduced),
+           ALL_GATHER: 0 if keep_all else flat(block), REDUCE_SCATTER: reduce_input(last_reduced)}  # fmt: skip
     turn = {GATHERED: held + copies(block), TEMPORARIES: root_grads, ALL_GATHER: in_flight(block),
-            REDUCE_SCATTER: reduce_input(block)}  # fmt: skip
+            REDUCE_SCATTER: reduce_input(last_reduced)}  # fmt: skip
     m["block reduced"] = end if keep_all else larger(end, turn)
+    if experts_of(block):  # the experts' own unit reduced, beside the rest of the block's gradients to come
+        experts = experts_of(block)
+        m["block experts reduced"] = {GATHERED: held + copies(block) - done, TEMPORARIES: root_grads,
+                                      UNSHARDED_GRADS: grads(experts), REDUCE_SCATTER: reduce_input(experts)}  # fmt: skip
     if embed:  # the embedding is not gathered for its backward pass (set_unshard_in_backward(False))
         m["block 0 backward"] = backward([], block, every_unit - copies(embed) - copies(block) if keep_all else 0)
         m["block 0 backward end"] = dict(m["block 0 backward"])

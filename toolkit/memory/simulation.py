@@ -8,7 +8,9 @@ tensors (shapes and dtypes, no memory, no values) and a fake process group of th
     apply_precision_policy                      the dtype of every parameter
     strategy.shard_model                        FSDP2 per Block and at the root, its precision
                                                 policies, activation checkpointing, on the mesh
-                                                of `mesh_layout` (HYBRID_SHARD: nodes x devices)
+                                                of `mesh_layout` (HYBRID_SHARD: nodes x devices);
+                                                under expert parallelism the experts split over
+                                                their own mesh first (`shard_experts`)
     make_adamw                                  the training AdamW (fused)
     the loop's micro-batches                    the cross-replica all-reduce deferred to the last
                                                 one (as ShardedStrategy's `no_backward_sync`), loss
@@ -27,6 +29,9 @@ What differs from a GPU run, and why:
   own buffers and the CUDA context (about 0.5-1 GiB) come on top.
 - bitsandbytes layers need real data: QLoRA cannot be simulated (`toolkit estimate` falls back
   to the analytic figure).
+- Routed counts have no values: under expert parallelism the all-to-alls move the rows of
+  balanced routing (`toolkit.parallel.expert.balanced_exchange`); a router that favours some
+  ranks' experts puts more rows there.
 
 The fake process group is global state in torch.distributed: `simulate` creates it, refuses to
 run while another process group exists, and destroys it before returning.
@@ -117,6 +122,7 @@ def simulate(
     train: Optional[TrainArgs] = None,
     pairs: bool = False,
     frozen_copy: bool = False,
+    expert_parallel: int = 1,
 ) -> Simulation:
     """One optimizer step of training `config` on devices x num_nodes fake ranks (rank 0's view).
 
@@ -132,6 +138,10 @@ def simulate(
     after the reference's forward pass under no_grad: LoRA's own base with the adapters switched
     off, or with `frozen_copy` a frozen copy of the model built and sharded like it (full
     fine-tuning, `Session.build_model(frozen=True)`); reference-free or precomputed: none.
+
+    `expert_parallel` N: each MoE layer's experts split over groups of N ranks as training splits
+    them (`toolkit.parallel.expert`), their all-to-alls sized for balanced routing (the counts of
+    fake tensors have no values; `balanced_exchange`).
     """
     import torch.distributed as dist
 
@@ -150,7 +160,7 @@ def simulate(
         # here torch's FSDPMemTracker must see every op as torch runs it.
         raise UserError("a mixture of experts cannot be simulated in 32-true: torch's fake kernel of grouped products "
                         "takes bf16 only; simulate bf16-mixed or bf16-true (the estimate covers 32-true).")
-    plan = fsdp_plan(devices, num_nodes, precision, sharding, activation_checkpointing)
+    plan = fsdp_plan(devices, num_nodes, precision, sharding, activation_checkpointing, expert_parallel, config)
     if plan.kind != "fsdp":
         raise UserError("simulate runs FSDP on more than one device in total; use the estimate for one device.")
     if dist.is_initialized():
@@ -167,8 +177,11 @@ def simulate(
         from torch.distributed.device_mesh import init_device_mesh
 
         mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        model, decay = build(config, plan, finetune, lora, mesh)
-        copy = build(config, plan, None, None, mesh, frozen=True)[0] if frozen_copy else None
+        expert_mesh = None
+        if plan.expert_mesh is not None:
+            expert_mesh = init_device_mesh("cpu", plan.expert_mesh[0], mesh_dim_names=plan.expert_mesh[1])
+        model, decay = build(config, plan, finetune, lora, mesh, expert_mesh=expert_mesh)
+        copy = build(config, plan, None, None, mesh, frozen=True, expert_mesh=expert_mesh)[0] if frozen_copy else None
         result = _run(model, decay, plan, train, micro_batch_size * (2 if pairs else 1), max_seq_length, micro_batches,
                       forward, pairs, copy, adapters_off=pairs and finetune == "lora")
     finally:
@@ -185,18 +198,22 @@ def simulate(
     )
 
 
-def fsdp_plan(devices: int, num_nodes: int, precision: str, sharding: str, activation_checkpointing: bool):
-    """The training strategy's plan for FSDP on devices x num_nodes CPU ranks (`plan_strategy`)."""
+def fsdp_plan(devices: int, num_nodes: int, precision: str, sharding: str, activation_checkpointing: bool,
+              expert_parallel: int = 1, config: Any = None):
+    """The training strategy's plan for FSDP on devices x num_nodes CPU ranks (`plan_strategy`), with
+    `expert_parallel` checked against `config` as training checks it."""
     from toolkit.parallel.plan import plan_strategy
 
-    dist_args = DistributedArgs(strategy="fsdp", sharding=sharding, activation_checkpointing=activation_checkpointing)
-    return plan_strategy(devices, num_nodes, precision, dist_args, accelerator="cpu")
+    dist_args = DistributedArgs(strategy="fsdp", sharding=sharding, activation_checkpointing=activation_checkpointing,
+                                expert_parallel=expert_parallel)
+    return plan_strategy(devices, num_nodes, precision, dist_args, accelerator="cpu", model=config)
 
 
-def build(config, plan, finetune, lora, mesh, frozen: bool = False):
-    """The meta model as `Session.build_model` prepares it, sharded as training shards it; and the
-    names of the weights that decay. `frozen`: no weight trains, and each unit frees its gathered
-    weights after its forward pass (a reference model)."""
+def build(config, plan, finetune, lora, mesh, frozen: bool = False, expert_mesh: Any = None):
+    """The meta model as `Session.build_model` prepares it, sharded as training shards it (the
+    experts split over `expert_mesh` under expert parallelism); and the names of the weights that
+    decay. `frozen`: no weight trains, and each unit frees its gathered weights after its forward
+    pass (a reference model)."""
     import torch
 
     from toolkit.models.gpt import GPT, Block
@@ -216,7 +233,7 @@ def build(config, plan, finetune, lora, mesh, frozen: bool = False):
         model.requires_grad_(False)
     apply_precision_policy(model, plan.precision)
     decay = decay_names(model)
-    shard_model(model, mesh, plan, Block)  # what ShardedStrategy.setup_module does in training
+    shard_model(model, mesh, plan, Block, expert_mesh=expert_mesh)  # what ShardedStrategy.setup_module does
     if frozen:
         from toolkit.parallel.fsdp import reshard_after_every_forward
 
@@ -280,6 +297,11 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
         return model(x, labels=y, per_token=True).sum()
 
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if plan.precision.endswith("-mixed") else nullcontext()
+    # Gradients on two meshes (the experts' and the rest, under expert parallelism) are clipped as
+    # training clips them (`toolkit.training.fabric`).
+    clip = torch.nn.utils.clip_grad_norm_
+    if plan.expert_mesh is not None:
+        from toolkit.parallel.expert import clip_grad_norm as clip
     # One untracked step first, so that the tracked one is a steady-state step: AdamW's state
     # exists, and FSDP2 has allocated the gathered parameters' storages (its first forward and
     # backward do; later gathers resize them. Seen by the tracker, that first allocation was
@@ -301,7 +323,7 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
         loss = loss_of(x, y)
     loss.backward()
     if train.max_norm is not None:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+        clip(model.parameters(), train.max_norm, error_if_nonfinite=False)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for attempt in range(1, _ATTEMPTS + 1):
@@ -315,7 +337,7 @@ def tracked_step(model, optimizer, plan, train: TrainArgs, x, y, micro_batches: 
                         loss = loss_of(x, y)
                     (loss * 0.5).backward()  # the loop scales by world_size / target tokens
             if train.max_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), train.max_norm, error_if_nonfinite=False)
+                clip(model.parameters(), train.max_norm, error_if_nonfinite=False)
             optimizer.step()
             now = _snapshot(tracker)
             optimizer.zero_grad(set_to_none=True)
@@ -495,4 +517,6 @@ def _collective_size(name: str, args) -> tuple[Optional[int], float]:
         return nbytes, 2 * (n - 1) / n
     if name.startswith("broadcast"):
         return nbytes, 1.0
+    if name.startswith("alltoall"):  # args[0]: the rows received; a rank keeps 1/n of what it sends
+        return nbytes, (n - 1) / n
     return nbytes, 1.0

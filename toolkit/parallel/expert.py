@@ -52,11 +52,22 @@ import torch.distributed as dist
 from torch import nn
 
 from toolkit.models.moe import GroupedExperts, LowRankUpdate
+from toolkit.models.switch import Switch
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
 EXPERT_DIM = "expert"  # the mesh dimension of an all-to-all group
+# Whether the all-to-alls are sized as balanced routing would size them (`balanced_exchange`).
+BALANCED = Switch("balanced expert exchange", False, (False, True))
+
+
+def balanced_exchange():
+    """Inside the `with` block, expert parallelism's all-to-alls move the rows balanced routing
+    would: each rank sends every rank of its group an equal share of its routed rows, and gets as
+    many from each. For fake tensors (the memory simulation), whose routed counts have no values
+    to size the exchange by; the estimate assumes balanced routing too."""
+    return BALANCED.use(True)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -129,7 +140,12 @@ def expert_parallel_forward(experts: GroupedExperts, group: Any, rows: torch.Ten
     dist.all_to_all_single(received, counts, group=group)  # [j * L + e]: rows rank j sends my expert e
     received = received.view(n, local)
     # Rows to each group rank, rows from each (one host sync: all-to-all takes its sizes as lists).
-    send, receive = torch.stack([counts.view(n, local).sum(dim=1), received.sum(dim=1)]).tolist()
+    if BALANCED.value:
+        rows_sent = rows.shape[0]
+        send = [rows_sent // n + (j < rows_sent % n) for j in range(n)]
+        receive = [rows_sent // n + (group.rank() < rows_sent % n)] * n
+    else:
+        send, receive = torch.stack([counts.view(n, local).sum(dim=1), received.sum(dim=1)]).tolist()
     arrived = _AllToAll.apply(rows, send, receive, group)  # (R, C), by (sender, local expert)
     # Regroup by (local expert, sender): each local expert's rows become one contiguous run.
     runs = torch.arange(n * local, device=counts.device)  # run j * L + e: sender j, local expert e
