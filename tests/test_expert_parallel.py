@@ -153,6 +153,17 @@ def test_an_expert_parallel_checkpoint_resumes_on_four_processes_with_expert_par
     _assert_same_moments(_checkpoint(runs["one"], STEPS), _checkpoint(out, STEPS))
 
 
+def test_compiled_blocks_with_expert_parallel_2_train_as_eager_ones(runs):
+    """`--train.compile true` with expert parallelism: each block compiled, the experts' own FSDP unit
+    and their all-to-alls inside it (dynamo runs what it cannot trace eagerly). The weights and
+    losses of the eager two-process run, within the tolerance of one process against two."""
+    out = runs["root"] / "two-compiled"
+    stdout = _run(_pretrain(out, 2, 2, "--train.compile", "true"))
+    assert "transformer blocks compiled separately" in stdout
+    _assert_same_weights(runs["two"], out)
+    torch.testing.assert_close(torch.tensor(_train_losses(out)), torch.tensor(_train_losses(runs["two"])), atol=1e-5, rtol=0)
+
+
 def test_experts_split_inside_each_expert_resume_on_one_process(tmp_path):
     """3 experts over 2 FSDP processes (no expert parallelism) are split along each expert's rows
     (`expert_shard_dim`): the checkpoint of step 1, resumed on one process, ends where the two

@@ -69,6 +69,12 @@ def compile_blocks(model: nn.Module, block_cls: type, device, dynamic: bool, pri
     if problem is not None:
         print_fn(f"torch.compile is unavailable here ({problem}); training eagerly.")
         return 0
+    import warnings
+
+    # Under expert parallelism a block's experts are an FSDP unit of their own inside it: dynamo
+    # cannot trace DTensor's C helper in their hooks and runs them eagerly (an expected graph
+    # break), which it would report on every rank.
+    warnings.filterwarnings("ignore", message=r"Dynamo does not know how to trace the builtin `torch\._C\._DTensor_compute")
     blocks = [m for m in model.modules() if isinstance(m, block_cls)]
     for block in blocks:
         block.compile(dynamic=True if dynamic else None)
