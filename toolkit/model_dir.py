@@ -140,8 +140,8 @@ READ_CHUNK_BYTES = 16 << 20
 
 
 def checkpoint_row_reader(checkpoint_dir: Path | str):
-    """`read_rows(name, start, stop, out=None)`: rows [start, stop) of weight `name`, read memory-mapped
-    (see `toolkit.training.model_setup.ReadRows`).
+    """`read_rows(name, start, stop, out=None, inner=None)`: rows [start, stop) of weight `name` (of
+    each, rows `inner` of dim 1), read memory-mapped (see `toolkit.training.model_setup.ReadRows`).
 
     Only the requested rows are read from disk, so each rank of a sharded run touches only its own
     part of the file. A tied output head reads the embedding.

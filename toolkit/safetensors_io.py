@@ -421,14 +421,15 @@ class SafetensorsStream:
         self._offset += size
         return size
 
-    def append(self, name: str, rows: "torch.Tensor") -> None:
-        """Write the next rows (dim 0, or dim 1 of the tensor read as (shape[0] * shape[1], ...)) of
-        the tensor `name`, in order; the tensor is done when all its bytes are written. Lets a
-        tensor be written from pieces that never exist together."""
+    def append(self, name: str, rows: "torch.Tensor", inner: bool = False) -> None:
+        """Write the next rows (dim 0; with `inner`, of dim 1, the tensor read as (shape[0] *
+        shape[1], ...)) of the tensor `name`, in order; the tensor is done when all its bytes are
+        written. Lets a tensor be written from pieces that never exist together."""
         dtype, shape = self._expect(name, whole=False)
         total = _nbytes(dtype, shape)
         size = rows.numel() * rows.element_size()
-        if rows.dtype != dtype or tuple(rows.shape[1:]) not in (shape[1:], shape[2:]) or self._appended + size > total:
+        row_shape = shape[2:] if inner else shape[1:]
+        if rows.dtype != dtype or tuple(rows.shape[1:]) != row_shape or self._appended + size > total:
             raise ValueError(f"safetensors stream: rows {rows.dtype} {tuple(rows.shape)} do not continue {name} ({dtype} {shape})")
         self._appended += self._put(rows)
         if self._appended == total:
@@ -504,9 +505,9 @@ class SafetensorsShards:
             raise ValueError(f"safetensors shards: got {name!r}, expected {self.order[0]!r} first")
         return self._stream
 
-    def append(self, name: str, rows: "torch.Tensor") -> None:
-        """Rows (dim 0) of `name`, in order (see `SafetensorsStream.append`)."""
-        self._stream_for(name).append(name, rows)
+    def append(self, name: str, rows: "torch.Tensor", inner: bool = False) -> None:
+        """Rows (dim 0, or with `inner` of dim 1) of `name`, in order (see `SafetensorsStream.append`)."""
+        self._stream_for(name).append(name, rows, inner)
 
     def write(self, name: str, tensor: "torch.Tensor") -> None:
         self._stream_for(name).write(name, tensor)

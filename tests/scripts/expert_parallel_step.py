@@ -16,8 +16,13 @@ against the reference on the whole batch:
                  (the all-to-alls run again in the recomputation)
     uneven       FULL_SHARD, expert_parallel 2, 2 experts (top-1): one expert per pair, which FSDP
                  splits along dim 1 over the other pair (`expert_shard_dim`); grouped products
+    uneven_rows  as uneven, 33 wide: down_proj (1 local expert, 33 rows) cannot split along dim 1,
+                 so FSDP splits it along dim 0 and pads one rank's shard to nothing (_StridedShard);
+                 one product per expert (grouped products need rows of a multiple of 16 bytes)
     columns      FULL_SHARD, no expert parallelism, 2 experts (top-1) over 4 ranks: the blocks'
                  expert weights split along dim 1, the rest along dim 0
+    hybrid_columns  HYBRID_SHARD as 2 nodes x 2 devices, no expert parallelism, 3 experts: split
+                 along dim 1 within a node, replicated across nodes
     columns_lora as columns, with LoRA on attention and on the (frozen, dim-1-split) experts
     lora         FULL_SHARD, expert_parallel 2, LoRA on attention and on the experts (each rank
                  applies its own experts' rows of the factors): experts frozen, the adapters'
@@ -60,7 +65,9 @@ LAYOUTS = {
     "full_shard": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, backend="grouped"),
     "hybrid": dict(sharding="HYBRID_SHARD", nodes=2, experts=4, top_k=2, checkpointing=True),
     "uneven": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, backend="grouped"),
+    "uneven_rows": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, backend="loop", width=33),
     "columns": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, backend="grouped", expert_parallel=1),
+    "hybrid_columns": dict(sharding="HYBRID_SHARD", nodes=2, experts=3, top_k=2, expert_parallel=1),
     "columns_lora": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, lora=True, expert_parallel=1),
     "lora": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True),
     "idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, idle=True, backend="loop"),
@@ -68,11 +75,12 @@ LAYOUTS = {
 }
 
 
-def tiny_moe(experts: int, top_k: int):
+def tiny_moe(experts: int, top_k: int, width: int = 32):
     from toolkit.models.config import Config
 
-    return Config(name="tiny-moe", vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_embd=32, n_head=4, n_query_groups=2,
-                  intermediate_size=48, n_expert=experts, n_expert_per_token=top_k, moe_intermediate_size=24)
+    return Config(name="tiny-moe", vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_embd=width, n_head=4, head_size=8,
+                  n_query_groups=2, intermediate_size=48, n_expert=experts, n_expert_per_token=top_k,
+                  moe_intermediate_size=24)
 
 
 def build(config, lora: bool):
@@ -107,7 +115,7 @@ def one_layout(rank: int, name: str, spec: dict, out: Path) -> dict:
     from toolkit.parallel.plan import plan_strategy
     from toolkit.training.checkpoint_io import _row_layout, _send_rows_to_rank_zero
 
-    config = tiny_moe(spec["experts"], spec["top_k"])
+    config = tiny_moe(spec["experts"], spec["top_k"], spec.get("width", 32))
     devices = WORLD // spec["nodes"]
     plan = plan_strategy(devices, spec["nodes"], "32-true", DistributedArgs(
         sharding=spec["sharding"], expert_parallel=spec.get("expert_parallel", 2),
@@ -159,7 +167,7 @@ def one_layout(rank: int, name: str, spec: dict, out: Path) -> dict:
             layout = _row_layout(param)
             parts: list = []
             if layout is not None:
-                _send_rows_to_rank_zero(param, layout, torch.float32, parts.append)
+                _send_rows_to_rank_zero(param, layout, torch.float32, lambda rows, inner: parts.append(rows))
             exported[pname] = layout is not None and (rank != 0 or torch.equal(torch.cat([t.flatten() for t in parts]),
                                                                                   ref.detach().flatten()))
     trained = [(n, p) for n, p in named if p.requires_grad]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from toolkit.memory.parameters import ParamSpec, padded_shard_numel, quantized_bytes, quantized_names, shard_bytes
+from toolkit.memory.parameters import (ParamSpec, padded_shard_numel, quantized_bytes, quantized_names, shard_bytes,
+                                       split_inside)
 
 if TYPE_CHECKING:
     from toolkit.memory.activations import Activations
@@ -78,6 +79,19 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     def copies(members: list[ParamSpec]) -> int:
         return sum(gathered(s) for s in members)
 
+    def split(s: ParamSpec) -> bool:
+        return split_inside(s, s.shard_group(W), quantized)
+
+    def copy_out(members: list[ParamSpec]) -> int:
+        """The temporaries of a copy-out: a weight split along dim 1 is cut from the flat output
+        into a temporary of its gathered size, then interleaved into its copy (torch 2.13)."""
+        return sum(gathered(s) for s in members if split(s))
+
+    def interleaved_grads(members: list[ParamSpec]) -> int:
+        """The copies a reduction makes of the gradients of weights split along dim 1 (their
+        pieces put rank by rank before the reduce-scatter's copy-in)."""
+        return sum(s.numel * opts.gathered_bytes(s, column) for s in members if s.trainable and split(s))
+
     def flat(members: list[ParamSpec]) -> int:
         return sum(gathered(s) for s in members if s.shard_group(W) > 1)
 
@@ -118,7 +132,7 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
         if W == 1:
             return {GATHERED: held + copies(unit)}
         return larger({GATHERED: held, ALL_GATHER: flat(before) + in_flight(unit)},
-                      {GATHERED: held + copies(unit), ALL_GATHER: flat(before) + flat(unit)})  # fmt: skip
+                      {GATHERED: held + copies(unit), ALL_GATHER: flat(before) + flat(unit) + copy_out(unit)})  # fmt: skip
 
     keep_all = column.name == "SHARD_GRAD_OP"  # every unit stays gathered from its forward to its backward pass
     # the root: a tied matrix, the final norm (and a head bias, LoRA adapters of the head)
@@ -176,15 +190,18 @@ def fsdp_moments(specs: list[ParamSpec], column: "Column", opts: "Options") -> d
     # prefetched unit's flat output; and the next block's turn (its copy-out, then the prefetch of the
     # one after it), beside this block's reduce-scatter input.
     last_reduced = reduced_last(block)
-    end = {GATHERED: held - done, TEMPORARIES: root_grads, UNSHARDED_GRADS: grads(last_reduced),
+    end = {GATHERED: held - done, TEMPORARIES: root_grads,
+           UNSHARDED_GRADS: grads(last_reduced) + interleaved_grads(last_reduced),
            ALL_GATHER: 0 if keep_all else flat(block), REDUCE_SCATTER: reduce_input(last_reduced)}  # fmt: skip
     turn = {GATHERED: held + copies(block), TEMPORARIES: root_grads, ALL_GATHER: in_flight(block),
             REDUCE_SCATTER: reduce_input(last_reduced)}  # fmt: skip
-    m["block reduced"] = end if keep_all else larger(end, turn)
+    copied_out = dict(turn, **{ALL_GATHER: flat(block) + copy_out(block)})
+    m["block reduced"] = end if keep_all else larger(end, turn, copied_out)
     if experts_of(block):  # the experts' own unit reduced, beside the rest of the block's gradients to come
         experts = experts_of(block)
         m["block experts reduced"] = {GATHERED: held + copies(block) - done, TEMPORARIES: root_grads,
-                                      UNSHARDED_GRADS: grads(experts), REDUCE_SCATTER: reduce_input(experts)}  # fmt: skip
+                                      UNSHARDED_GRADS: grads(experts) + interleaved_grads(experts),
+                                      REDUCE_SCATTER: reduce_input(experts)}  # fmt: skip
     if embed:  # the embedding is not gathered for its backward pass (set_unshard_in_backward(False))
         m["block 0 backward"] = backward([], block, every_unit - copies(embed) - copies(block) if keep_all else 0)
         m["block 0 backward end"] = dict(m["block 0 backward"])

@@ -279,9 +279,11 @@ def fsdp_rank_memory(specs: list[ParamSpec], column: "Column", opts: "Options") 
             quantized_base += shard
         if s.trainable:
             grads += padded_shard_numel(s, group) * opts.trainable_bytes
-            row = s.numel // s.shape[0]
-            rows_of = [s.shape[0] / group] * group if split_inside(s, group) else shard_rows(s.shape[0], group)
+            if split_inside(s, group):  # an even split: numel / group on every rank
+                elements_of = [s.numel // group] * group
+            else:
+                elements_of = [rows * (s.numel // s.shape[0]) for rows in shard_rows(s.shape[0], group)]
             for r in range(W):
-                states[r] += int(2 * rows_of[r % group] * row * opts.trainable_bytes)
+                states[r] += 2 * elements_of[r % group] * opts.trainable_bytes
     return [{"parameters": params, "gradients": grads, "optimizer_state": n, "quantized_base": quantized_base}
             for n in states]

@@ -108,9 +108,9 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
     The weights go into `model.safetensors`, or, beyond `max_shard_bytes` (default
     `toolkit.safetensors_io.MAX_SHARD_BYTES`), into Hugging Face's sharded layout
     (`model-0000K-of-0000N.safetensors` + `model.safetensors.index.json`; see
-    `toolkit.safetensors_io.SafetensorsShards`). A collective call. For each weight, in the order of the
-    files: under FSDP every rank holding a
-    shard of it in rank 0's shard group (FSDP2 shards dim 0 in `torch.chunk` order) converts its
+    `toolkit.safetensors_io.SafetensorsShards`). A collective call. For each weight, in the order of
+    the files: under FSDP every rank holding a shard of it in rank 0's shard group (FSDP2 splits
+    dim 0 in `torch.chunk` order, or dim 1 of some expert weights) converts its
     rows to `dtype` (floating-point weights; None keeps their dtype) a message at a time and sends
     them to rank 0, which appends them to the file in order (`SafetensorsStream.append`). Rank 0's
     host memory therefore grows by about two messages (`EXPORT_CHUNK_BYTES`), whatever the size of
@@ -162,12 +162,12 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
         torch.distributed.all_reduce(flag)
         by_rows = flag.item() == 0
 
-    def write(method: str, name: str, tensor: Tensor) -> None:
+    def write(method: str, name: str, tensor: Tensor, *how: Any) -> None:
         nonlocal error
         if writing and error is None:
             try:
                 with torch.no_grad():
-                    getattr(stream, method)(name, tensor)
+                    getattr(stream, method)(name, tensor, *how)
             except Exception as err:  # keep taking part in the transfers; reported at the end
                 error = err
 
@@ -175,7 +175,8 @@ def stream_weights(fabric: Fabric, model: nn.Module, directory: Any, config: Any
         tensor = state[name]
         out_dtype = specs[name][0]
         if isinstance(tensor, DTensor) and by_rows and tensor.numel():
-            _send_rows_to_rank_zero(tensor, layouts[name], out_dtype, lambda rows: write("append", name, rows))
+            _send_rows_to_rank_zero(tensor, layouts[name], out_dtype,
+                                    lambda rows, inner: write("append", name, rows, inner))
             continue
         if isinstance(tensor, DTensor):
             tensor = tensor.full_tensor()  # collective: every rank takes part
@@ -268,7 +269,7 @@ def _shard_box(box: tuple, mesh_shape: tuple, placements: tuple, coordinate: tup
 def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows: Any) -> None:
     """Every piece of `tensor` in rank 0's replica (`_row_layout`), in order, converted to
     `out_dtype` in messages of at most EXPORT_CHUNK_BYTES, to rank 0, which hands each to
-    `write_rows`: rows of dim 0, or of dim 1 for a weight split along it."""
+    `write_rows(rows, inner)`: rows of dim 0, or (`inner` True) of dim 1 for a weight split along it."""
     import torch
     import torch.distributed as dist
 
@@ -287,11 +288,11 @@ def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows
         for start in range(0, count, step):
             stop = min(start + step, count)
             if sender == me == 0:
-                write_rows(piece[start:stop].to(out_dtype))
+                write_rows(piece[start:stop].to(out_dtype), expert is not None)
             elif me == 0:
                 rows = torch.empty((stop - start, *unit), dtype=out_dtype, device=local.device)
                 dist.recv(rows, src=sender)
-                write_rows(rows)
+                write_rows(rows, expert is not None)
                 del rows
             else:
                 dist.send(piece[start:stop].to(out_dtype).contiguous(), dst=0)
