@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from functools import partial
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -187,14 +187,15 @@ def distribute_experts(experts: GroupedExperts, mesh: DeviceMesh) -> None:
         experts.register_parameter(name, nn.Parameter(value, requires_grad=param.requires_grad))
 
 
-def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, **fsdp_options: Any) -> list[nn.Module]:
+def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, placement: Optional[Callable[[nn.Module, int], Any]] = None,
+                  **fsdp_options: Any) -> list[nn.Module]:  # fmt: skip
     """Apply expert parallelism to every MoE layer of `model` on `expert_mesh` (`expert_mesh_layout`):
     each experts module keeps this rank's experts, calls them through the all-to-all, and becomes
-    an FSDP2 unit over the mesh's other dimensions. `fsdp_options` go to `fully_shard` (precision
-    and offload policies, resharding). Call it before the blocks are sharded. Returns the units."""
+    an FSDP2 unit over the mesh's other dimensions. `placement(unit, shards)` gives the unit's
+    `shard_placement_fn` for a shard group of `shards` ranks (`toolkit.parallel.fsdp.expert_placement`);
+    `fsdp_options` go to `fully_shard` (precision and offload policies, resharding). Call it before
+    the blocks are sharded. Returns the units."""
     from torch.distributed.fsdp import fully_shard
-
-    from toolkit.parallel.fsdp import expert_placement, shard_size
 
     names = expert_mesh.mesh_dim_names
     ep_mesh = expert_mesh[EXPERT_DIM]
@@ -206,7 +207,8 @@ def shard_experts(model: nn.Module, expert_mesh: DeviceMesh, **fsdp_options: Any
             raise ValueError(f"{experts.gate_up_proj.shape[0]} experts do not split over {ep_mesh.size()} ranks")
         distribute_experts(experts, ep_mesh)
         experts.forward = partial(expert_parallel_forward, experts, group)  # type: ignore[method-assign]
-        fully_shard(experts, mesh=data_mesh, shard_placement_fn=expert_placement(experts, shard_size(data_mesh, "expert_shard")),
+        shards = expert_mesh.size(names.index("expert_shard"))
+        fully_shard(experts, mesh=data_mesh, shard_placement_fn=placement(experts, shards) if placement else None,
                     **fsdp_options)
         # A rank whose experts got no rows still takes part in their gradients' reduction, with zeros.
         experts.set_reduce_scatter_unused_params(True)

@@ -78,7 +78,8 @@ def shard_model(module: nn.Module, mesh: Any, plan: StrategyPlan, block_cls: typ
     if expert_mesh is not None:
         from toolkit.parallel.expert import shard_experts
 
-        expert_units = shard_experts(module, expert_mesh, mp_policy=block_policy, offload_policy=offload,
+        expert_units = shard_experts(module, expert_mesh, placement=expert_placement, mp_policy=block_policy,
+                                     offload_policy=offload,
                                      reshard_after_forward=(plan.sharding or "FULL_SHARD") != "SHARD_GRAD_OP")
     for unit in block_units(module, block_cls):
         fully_shard(unit, mesh=mesh, mp_policy=block_policy, offload_policy=offload,
