@@ -284,7 +284,7 @@ def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows
         if me not in (0, sender):
             continue
         piece = local if expert is None else local[expert]  # (count, *unit)
-        count = _piece_rows(tensor, layout, sender, expert) if me == 0 and sender != 0 else piece.shape[0]
+        count = _piece_rows(tensor, len(unit), sender) if me == 0 and sender != 0 else piece.shape[0]
         for start in range(0, count, step):
             stop = min(start + step, count)
             if sender == me == 0:
@@ -298,12 +298,12 @@ def _send_rows_to_rank_zero(tensor: Any, layout: Any, out_dtype: Any, write_rows
                 dist.send(piece[start:stop].to(out_dtype).contiguous(), dst=0)
 
 
-def _piece_rows(tensor: Any, layout: Any, sender: int, expert: Any) -> int:
-    """Rows of the piece rank `sender` sends (rank 0 does not hold it: computed from the mesh)."""
-    _, unit = layout
+def _piece_rows(tensor: Any, unit_dims: int, sender: int) -> int:
+    """Rows of each piece rank `sender` sends, its last `unit_dims` dims whole (rank 0 does not hold
+    it: computed from the mesh)."""
     ranks = tensor.device_mesh.mesh
     coordinate = tuple((ranks == sender).nonzero()[0].tolist())
-    box = tuple(tensor.shape[:tensor.dim() - len(unit)])
+    box = tuple(tensor.shape[:tensor.dim() - unit_dims])
     parts = _shard_box(box, tuple(ranks.shape), tuple(tensor.placements), coordinate)
     return parts[-1][1]
 
