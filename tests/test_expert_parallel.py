@@ -141,7 +141,6 @@ def test_an_expert_parallel_checkpoint_resumes_on_one_process(runs):
     _assert_same_weights(runs["one"], out)
 
 
-@pytest.mark.slow  # four processes of the whole toolkit: about two minutes on 2 busy cores
 def test_an_expert_parallel_checkpoint_resumes_on_four_processes_with_expert_parallel_4(runs):
     """The last two steps on 4 processes, one expert each: weights and moments as one process's."""
     out = runs["root"] / "two-to-four"
