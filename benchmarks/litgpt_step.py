@@ -24,6 +24,8 @@ the same weights (`build_moe_layer`), new random rows at each step. `--device cu
 The shapes (`SHAPES`), sequences of `--seq_len` tokens (512), 2 per micro-batch:
 - qwen3-moe: Qwen3-30B-A3B scaled down: 4 layers, 512 wide, 8 heads of 64 (2 key/value groups), QK
   norm, 64 experts of width 192 with 8 per token, renormalised (its norm_topk_prob); vocabulary 32,000.
+- qwen3-moe-128: the same with Qwen3-30B-A3B's own count of experts, 128 (each 4x narrower than its
+  2,048-wide model's 768, as the model is).
 - mixtral: 4 layers, 256 wide, 4 heads (2 key/value groups), 8 experts of width 512, 2 per token;
   vocabulary 32,000.
 - gemma3-small: the toolkit's `gemma-3-270m` preset with benchmarks/configs/gemma3-small.json over
@@ -53,11 +55,14 @@ from pathlib import Path
 SHAPES = {
     "qwen3-moe": dict(vocab_size=32000, block_size=512, n_layer=4, n_embd=512, n_head=8, n_query_groups=2,
                       head_size=64, intermediate_size=192, n_expert=64, n_expert_per_token=8, norm_eps=1e-6, qk_norm=True),
+    "qwen3-moe-128": dict(vocab_size=32000, block_size=512, n_layer=4, n_embd=512, n_head=8, n_query_groups=2,
+                          head_size=64, intermediate_size=192, n_expert=128, n_expert_per_token=8, norm_eps=1e-6,
+                          qk_norm=True),
     "mixtral": dict(vocab_size=32000, block_size=512, n_layer=4, n_embd=256, n_head=4, n_query_groups=2,
                     intermediate_size=512, n_expert=8, n_expert_per_token=2, norm_eps=1e-5, qk_norm=False),
     "gemma3-small": dict(vocab_size=50304, block_size=512),  # the rest: the two config files below
 }
-MOE_SHAPES = ("qwen3-moe", "mixtral")
+MOE_SHAPES = ("qwen3-moe", "qwen3-moe-128", "mixtral")
 GEMMA3_TOOLKIT = ("gemma-3-270m", Path(__file__).resolve().parent / "configs" / "gemma3-small.json")
 GEMMA3_LITGPT = Path(__file__).resolve().parent / "configs" / "gemma3-small-litgpt.yaml"
 REPO = Path(__file__).resolve().parents[1]
