@@ -437,15 +437,16 @@ def moe_experts(ctx: Context) -> dict:
 
 @check("moe_step_litgpt", budget=120)
 def moe_step_litgpt(ctx: Context) -> dict:
-    """benchmarks/litgpt_step.py on the GPU: a whole optimizer step of the small Qwen3-MoE and Mixtral
-    shapes (bf16 weights, 2 x 512 tokens), the toolkit against LitGPT 0.5.13, fresh processes
+    """benchmarks/litgpt_step.py on the GPU: a whole optimizer step of the small Qwen3-MoE (with the
+    real model's 128 experts) and Mixtral shapes (bf16 weights, 2 x 512 tokens), the toolkit against
+    LitGPT 0.5.13, fresh processes
     alternating pair by pair (the issue's goal: at least 3x). LitGPT comes from benchmarks/gpu_wheels.sh;
     where it is not installed (the dry run) the toolkit's runs alone."""
     import importlib.util
 
     litgpt = importlib.util.find_spec("litgpt") is not None
     figures: dict = {"litgpt_installed": litgpt, "device": ctx.device}
-    for shape, pairs in ctx.pick((("qwen3-moe", 2), ("mixtral", 2)), (("mixtral", 1),)):
+    for shape, pairs in ctx.pick((("qwen3-moe-128", 2), ("mixtral", 2)), (("mixtral", 1),)):
         results = ctx.work / f"litgpt_step_{shape}.json"
         command = [sys.executable, str(REPO / "benchmarks" / "litgpt_step.py"), "--shape", shape, "--dtype", "bfloat16",
                    "--device", ctx.device, "--pairs", str(pairs), "--tools", "toolkit,litgpt" if litgpt else "toolkit",
