@@ -152,6 +152,7 @@ def test_an_expert_parallel_checkpoint_resumes_on_four_processes_with_expert_par
     _assert_same_moments(_checkpoint(runs["one"], STEPS), _checkpoint(out, STEPS))
 
 
+@pytest.mark.slow  # 50-60 s in CI: two processes compiling, like the slow two-process tests of test_compile.py
 def test_compiled_blocks_with_expert_parallel_2_train_as_eager_ones(runs):
     """`--train.compile true` with expert parallelism: each block compiled, the experts' own FSDP unit
     and their all-to-alls inside it (dynamo runs what it cannot trace eagerly). The weights and
