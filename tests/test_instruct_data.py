@@ -125,10 +125,35 @@ def test_unknown_prompt_style_suggests_close_names(llama2):
         (Config(name="custom", family="olmo2"), "tulu"),
         ("llama-3.3-70b", "llama-3"),
         (Config(name="custom", family="qwen3"), "chatml"),
+        ("olmoe-1b-7b-instruct", "tulu"),
+        (Config(name="custom", family="olmoe"), "tulu"),
+        ("openai/gpt-oss-20b", "harmony"),
+        (Config(name="custom", family="gpt_oss"), "harmony"),
+        ("qwen3-30b-a3b", "chatml"),
+        ("mixtral-8x7b-instruct", "llama-2"),
     ],
 )
 def test_default_style_per_preset(model, style):
     assert default_style_for(model) == style
+
+
+def test_harmony_style_renders_as_gpt_oss_chat_template_without_its_date():
+    """The harmony style's text for one instruction and response is what gpt-oss's own chat template
+    (rendered by transformers) makes of that user turn and a final answer, less its "Current date" line."""
+    import re
+
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = (ASSETS / "chat_templates" / "gpt-oss" / "chat_template.jinja").read_text()
+    style = get_style("harmony")
+    for instruction, input, response in [("Name a colour.", "", "Red."), ("Sum these.", "2 and {3}", "5")]:
+        user = f"{instruction}\n\n{input}" if input else instruction
+        messages = [{"role": "user", "content": user}, {"role": "assistant", "content": response}]
+        (rendered,), _ = render_jinja_template(conversations=[messages], chat_template=template)
+        undated, removed = re.subn(r"Current date: [0-9-]+\n", "", rendered)
+        assert removed == 1
+        assert style.render(instruction, input, response) == undated
+        assert undated.startswith(style.apply(instruction, input)) and style.stop_strings == ("<|return|>",)
 
 
 def test_every_preset_has_a_registered_default_style():

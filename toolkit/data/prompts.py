@@ -103,6 +103,18 @@ _BUILTIN = (
         template="<start_of_turn>user\n{instruction}<end_of_turn>\n<start_of_turn>model\n",
         response_end="<end_of_turn>",
     ),
+    # gpt-oss's harmony format as its chat template lays out one user turn and a final answer, less the
+    # system message's "Current date" line (a training text should not change with the day it is made).
+    PromptStyle(
+        name="harmony",
+        template=(
+            "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+            "Knowledge cutoff: 2024-06\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. "
+            "Channel must be included for every message.\nCalls to these tools must go to the commentary channel: "
+            "'functions'.<|end|><|start|>user<|message|>{instruction}<|end|><|start|>assistant<|channel|>final<|message|>"
+        ),
+        response_end="<|return|>",
+    ),
     # No template: the instruction (and input) on their own, a line break, then the response.
     PromptStyle(name="plain", template="{instruction}\n"),
 )
@@ -146,6 +158,8 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
     ("phi-4", "phi-4"),
     ("phi-4-mini", "phi-4-mini"),
     ("olmo-2", "tulu"),
+    ("olmoe", "tulu"),  # OLMoE's instruct model: Tulu's turns, as OLMo 2's
+    ("gpt-oss", "harmony"),
     ("pythia", "alpaca"),
     ("tiny-llama", "alpaca"),
     ("debug", "alpaca"),
@@ -154,7 +168,8 @@ DEFAULT_STYLES: tuple[tuple[str, str], ...] = (
 DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma",
                                              "phi": "phi", "phi3": "phi-3", "olmo2": "tulu", "qwen3": "chatml",
                                              "smollm3": "chatml",
-                                             "mixtral": "llama-2", "qwen3_moe": "chatml"}
+                                             "mixtral": "llama-2", "qwen3_moe": "chatml", "olmoe": "tulu",
+                                             "gpt_oss": "harmony"}
 FALLBACK_STYLE = "alpaca"
 
 
