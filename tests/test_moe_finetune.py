@@ -231,7 +231,7 @@ def test_expert_adapter_in_peft_format_gives_transformers_the_same_logits(family
 
 @pytest.mark.parametrize("backend", ["grouped", "loop"])
 def test_nf4_experts_compute_with_their_dequantized_weights(backend):
-    """NF4Experts (X, out * in) give the outputs and input gradients of the same experts holding the
+    """NF4Experts (X * out, in) give the outputs and input gradients of the same experts holding the
     dequantized weights, and keep only the NF4 weights for the backward pass."""
     from toolkit.models.moe import GroupedExperts, expert_backend
     from toolkit.parallel.nf4 import is_nf4, nf4_experts_class, quantize_blocks_nf4
@@ -244,7 +244,7 @@ def test_nf4_experts_compute_with_their_dequantized_weights(backend):
     quantize_blocks_nf4(model, torch.bfloat16)
     experts = model.blocks[0].mlp.experts
     assert isinstance(experts, nf4_experts_class()) and is_nf4(experts.gate_up_proj) and is_nf4(experts.down_proj)
-    assert experts.gate_up_proj.shape == (4, 128 * 128) and experts.down_proj.shape == (4, 128 * 64)
+    assert experts.gate_up_proj.shape == (4 * 128, 128) and experts.down_proj.shape == (4 * 128, 64)
     assert torch.equal(model.blocks[0].mlp.router.weight, router)  # the router is not quantized
     dense = GroupedExperts(config)
     dense.gate_up_proj = torch.nn.Parameter(experts.gate_up_proj.to(torch.bfloat16).view(4, 128, 128))
@@ -265,19 +265,17 @@ def test_nf4_experts_compute_with_their_dequantized_weights(backend):
 # ---------------------------------------------------------------- finetune_lora end to end
 
 
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory) -> Path:
-    """A random tiny Qwen3-MoE saved by transformers in bfloat16 with the Llama-2 tokenizer and
-    converted; wide enough for NF4 to shard over 2 ranks (every attention weight and every 2
-    experts hold whole groups of 16384 values)."""
+def _save_moe_checkpoint(root: Path, experts: int) -> Path:
+    """A random tiny Qwen3-MoE with `experts` experts saved by transformers in bfloat16 with the
+    Llama-2 tokenizer and converted; wide enough for NF4 to shard over 2 ranks (every attention
+    weight and every 1.5 experts hold whole groups of 16384 values)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from toolkit.convert import convert_from_hf
 
-    root = tmp_path_factory.mktemp("moe")
     torch.manual_seed(0)
     config = Qwen3MoeConfig(vocab_size=32000, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=4,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=experts,
                             num_experts_per_tok=2, moe_intermediate_size=128, norm_topk_prob=True,
                             max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
     Qwen3MoeForCausalLM(config).to(torch.bfloat16).save_pretrained(root / "hf")
@@ -285,6 +283,17 @@ def moe_checkpoint(tmp_path_factory) -> Path:
         shutil.copy(ASSETS / "tokenizers" / "llama2" / name, root / "hf" / name)
     convert_from_hf(root / "hf", root / "checkpoint")
     return root / "checkpoint"
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory) -> Path:
+    return _save_moe_checkpoint(tmp_path_factory.mktemp("moe"), 4)
+
+
+@pytest.fixture(scope="module")
+def moe3_checkpoint(tmp_path_factory) -> Path:
+    """Three experts: over 2 ranks, a shard ends inside the second expert."""
+    return _save_moe_checkpoint(tmp_path_factory.mktemp("moe3"), 3)
 
 
 def _args(checkpoint: Path, out_dir: Path, *extra: str) -> list[str]:
@@ -370,9 +379,9 @@ def _nf4_bytes(log: str) -> list[int]:
     return [int(b) for b in line.split(": ")[1].split(", ")]
 
 
-def test_qlora_with_nf4_experts_on_one_and_two_processes(moe_checkpoint, tmp_path):
+def test_qlora_with_nf4_experts_on_one_and_two_processes(moe3_checkpoint, tmp_path):
     """--quantize nf4 stores the experts in NF4 beside the attention weights (the router stays in
-    16 bits), shards them by expert over 2 processes, and trains the adapter of one process (the
+    16 bits), shards their rows over 2 processes (3 experts: a shard ends inside one), and trains the adapter of one process (the
     tolerance of tests/test_qlora_distributed.py at bf16-mixed), adapters on the NF4 experts
     included; the estimator predicts each rank's NF4 bytes exactly."""
     from toolkit.memory import estimator as est
@@ -381,8 +390,9 @@ def test_qlora_with_nf4_experts_on_one_and_two_processes(moe_checkpoint, tmp_pat
     for devices in ("1", "2"):
         out = tmp_path / devices
         runner = run_in_process if devices == "1" else run_toolkit
-        logs[devices] = runner(_args(moe_checkpoint, out, "--quantize", "nf4", "--precision", "bf16-mixed",
-                                     "--lora.targets", "[query, value, experts]", "--devices", devices))
+        logs[devices] = runner(_args(moe3_checkpoint, out, "--quantize", "nf4", "--precision", "bf16-mixed",
+                                     "--lora.targets", "[query, value, experts]", "--devices", devices,
+                                     "--train.learning_rate", "0.002"))
         adapters[devices] = load_file(str(out / "final" / "lora_adapter.safetensors"))
     assert "QLoRA scheme: sharded" in logs["2"]
     assert all(v.abs().max().item() > 1e-3 for k, v in adapters["1"].items() if "lora_B" in k)  # every adapter trained
@@ -391,7 +401,7 @@ def test_qlora_with_nf4_experts_on_one_and_two_processes(moe_checkpoint, tmp_pat
     for name in adapters["1"]:
         torch.testing.assert_close(adapters["2"][name], adapters["1"][name], atol=1e-4, rtol=0, msg=name)
 
-    config = Config.from_file(moe_checkpoint)
+    config = Config.from_file(moe3_checkpoint)
     (whole,), halves = _nf4_bytes(logs["1"]), _nf4_bytes(logs["2"])
     C, I, X = config.n_embd, config.moe_intermediate_size, config.n_expert
     attention = C * C * 2 + C * config.n_query_groups * config.head_size * 2
@@ -420,13 +430,47 @@ def test_moe_lora_refusals_are_one_clear_line(moe_checkpoint, base, tmp_path, ca
     assert not any((tmp_path / name).exists() for name in "abcd")
 
 
-def test_nf4_experts_that_cannot_be_split_by_expert_are_refused():
+def test_read_expert_rows_reads_whole_experts_and_pieces_of_cut_ones():
+    """Any row range of experts (X, out, in) seen as (X * out, in) is read as that range, whole
+    experts in one read and a cut expert through `inner`."""
+    from toolkit.training.model_setup import read_expert_rows
+
+    weight = torch.arange(4 * 6 * 3).reshape(4, 6, 3)
+    calls = []
+
+    def read_rows(name, start, stop, inner=None):
+        calls.append((start, stop, inner))
+        rows = weight[start:stop]
+        return rows if inner is None else rows[:, inner[0]:inner[1]]
+
+    flat = weight.flatten(0, 1)
+    for start in range(24):
+        for stop in range(start + 1, 25):
+            calls.clear()
+            assert torch.equal(read_expert_rows(read_rows, "w", start, stop, 6), flat[start:stop]), (start, stop)
+            assert len(calls) <= 3 and sum(inner is None for *_, inner in calls) <= 1, calls
+    calls.clear()
+    read_expert_rows(read_rows, "w", 3, 21, 6)  # the end of expert 0, experts 1 and 2, the start of 3
+    assert calls == [(0, 1, (3, 6)), (1, 3, None), (3, 4, (0, 3))]
+
+
+def test_nf4_experts_split_by_rows_of_whole_groups_and_are_refused_otherwise():
+    """NF4 experts (X * out, in) split along their rows: 6 experts over 4 ranks is 1.5 experts each.
+    Rows that do not make whole NF4 groups are refused, by set-up and by the estimate alike."""
     from toolkit.errors import UserError
+    from toolkit.memory.parameters import nf4_unshardable
     from toolkit.models.gpt import GPT
     from toolkit.parallel.nf4 import check_nf4_shardable
 
+    fits = tiny_moe(n_embd=256, n_query_groups=4, head_size=64, n_expert=6, moe_intermediate_size=128)
     with torch.device("meta"):
-        model = GPT(tiny_moe(n_embd=256, n_query_groups=4, head_size=64, n_expert=6, moe_intermediate_size=128))
+        model = GPT(fits)
     check_nf4_shardable(model, 2)  # 3 experts of 256 x 256 (and of 256 x 128) per rank
-    with pytest.raises(UserError, match=r"cannot split blocks\.0\.mlp\.experts\.gate_up_proj \(6 experts of 256 x 256\) over 4"):
-        check_nf4_shardable(model, 4)
+    check_nf4_shardable(model, 4)  # 1.5 experts: 384 rows of 256 (of 128), 6 (3) groups of 16384 values
+    assert nf4_unshardable(fits, 2) is None and nf4_unshardable(fits, 4) is None
+    odd = tiny_moe(n_embd=256, n_query_groups=4, head_size=64, n_expert=6, moe_intermediate_size=96)
+    with torch.device("meta"):
+        model = GPT(odd)
+    with pytest.raises(UserError, match=r"cannot split blocks\.0\.mlp\.experts\.gate_up_proj \(6 experts of 192 x 256\) over 4"):
+        check_nf4_shardable(model, 4)  # 288 rows of 256: 4.5 groups
+    assert nf4_unshardable(odd, 4) == "blocks.0.mlp.experts.gate_up_proj (6 x 192 x 256)"

@@ -206,12 +206,13 @@ def is_quantizable(s: ParamSpec) -> bool:
 def nf4_unshardable(config: Config, shards: int) -> Optional[str]:
     """The first block linear weight (toolkit name, shape) that does not split into `shards` row
     ranges of whole NF4 groups (`toolkit.parallel.nf4.check_nf4_shardable`'s rule: experts (X, out,
-    in) split by expert), or None."""
+    in) as their X * out rows), or None."""
     from toolkit.parallel.nf4 import ROW_ALIGN
 
     for s in parameter_specs(config):
         if is_quantizable(s):
-            rows, per_row = s.shape[0], s.numel // s.shape[0]
+            per_row = s.shape[-1]
+            rows = s.numel // per_row
             if rows % shards or (rows // shards) * per_row % ROW_ALIGN:
                 return f"{s.name.removesuffix('.weight')} ({' x '.join(str(n) for n in s.shape)})"
     return None
@@ -250,10 +251,11 @@ def padded_shard_numel(s: ParamSpec, shards: int) -> int:
 
 def shard_bytes(s: ParamSpec, shards: int, opts: "Options", quantized: set[str]) -> int:
     """Bytes of one rank's shard of `s` as stored: its padded rows in `Options.param_bytes`; for a
-    quantized (NF4) weight, the NF4 bytes of its rows / `shards` rows (not padded: finetune_lora
-    and the estimate refuse shapes that do not split into whole NF4 groups, `nf4_unshardable`)."""
+    quantized (NF4) weight, the NF4 bytes of its rows / `shards` rows, experts (X, out, in) as X * out
+    rows (not padded: finetune_lora and the estimate refuse shapes that do not split into whole NF4
+    groups, `nf4_unshardable`)."""
     if s.name in quantized:
-        return quantized_bytes((s.shape[0] // shards, *s.shape[1:]), opts.quantize)  # type: ignore[arg-type]
+        return quantized_bytes((s.numel // s.shape[-1] // shards, s.shape[-1]), opts.quantize)  # type: ignore[arg-type]
     return padded_shard_numel(s, shards) * opts.param_bytes(s)
 
 

@@ -36,8 +36,8 @@ class FactoredExpertLoRA(ParamWrapper):
     """
 
     def _get_in_out_features(self, module: nn.Module) -> tuple[int, int]:
-        # From the experts' shape, not the stored tensor's: NF4 experts (QLoRA) are stored 2-D, one
-        # row per expert. Given as peft reads a 3-D weight, (X, in, out), before it swaps the two.
+        # From the experts' shape, not the stored tensor's: NF4 experts (QLoRA) are stored 2-D,
+        # (X * out, in). Given as peft reads a 3-D weight, (X, in, out), before it swaps the two.
         experts = self.get_base_layer()
         if not isinstance(experts, GroupedExperts):
             return super()._get_in_out_features(module)

@@ -177,7 +177,7 @@ class GroupedExperts(nn.Module):
 
     def weight_shape(self, name: str) -> tuple[int, int, int]:
         """(X, out, in) of the weight `name` ("gate_up_proj", "down_proj"), however it is stored (a
-        subclass may hold it otherwise: NF4 holds each expert as one row)."""
+        subclass may hold it otherwise: NF4 holds the experts as (X * out, in))."""
         X, C, I = self.config.n_expert, self.config.n_embd, self.hidden
         return {"gate_up_proj": (X, 2 * I, C), "down_proj": (X, C, I)}[name]
 

@@ -150,7 +150,8 @@ def expert_shard_dim(shape: tuple[int, ...], shards: int) -> int:
 def expert_placement(unit: nn.Module, shards: int) -> Any:
     """`fully_shard`'s `shard_placement_fn` for `unit`: Shard(`expert_shard_dim`) for the expert
     weights of the MoE layers inside it (their local experts, under expert parallelism), None (dim
-    0) for every other parameter. NF4 experts (QLoRA) stay on dim 0, which their layout needs."""
+    0) for every other parameter. NF4 experts (QLoRA), stored (X * out, in), split along their rows,
+    dim 0, as every NF4 weight (torchao shards NF4Tensors along dim 0 only)."""
     from torch.distributed.tensor import DTensor, Shard
 
     from toolkit.models.moe import GroupedExperts

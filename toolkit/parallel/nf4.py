@@ -4,9 +4,11 @@
 `linear_nf4` (dequantize to the input's dtype, then `F.linear`). torchao's tensor subclass knows how
 FSDP2 shards and gathers it, so the 4-bit base is sharded like every other frozen weight.
 
-A mixture of experts' 3-D weights (X, out, in) are stored the same way as 2-D NF4Tensors (X, out * in),
-one row per expert (torchao's NF4 shards and gathers 2-D tensors only), so FSDP2 shards them by
-expert; `NF4Experts` dequantizes a layer's experts for each product and again in its backward pass.
+A mixture of experts' 3-D weights (X, out, in) are stored as 2-D NF4Tensors (X * out, in), every
+expert's rows one after another (torchao's NF4 shards and gathers 2-D tensors only): the same values
+in the same order, so the same NF4 bytes. FSDP2 splits those rows, so a shard may end inside an
+expert: Mixtral's 8 experts split over 16 or 64 ranks as evenly as its dense weights. `NF4Experts`
+dequantizes a layer's experts for each product and again in its backward pass.
 The router stays as it is: a small matrix whose rounding would move tokens to other experts.
 
 The format (torchao's, QLoRA's defaults):
@@ -101,7 +103,7 @@ def _nf4_classes() -> tuple[type, type]:
             return out if self.bias is None else out + self.bias
 
     class NF4ExpertProduct(torch.autograd.Function):
-        """x (M, in) sorted by expert times the NF4 experts `weight` (X, out * in) -> (M, out).
+        """x (M, in) sorted by expert times the NF4 experts `weight` (X * out, in) -> (M, out).
 
         Only the NF4 weight is kept for the backward pass, which dequantizes it again for the input's
         gradient (the weight gets none), as `linear_nf4` does: a layer's dequantized experts live
@@ -111,22 +113,22 @@ def _nf4_classes() -> tuple[type, type]:
         def forward(ctx, x, weight, counts, grouped):
             ctx.save_for_backward(counts)
             ctx.weight, ctx.grouped = weight, grouped
-            return expert_product(x, _dequantized(weight, x), counts, grouped)
+            return expert_product(x, _dequantized(weight, x.dtype, counts.numel()), counts, grouped)
 
         @staticmethod
         def backward(ctx, grad):
             (counts,) = ctx.saved_tensors
-            weight = _dequantized(ctx.weight, grad, rows=grad.shape[1])  # (X, out, in)
+            weight = _dequantized(ctx.weight, grad.dtype, counts.numel())  # (X, out, in)
             # each run of rows times its expert's (out, in) matrix untransposed: (M, out) -> (M, in)
             return expert_product(grad, weight.transpose(-2, -1), counts, ctx.grouped), None, None, None
 
-    def _dequantized(weight, like, rows=None):
-        """The NF4 experts (X, out * in) as (X, out, in) in `like`'s dtype (`in` from `like` unless `rows` gives `out`)."""
-        dense = weight.to(like.dtype)
-        return dense.view(weight.shape[0], rows, -1) if rows is not None else dense.view(weight.shape[0], -1, like.shape[1])
+    def _dequantized(weight, dtype, experts: int):
+        """The NF4 experts (X * out, in) as (X, out, in) in `dtype`."""
+        dense = weight.to(dtype)
+        return dense.view(experts, -1, dense.shape[1])
 
     class NF4Experts(GroupedExperts):
-        """Frozen experts whose weights are NF4Tensors (X, out * in), one row per expert."""
+        """Frozen experts whose weights are NF4Tensors (X * out, in), expert after expert."""
 
         def product(self, x, weight, counts, grouped):
             return NF4ExpertProduct.apply(x, weight, counts, grouped)
@@ -167,8 +169,8 @@ def quantize_blocks_nf4(model, dtype: Any, device: Any = "cpu") -> None:
     linear_cls, experts_cls = nf4_linear_class(), nf4_experts_class()
 
     def nf4_parameter(weight):
-        # experts (X, out, in) as (X, out * in): the same values in the same order, one row per expert
-        quantized = nf4_quantize(weight.detach().reshape(weight.shape[0], -1), dtype)
+        # experts (X, out, in) as (X * out, in): the same values in the same order
+        quantized = nf4_quantize(weight.detach().flatten(0, -2), dtype)
         if quantized.is_meta:
             quantized.scaler_mean = torch.zeros((), dtype=dtype, device=device)
             quantized.nf4 = torch.zeros(len(NF4_LEVELS), dtype=dtype, device=device)
@@ -196,7 +198,7 @@ def quantize_blocks_nf4(model, dtype: Any, device: Any = "cpu") -> None:
 
 def check_nf4_shardable(model, shards: int) -> None:
     """Raise UserError unless every weight `quantize_blocks_nf4` quantizes splits into `shards` row
-    ranges of whole groups: a block Linear's (out, in) rows, a mixture's experts (X, out * in) by expert."""
+    ranges of whole groups: a block Linear's (out, in) rows, a mixture's experts' (X * out, in) rows."""
     import torch.nn as nn
 
     from toolkit.models.moe import GroupedExperts, MoE
@@ -207,10 +209,11 @@ def check_nf4_shardable(model, shards: int) -> None:
             continue
         if isinstance(module, GroupedExperts):
             for leaf, p in module.named_parameters(recurse=False):
-                if p.ndim == 3 and (p.shape[0] % shards or (p.shape[0] // shards) * p[0].numel() % ROW_ALIGN):
+                rows = p.shape[0] * p.shape[1] if p.ndim == 3 else 0
+                if rows and (rows % shards or (rows // shards) * p.shape[2] % ROW_ALIGN):
                     raise UserError(
                         f"--quantize nf4 cannot split {name}.{leaf} ({p.shape[0]} experts of {p.shape[1]} x {p.shape[2]}) "
-                        f"over {shards} shard(s): each needs whole experts making whole groups of {ROW_ALIGN} values "
+                        f"over {shards} shard(s): each needs whole rows making whole groups of {ROW_ALIGN} values "
                         f"(NF4's {SCALER_BLOCK} blocks of {BLOCK}); use fewer devices."
                     )
         elif isinstance(module, nn.Linear) and id(module) not in routers:

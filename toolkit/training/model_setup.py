@@ -82,6 +82,7 @@ def fill_shards(model: nn.Module, read_rows: ReadRows, preset: dict | None = Non
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     preset = preset or {}
+    expert_shapes = _expert_weight_shapes(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
             name = unwrapped_name(name)
@@ -97,7 +98,7 @@ def fill_shards(model: nn.Module, read_rows: ReadRows, preset: dict | None = Non
                 local, start, stop = param, 0, None
             if is_nf4(local):
                 assert not inner, name  # NF4 weights are split along dim 0 only (`expert_placement`)
-                _fill_nf4_rows(local, param, name, start, stop, read_rows)
+                _fill_nf4_rows(local, param, name, start, stop, read_rows, expert_shapes.get(name))
                 continue
             if local.numel() == 0:
                 continue
@@ -122,7 +123,41 @@ def _move_buffers(model: nn.Module, device: Any) -> None:
                 module._buffers[key] = moved[id(buffer)]
 
 
-def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: ReadRows) -> None:
+def _expert_weight_shapes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
+    """(X, out, in) of every mixture's 3-D expert weight, by parameter name (toolkit name)."""
+    from toolkit.models.moe import GroupedExperts
+
+    shapes = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, GroupedExperts):
+            for leaf, param in module.named_parameters(recurse=False):
+                if leaf in ("gate_up_proj", "down_proj"):
+                    shapes[unwrapped_name(f"{module_name}.{leaf}")] = module.weight_shape(leaf)
+    return shapes
+
+
+def read_expert_rows(read_rows: ReadRows, name: str, start: int, stop: int, out_features: int) -> Tensor:
+    """Rows [start, stop) of the expert weight `name` (X, out, in) seen as (X * out, in): a run of
+    whole experts read as such, an expert cut by `start` or `stop` through `inner` (its rows of dim 1)."""
+    import torch
+
+    pieces = []
+    row = start
+    while row < stop:
+        expert, first = divmod(row, out_features)
+        if first == 0 and stop - row >= out_features:  # whole experts up to the last whole one
+            last_expert = expert + (stop - row) // out_features
+            pieces.append(read_rows(name, expert, last_expert).flatten(0, 1))
+            row = last_expert * out_features
+        else:
+            last = min(out_features, first + stop - row)
+            pieces.append(read_rows(name, expert, expert + 1, inner=(first, last)).flatten(0, 1))
+            row += last - first
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
+def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: ReadRows,
+                   expert_shape: tuple[int, int, int] | None = None) -> None:  # fmt: skip
     """Quantize this rank's rows of an NF4 weight into its shard `local` (toolkit.parallel.nf4).
 
     The rows are read in the checkpoint's dtype, one weight at a time: no rank holds more than its
@@ -135,9 +170,10 @@ def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: Re
 
     from toolkit.parallel.nf4 import BLOCK, block_absmax_sum, nf4_from_rows
 
-    # A mixture's experts are read as stored, (X, out, in), and kept as NF4 (X, out * in).
-    rows = read_rows(name, start, stop).to(local.device)
-    rows = rows.reshape(rows.shape[0], *param.shape[1:])
+    if expert_shape is not None:  # stored (X, out, in), kept as NF4 (X * out, in)
+        rows = read_expert_rows(read_rows, name, start, stop, expert_shape[1]).to(local.device)
+    else:
+        rows = read_rows(name, start, stop).to(local.device)
     total = block_absmax_sum(rows, local.dtype)
     shard_dims = [i for i, p in enumerate(param.placements) if p.is_shard()]
     for dim in shard_dims:
