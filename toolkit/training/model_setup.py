@@ -130,7 +130,7 @@ def _expert_weight_shapes(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     shapes = {}
     for module_name, module in model.named_modules():
         if isinstance(module, GroupedExperts):
-            for leaf, param in module.named_parameters(recurse=False):
+            for leaf, _ in module.named_parameters(recurse=False):
                 if leaf in ("gate_up_proj", "down_proj"):
                     shapes[unwrapped_name(f"{module_name}.{leaf}")] = module.weight_shape(leaf)
     return shapes
@@ -171,6 +171,7 @@ def _fill_nf4_rows(local, param, name: str, start: int, stop: int, read_rows: Re
     from toolkit.parallel.nf4 import BLOCK, block_absmax_sum, nf4_from_rows
 
     if expert_shape is not None:  # stored (X, out, in), kept as NF4 (X * out, in)
+        stop = param.shape[0] if stop is None else stop
         rows = read_expert_rows(read_rows, name, start, stop, expert_shape[1]).to(local.device)
     else:
         rows = read_rows(name, start, stop).to(local.device)
