@@ -43,10 +43,11 @@ def sequences(count: int, seed: int, vocab_size: int) -> list[dict]:
     return out
 
 
-def start_session(out_dir: Path, devices: int, config: Config, checkpointing: bool = False) -> Session:
+def start_session(out_dir: Path, devices: int, config: Config, checkpointing: bool = False,
+                  val_iters: int = 4) -> Session:  # fmt: skip
     """A launched pretraining `Session` of STEPS steps at learning rate 0.5 (for SGD, whose update is
     proportional to the gradient, so that a wrongly scaled loss shows), logging every step to CSV,
-    validating every 2 steps on 4 batches."""
+    validating every 2 steps on `val_iters` batches."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = LogArgs(interval=1, loggers=("csv",))
     train = TrainArgs(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, max_seq_length=SEQ, max_steps=STEPS,
@@ -56,7 +57,7 @@ def start_session(out_dir: Path, devices: int, config: Config, checkpointing: bo
     fabric = build_fabric(run_plan.strategy, block_cls=Block, loggers=make_loggers(out_dir, log, False))
     fabric.launch()
     return Session(kind="pretrain", fabric=fabric, out_dir=out_dir, config=config, train=train,
-                   eval=EvalArgs(interval=2, max_iters=4), log=log, plan=run_plan.batches, run_plan=run_plan,
+                   eval=EvalArgs(interval=2, max_iters=val_iters), log=log, plan=run_plan.batches, run_plan=run_plan,
                    seed=0, resume=False, precision="32-true")
 
 

@@ -305,7 +305,13 @@ class _Sums:
         self.normaliser = torch.zeros((), dtype=torch.long, device=device)
         self.metrics: dict[str, torch.Tensor] = {}
 
-    def add(self, output: ObjectiveOutput) -> None:
+    def add(self, output: ObjectiveOutput, counted: bool = True) -> None:
+        """Add `output`'s sums; not `counted` (a batch run only so that the ranks run as many): only its
+        metric names, with zeros, so that every rank reduces the same metrics in `means`."""
+        if not counted:
+            for name, value in output.metrics.items():
+                self.metrics.setdefault(name, torch.zeros_like(value.detach().float()))
+            return
         self.loss += output.loss_sum.detach().float()
         self.normaliser = self.normaliser + output.normaliser.detach()  # a float normaliser makes it float
         for name, value in output.metrics.items():
@@ -315,7 +321,7 @@ class _Sums:
     def means(self, fabric) -> dict[str, float]:
         """{"loss": ..., **metrics}, each summed over the ranks and divided by the summed normaliser."""
         loss, normaliser = self.loss.clone(), self.normaliser.clone()
-        names = sorted(self.metrics)  # every rank adds the same names: the objective returns them always
+        names = sorted(self.metrics)  # every rank adds the same names: the objective returns them always (`add`)
         metrics = torch.stack([self.metrics[n] for n in names]) if names else None
         if fabric.world_size > 1:
             loss = fabric.all_reduce(loss, reduce_op="sum")
@@ -406,8 +412,7 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
         if i >= n_batches:
             break
         output = objective(model, fabric.to_device(batch))
-        if i * fabric.world_size + fabric.global_rank < max_iters:
-            sums.add(output)
+        sums.add(output, counted=i * fabric.world_size + fabric.global_rank < max_iters)
     # Forward passes without a backward pass leave the units that wait for one gathered (the final
     # norm and head, the root, every unit under SHARD_GRAD_OP): freed here, not held through the
     # training forward pass that follows.
