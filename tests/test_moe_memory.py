@@ -276,3 +276,23 @@ def test_preflight_names_expert_parallel_when_it_is_what_fits():
                 check_run_fits(device, config, plan)
         else:
             assert check_run_fits(device, config, plan) == check_fits(device, *args, expert_parallel=2)
+
+
+def test_the_estimate_names_expert_parallel_when_it_is_what_fits():
+    """`toolkit estimate` for a mixture that does not fit: its advice names the smallest expert-parallel
+    degree that fits, with that degree's own estimate; a dense model gets no such advice."""
+    overrides = dict(n_layer=4, n_embd=512, n_head=8, head_size=64, n_expert=8, n_expert_per_token=2,
+                     moe_intermediate_size=2048, vocab_size=1024)
+    config = Config.from_name("debug", **overrides)
+    need = {n: column_memory(Options(config, "bf16-mixed", None, (), 8, None, 64, expert_parallel=n),
+                             make_column("FULL_SHARD", 16, 1), 1)["total_checkpointed"] for n in (1, 2)}
+    budget = (need[1] + need[2]) / 2 / 2**30
+    args = dict(devices=16, sharding="FULL_SHARD", max_seq_length=64, memory_budget_gb=budget)
+    result = estimate("debug", model_overrides=overrides, **args)
+    message = result["recommendation"]["message"]
+    assert not result["recommendation"]["fits"]
+    assert f"--expert_parallel 2, in training --distributed.expert_parallel 2: {need[2] / 2**30:.2f} GiB" in message
+    assert estimate("debug", model_overrides=overrides, expert_parallel=2, **args)["recommendation"]["fits"]
+    dense = estimate("debug", model_overrides={**overrides, "n_expert": 0, "n_expert_per_token": 0},
+                     **{**args, "memory_budget_gb": 0.001})
+    assert not dense["recommendation"]["fits"] and "expert_parallel" not in dense["recommendation"]["message"]

@@ -561,6 +561,11 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
     best = min(columns, key=lambda col: column_memory(opts, col, 1)["total_checkpointed"])
     need = column_memory(opts, best, 1)["total_checkpointed"]
     hints = []
+    spread = _expert_parallel_that_fits(opts, best, budget)
+    if spread is not None:
+        n, total = spread
+        hints.append(f"expert parallelism (--expert_parallel {n}, in training --distributed.expert_parallel {n}: "
+                     f"{total / GiB:.2f} GiB with {_describe(best)}, micro batch 1, activation checkpointing)")
     if opts.finetune != "lora":
         hints.append("fine-tune with LoRA (--finetune lora)")
     elif opts.quantize is None:
@@ -590,6 +595,21 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
             f"micro batch 1, activation checkpointing) needs {need / GiB:.2f} GiB. Try: " + "; ".join(hints) + "."
         ),
     }
+
+
+def _expert_parallel_that_fits(opts: Options, col: Column, budget: int) -> Optional[tuple[int, int]]:
+    """(N, bytes) for the smallest expert-parallel degree above the run's that makes `col` fit at
+    micro batch 1 with checkpointing: N divides the experts and the shard group (FSDP), and is a
+    multiple of the run's degree. None if there is none (or no mixture of experts)."""
+    if not opts.config.is_moe or col.kind != "fsdp":
+        return None
+    for n in range(opts.expert_parallel + 1, col.shard_size + 1):
+        if opts.config.n_expert % n or col.shard_size % n or n % opts.expert_parallel:
+            continue
+        total = column_memory(replace(opts, expert_parallel=n), col, 1)["total_checkpointed"]
+        if total <= budget:
+            return n, total
+    return None
 
 
 def _devices_needed(opts: Options, budget: int) -> Optional[int]:
