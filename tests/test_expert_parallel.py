@@ -287,7 +287,6 @@ def _plan(devices: int, nodes: int = 1, model: Config = None, quantize=None, **d
 def test_the_experts_mesh_splits_the_innermost_data_parallel_dimension():
     assert expert_mesh_layout("FULL_SHARD", 1, 8, 4) == ((2, 4), ("expert_shard", "expert"))
     assert expert_mesh_layout("HYBRID_SHARD", 2, 4, 2) == ((2, 2, 2), ("replicate", "expert_shard", "expert"))
-    assert expert_mesh_layout("NO_SHARD", 1, 4, 2) == ((2, 1, 2), ("replicate", "expert_shard", "expert"))
     assert _plan(4, expert_parallel=2).strategy.expert_mesh == ((2, 2), ("expert_shard", "expert"))
     assert _plan(4).strategy.expert_mesh is None  # expert_parallel 1: no second mesh
     spanning = _plan(2, nodes=2, expert_parallel=4, sharding="FULL_SHARD").strategy
@@ -305,6 +304,7 @@ def test_the_experts_mesh_splits_the_innermost_data_parallel_dimension():
     (dict(devices=4, model=Config.from_name("debug-llama2"), expert_parallel=2),
      ["debug-llama2 is dense (no MoE layer)", "use --distributed.expert_parallel 1"]),
     (dict(devices=2, expert_parallel=2, strategy="ddp"), ["shards the experts with FSDP: drop --distributed.strategy ddp"]),
+    (dict(devices=4, expert_parallel=2, sharding="NO_SHARD"), ["NO_SHARD shards nothing: use FULL_SHARD, HYBRID_SHARD"]),
     (dict(devices=2, expert_parallel=2, quantize="nf4"), ["not available with a quantized base (--quantize nf4)"]),
     (dict(devices=2, expert_parallel=0), ["must be a positive whole number, got 0"]),
 ])

@@ -375,16 +375,16 @@ def expert_mesh_layout(sharding: str, num_nodes: int, devices: int, expert_paral
 
         FULL_SHARD, SHARD_GRAD_OP   (world/N, N)                ("expert_shard", "expert")
         HYBRID_SHARD                (nodes, devices/N, N)       ("replicate", "expert_shard", "expert")
-        NO_SHARD                    (world/N, 1, N)             ("replicate", "expert_shard", "expert")
+
+    (NO_SHARD, whose shard group is one rank, is refused by `check_expert_parallel`.)
     """
     shape, _ = mesh_layout(sharding, num_nodes, devices)
     n = expert_parallel
     if len(shape) == 1:
         return (shape[0] // n, n), ("expert_shard", "expert")
     replicate, shard = shape
-    if shard % n == 0:
-        return (replicate, shard // n, n), ("replicate", "expert_shard", "expert")
-    return (replicate // n, 1, n), ("replicate", "expert_shard", "expert")  # NO_SHARD: shard == 1
+    assert shard % n == 0, (sharding, shape, n)
+    return (replicate, shard // n, n), ("replicate", "expert_shard", "expert")
 
 
 def check_expert_parallel(dist: DistributedArgs, devices: int, num_nodes: int, model: Optional[Config]) -> Optional[tuple[int, str]]:
@@ -408,6 +408,9 @@ def check_expert_parallel(dist: DistributedArgs, devices: int, num_nodes: int, m
         raise UserError(f"--distributed.expert_parallel {n} shards the experts with FSDP: drop --distributed.strategy ddp "
                         "(or use --distributed.expert_parallel 1).")
     sharding, _ = effective_sharding(dist.sharding, num_nodes, devices)
+    if sharding == "NO_SHARD" and world > 1:
+        raise UserError(f"--distributed.expert_parallel {n} splits the experts over ranks of one FSDP shard group, and "
+                        "NO_SHARD shards nothing: use FULL_SHARD, HYBRID_SHARD or SHARD_GRAD_OP.")
     within_node = sharding == "HYBRID_SHARD"
     experts = model.n_expert if model is not None else None
 
