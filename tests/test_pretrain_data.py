@@ -84,6 +84,24 @@ def test_text_file_batches(tmp_path, tok, corpora):
     assert not torch.equal(other["input_ids"], batches[0]["input_ids"])
 
 
+@pytest.mark.parametrize("block", [BLOCK, 33])
+def test_ranks_read_the_blocks_of_one_process_whatever_the_block_count(tmp_path, tok, corpora, block):
+    """2 ranks reading global micro-batches of 2 x 2 blocks take, between them, exactly the blocks one
+    process takes in micro-batches of 2, batch after batch, for the whole epoch. The block counts
+    here are odd, so whole batches of 2 and of 4 keep different numbers of blocks: litdata's
+    shuffle, which permutes the blocks it keeps, must see all of them."""
+    data = TextFiles(train_path=corpora["jsonl"], cache_dir=tmp_path / "cache")
+    data.prepare(tok, block, tmp_path)
+    assert _stream_stats(data.data_dir / "train", block)[1] % 2 == 1
+    one = [b["input_ids"] for b in data.train_dataloader(2, block, seed=3)]
+    ranks = [data.train_dataloader(2, block, seed=3, rank=r, world_size=2) for r in range(2)]
+    assert all(len(loader) == len(one) // 2 for loader in ranks)
+    two = [torch.cat(pair) for pair in zip(*([b["input_ids"] for b in loader] for loader in ranks))]
+    assert len(two) == len(one) // 2 and len(two) > 10
+    for step, rows in enumerate(two):
+        assert torch.equal(rows, torch.cat(one[2 * step : 2 * step + 2])), step
+
+
 @pytest.mark.parametrize("name", ["gpt-neox-20b", "llama2"])
 def test_jsonl_keeps_every_document(tmp_path, corpora, assets, name):
     tok = Tokenizer(assets / "tokenizers" / name)

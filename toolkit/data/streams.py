@@ -888,12 +888,19 @@ class TextFiles(PretrainData):
     def train_dataloader(
         self, micro_batch_size: int, block_size: int, seed: int, num_workers: int = 0, rank: int = 0, world_size: int = 1
     ) -> "StreamingDataLoader":
-        """Shuffled blocks; with world_size > 1 in the same global order as one process (see `_global_view`)."""
+        """Shuffled blocks; with world_size > 1 in the same global order as one process (see `_global_view`).
+
+        litdata shuffles the blocks it keeps, and with its drop_last it keeps whole batches only, so
+        the order would depend on the batch size read (micro x world_size): 527 blocks are shuffled
+        as 526 by one process and as 524 by two. So litdata keeps every block (one order for any
+        world size) and the loader drops the last, incomplete global micro-batch instead."""
         _check_loader_args(micro_batch_size, block_size, num_workers)
-        dataset = _global_view(_token_dataset(str(self.data_dir / "train"), block_size, shuffle=True, seed=seed, drop_last=True))
+        dataset = _global_view(_token_dataset(str(self.data_dir / "train"), block_size, shuffle=True, seed=seed, drop_last=None))
+        dataset.set_drop_last(False)
         loader = _loader(
-            dataset, micro_batch_size, num_workers, drop_last=True, rank=rank, world_size=world_size, global_view=True
+            dataset, micro_batch_size, num_workers, drop_last=None, rank=rank, world_size=world_size, global_view=True
         )
+        object.__setattr__(loader, "drop_last", True)  # torch's: read when iterating and by len()
         blocks = _stream_stats(self.data_dir / "train", block_size)[1]
         _check_not_empty(loader, "training", blocks, micro_batch_size * world_size)
         return loader
