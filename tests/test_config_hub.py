@@ -126,3 +126,21 @@ def test_recipe_parses_and_is_consistent(relative):
         assert train.max_steps or train.max_tokens or train.max_time, "a pretraining recipe needs a stopping rule"
     # The command in the header comment runs this very file.
     assert f"--config config_hub/{relative}" in (CONFIG_HUB / relative).read_text()
+
+
+def test_the_moe_quick_start_model_exports_as_mixtral():
+    """The debug-moe recipe's model is Mixtral's layout: its config goes to a transformers
+    MixtralConfig and back unchanged (the weights' round trip is Mixtral's, tested in test_moe.py)."""
+    from transformers import MixtralConfig
+
+    from toolkit.convert.hf_config import config_from_hf, config_to_hf
+    from toolkit.models.config import Config
+
+    recipe = yaml.safe_load((CONFIG_HUB / "pretrain" / "debug-moe.yaml").read_text())
+    config = Config.from_name(recipe["model_name"], **recipe["model_overrides"])
+    hf = config_to_hf(config)
+    assert hf["architectures"] == ["MixtralForCausalLM"]
+    MixtralConfig(**hf)  # transformers accepts it
+    back = config_from_hf(hf, default_name=config.name)
+    # the z-loss coefficient is a training setting; every layer is a mixture, so no dense width is used
+    assert back.replace(router_z_loss_coef=config.router_z_loss_coef, intermediate_size=config.intermediate_size) == config

@@ -223,8 +223,13 @@ class WithRouterLosses(Objective):
 
     def describe(self) -> str:
         balance = "load balancing per layer" if self.per_layer else "load balancing"
-        return (f"router losses: {balance} x {self.aux_coef:g}, z-loss x {self.z_coef:g} "
+        line = (f"router losses: {balance} x {self.aux_coef:g}, z-loss x {self.z_coef:g} "
                 "(--train.router_aux_loss_coef, --train.router_z_loss_coef, --train.router_aux_loss_per_layer)")
+        if self.aux_coef == 0:
+            # a dense preset given experts through --model_overrides has no coefficient of its own
+            line += ("; with no load-balancing loss the router may send most tokens to a few experts "
+                     "(watch router/load_cv; Mixtral, Qwen3-MoE and OLMoE train with 0.001 to 0.02)")
+        return line
 
     def __call__(self, model, batch: dict[str, Any]) -> ObjectiveOutput:
         from toolkit.models.moe import clear_router_stats, counting_only, load_summary, router_losses
