@@ -87,21 +87,23 @@ class Simulation:
         return sum(self.persistent.values())
 
     def table(self) -> str:
+        """The figures in GiB, or in MiB for a step under 1 GiB (as `toolkit estimate`'s table)."""
+        unit, scale = ("GiB", GiB) if self.peak_total >= GiB else ("MiB", 1024**2)
         lines = [f"simulated on {self.world_size} fake ranks (shard group {self.shard_size}), {self.precision}, "
-                 f"{self.seconds:.1f} s. Memory of one rank at its peak, GiB:"]
+                 f"{self.seconds:.1f} s. Memory of one rank at its peak, {unit}:"]
         width = max(len(v) for v in CATEGORIES.values()) + 2
         for key, label in CATEGORIES.items():
             if self.peak.get(key):
-                lines.append(f"  {label.ljust(width)}{self.peak[key] / GiB:10.2f}")
-        lines.append(f"  {'peak (live tensors)'.ljust(width)}{self.peak_total / GiB:10.2f}")
+                lines.append(f"  {label.ljust(width)}{self.peak[key] / scale:10.2f}")
+        lines.append(f"  {'peak (live tensors)'.ljust(width)}{self.peak_total / scale:10.2f}")
         lines.append(
-            "after the step: sharded parameters {:.2f}, gradients {:.2f}, optimizer state {:.2f} GiB".format(
-                *(self.persistent[k] / GiB for k in ("Sharded Param", "Sharded Grad", "OptState"))
+            "after the step: sharded parameters {:.2f}, gradients {:.2f}, optimizer state {:.2f} {}".format(
+                *(self.persistent[k] / scale for k in ("Sharded Param", "Sharded Grad", "OptState")), unit
             )
         )
-        lines.append(f"sent per rank per optimizer step: {self.sent_bytes / GiB:.2f} GiB")
+        lines.append(f"sent per rank per optimizer step: {self.sent_bytes / scale:.2f} {unit}")
         for name, (calls, size) in sorted(self.comm.items()):
-            lines.append(f"  {name:<16}{calls:6d} calls {size / GiB:10.2f} GiB of tensors")
+            lines.append(f"  {name:<20}{calls:6d} calls {size / scale:10.2f} {unit} of tensors")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
 
