@@ -293,6 +293,28 @@ def test_loader_state_dict_resumes_at_the_same_batch(tmp_path, tok, corpora, num
     assert torch.equal(next(iter(resumed))["input_ids"], fourth["input_ids"])
 
 
+def test_a_loader_state_saved_with_drop_last_resumes_in_its_own_order(tmp_path, tok, corpora):
+    """A TextFiles position saved by earlier versions, whose litdata dataset kept whole batches only
+    (drop_last): the loader takes its setting back and continues with the batches it would have read."""
+    from toolkit.data.streams import _global_view, _loader, _token_dataset
+
+    data = TextFiles(train_path=corpora["jsonl"], cache_dir=tmp_path / "cache")
+    data.prepare(tok, BLOCK, tmp_path)
+    earlier = _global_view(_token_dataset(str(data.data_dir / "train"), BLOCK, shuffle=True, seed=7, drop_last=True))
+    loader = _loader(earlier, 4, 0, drop_last=True, global_view=True)
+    iterator = iter(loader)
+    for _ in range(3):
+        next(iterator)
+    state = loader.state_dict()
+    assert state["dataset"]["drop_last"] is True
+    expected = [next(iterator)["input_ids"] for _ in range(2)]
+    resumed = data.train_dataloader(micro_batch_size=4, block_size=BLOCK, seed=7)
+    resumed.load_state_dict(state)
+    iterator = iter(resumed)
+    for batch in expected:
+        assert torch.equal(next(iterator)["input_ids"], batch)
+
+
 def test_stream_mix(tmp_path, tok, corpora):
     streams = [optimize_text_to_stream([corpora[k]], tok, tmp_path / k) for k in ("txt", "jsonl")]
     assert all((s / "index.json").is_file() for s in streams)

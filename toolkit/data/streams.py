@@ -183,6 +183,11 @@ def _global_view_loader_class() -> type:
                 return self.num_workers <= 1
 
             def load_state_dict(self, obj: dict[str, Any]) -> None:
+                saved = obj.get("dataset")
+                if isinstance(saved, dict) and "drop_last" in saved and saved["drop_last"] != self.dataset.drop_last:
+                    # A state saved before TextFiles kept every block (drop_last True): litdata
+                    # refuses a mismatch, and the saved order is drop_last's. Resume in that order.
+                    self.dataset.set_drop_last(saved["drop_last"])
                 detected = litdata_dataloader._DistributedEnv
                 litdata_dataloader._DistributedEnv = _OneProcessEnv
                 try:
