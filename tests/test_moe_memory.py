@@ -263,6 +263,12 @@ def test_preflight_names_expert_parallel_when_it_is_what_fits():
     device = int((need[1] + need[2]) / 2 / 0.95)
     with pytest.raises(UserError, match=r"does not fit\. --distributed\.expert_parallel 2 fits"):
         check_fits(device, *args)
+    qlora = {n: column_memory(Options(config, "bf16-mixed", "lora", ("q_proj", "v_proj"), 8, "nf4", 64, expert_parallel=n),
+                              make_column("FULL_SHARD", 16, 1), 1)["total_checkpointed"] for n in (1, 2)}
+    assert qlora[2] < qlora[1]
+    with pytest.raises(UserError, match="does not fit") as refused:  # no expert parallelism on a quantized base
+        check_fits(int((qlora[1] + qlora[2]) / 2 / 0.95), *args, finetune="lora", quantize="nf4")
+    assert "expert_parallel" not in str(refused.value)
     assert check_fits(device, *args, expert_parallel=2).endswith("fits.")
 
     # Training hands the pre-flight its run plan, which carries --distributed.expert_parallel.
@@ -299,3 +305,12 @@ def test_the_estimate_names_expert_parallel_when_it_is_what_fits():
     dense = estimate("debug", model_overrides={**overrides, "n_expert": 0, "n_expert_per_token": 0},
                      **{**args, "memory_budget_gb": 0.001})
     assert not dense["recommendation"]["fits"] and "expert_parallel" not in dense["recommendation"]["message"]
+    # training refuses expert parallelism on a quantized base: so do the estimate and its advice
+    need = {n: column_memory(Options(config, "bf16-mixed", "lora", ("q_proj", "v_proj"), 8, "nf4", 64, expert_parallel=n),
+                             make_column("FULL_SHARD", 4, 1), 1)["total_checkpointed"] for n in (1, 2)}
+    assert need[2] < need[1]  # it would fit with expert parallelism ...
+    qlora = dict(args, devices=4, finetune="lora", quantize="nf4", memory_budget_gb=(need[1] + need[2]) / 2 / 2**30)
+    refused = estimate("debug", model_overrides=overrides, **qlora)["recommendation"]
+    assert not refused["fits"] and "expert_parallel" not in refused["message"]  # ... which QLoRA does not run
+    with pytest.raises(UserError, match="expert_parallel 2 is not available with a quantized base"):
+        estimate("debug", model_overrides=overrides, expert_parallel=2, **qlora)

@@ -445,6 +445,9 @@ def _resolve(
                     )
     if cpu_offload and not any(col.kind == "fsdp" for col in columns):
         notes.append("cpu_offload applies to FSDP only (more than one device, not DDP): ignored.")
+    if quantize is not None and expert_parallel != 1:
+        raise UserError(f"expert_parallel {expert_parallel} is not available with a quantized base (quantize "
+                        f"{quantize}), as in training: drop one of them.")
     columns = _expert_parallel_columns(config, expert_parallel, columns, world, notes)
     columns.sort(key=lambda col: COLUMN_ORDER.index(col.name))
     frozen_copy = finetune == "full" and PREFERENCE_REFERENCE.get(objective, False) and not precompute_reference
@@ -600,8 +603,9 @@ def recommend(opts: Options, columns: list[Column], micro_batch_size: int, budge
 def _expert_parallel_that_fits(opts: Options, col: Column, budget: int) -> Optional[tuple[int, int]]:
     """(N, bytes) for the smallest expert-parallel degree above the run's that makes `col` fit at
     micro batch 1 with checkpointing: N divides the experts and the shard group (FSDP), and is a
-    multiple of the run's degree. None if there is none (or no mixture of experts)."""
-    if not opts.config.is_moe or col.kind != "fsdp":
+    multiple of the run's degree. None if there is none (or no mixture of experts, or a quantized
+    base: training refuses expert parallelism with one)."""
+    if not opts.config.is_moe or col.kind != "fsdp" or opts.quantize is not None:
         return None
     for n in range(opts.expert_parallel + 1, col.shard_size + 1):
         if opts.config.n_expert % n or col.shard_size % n or n % opts.expert_parallel:

@@ -77,7 +77,8 @@ def check_fits(
         the experts and the shard group (a mixture of experts under FSDP)."""
         group = make_column(shard, devices, num_nodes).shard_size if sharded else 1
         larger = [n for n in range(expert_parallel + 1, group + 1)
-                  if config.is_moe and config.n_expert % n == 0 and group % n == 0 and n % expert_parallel == 0]
+                  if config.is_moe and quantize is None  # training refuses expert parallelism on a quantized base
+                  and config.n_expert % n == 0 and group % n == 0 and n % expert_parallel == 0]
         return [expert_parallel] + larger
 
     wanted = need(shard, activation_checkpointing, micro_batch_size)
