@@ -235,3 +235,19 @@ def test_resuming_under_another_objective_or_its_settings_is_refused(tmp_path):
     older.mkdir()
     (older / META).write_text(json.dumps({"run": {"global_batch_size": 4}}))
     check_compatible(older, {"global_batch_size": 4, "objective": CausalLM().record()})
+
+
+def test_a_batch_run_only_to_keep_the_ranks_in_step_adds_the_shapes_of_its_sums_not_their_values():
+    """Validation with fewer batches than ranks: a rank's uncounted batch adds nothing to the sums but
+    its metric names and its normaliser's dtype, so that every rank all-reduces the same tensors."""
+    from toolkit.training.loop import _Sums
+    from toolkit.training.objectives import ObjectiveOutput
+
+    output = ObjectiveOutput(loss_sum=torch.tensor(3.0), normaliser=torch.tensor(2.5),
+                             metrics={"accuracy": torch.tensor(1.0)})
+    skipped, counted = _Sums(torch.device("cpu")), _Sums(torch.device("cpu"))
+    skipped.add(output, counted=False)
+    counted.add(output)
+    assert skipped.normaliser.dtype == counted.normaliser.dtype == torch.float32  # a float total weight
+    assert skipped.metrics.keys() == counted.metrics.keys() == {"accuracy"}
+    assert skipped.loss.item() == skipped.normaliser.item() == skipped.metrics["accuracy"].item() == 0

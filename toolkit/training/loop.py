@@ -307,8 +307,10 @@ class _Sums:
 
     def add(self, output: ObjectiveOutput, counted: bool = True) -> None:
         """Add `output`'s sums; not `counted` (a batch run only so that the ranks run as many): only its
-        metric names, with zeros, so that every rank reduces the same metrics in `means`."""
+        metric names and its normaliser's dtype, with zeros, so that every rank reduces the same
+        tensors in `means`."""
         if not counted:
+            self.normaliser = self.normaliser + torch.zeros_like(output.normaliser)  # its dtype (long or float)
             for name, value in output.metrics.items():
                 self.metrics.setdefault(name, torch.zeros_like(value.detach().float()))
             return
