@@ -74,6 +74,9 @@ def test_there_is_no_ignore_index_option(capsys, checkpoint):
         ("--train.beta1", "1.5", "--train.beta1 must be in [0, 1)"),
         ("--train.beta2", "-0.1", "--train.beta2 must be in [0, 1)"),
         ("--train.max_norm", "-1", "--train.max_norm must be positive"),
+        ("--train.learning_rate", ".inf", "--train.learning_rate must be positive, got inf"),  # YAML's infinity
+        ("--train.weight_decay", ".nan", "--train.weight_decay must be 0 or more, got nan"),
+        ("--train.router_aux_loss_coef", ".inf", "--train.router_aux_loss_coef must be 0 or more (and finite), got inf"),
         ("--train.max_time", "0s", "--train.max_time must be a positive duration"),
         ("--eval.interval", "0", "--eval.interval must be at least 1"),
         ("--eval.max_iters", "0", "--eval.max_iters must be at least 1"),

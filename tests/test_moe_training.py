@@ -12,6 +12,7 @@ leave nothing behind; two FSDP processes train what one process trains.
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 
 import pytest
@@ -175,9 +176,12 @@ def test_coefficients_come_from_the_config_unless_the_run_overrides_them():
     assert "load balancing x 0, " in unbalanced.describe() and "no load-balancing loss" in unbalanced.describe()
     dense = with_router_losses(None, Config.from_name("debug"), TrainArgs(router_aux_loss_coef=0.5))
     assert type(dense) is CausalLM  # a dense model trains its objective as it is
-    with pytest.raises(UserError, match=r"^--train.router_aux_loss_coef must be 0 or more, got -0.1$"):
+    with pytest.raises(UserError, match=r"^--train.router_aux_loss_coef must be 0 or more \(and finite\), got -0.1$"):
         TrainArgs(router_aux_loss_coef=-0.1)
-    with pytest.raises(UserError, match=r"^--train.router_z_loss_coef must be 0 or more, got -1.0$"):
+    for value in (math.nan, math.inf):  # a loss of nan or inf from the first step
+        with pytest.raises(UserError, match=rf"^--train.router_aux_loss_coef must be 0 or more \(and finite\), got {value}$"):
+            TrainArgs(router_aux_loss_coef=value)
+    with pytest.raises(UserError, match=r"^--train.router_z_loss_coef must be 0 or more \(and finite\), got -1.0$"):
         TrainArgs(router_z_loss_coef=-1.0)
 
 
@@ -316,7 +320,7 @@ def test_pretrain_logs_the_router_metrics_and_takes_the_coefficients_given(tmp_p
 def test_pretrain_refuses_a_negative_coefficient_in_one_line(tmp_path, capsys):
     assert run(_pretrain_args(tmp_path / "run", "--train.router_aux_loss_coef", "-0.5")) != 0
     err = capsys.readouterr().err.strip()
-    assert err.endswith("--train.router_aux_loss_coef must be 0 or more, got -0.5") and "\n" not in err
+    assert err.endswith("--train.router_aux_loss_coef must be 0 or more (and finite), got -0.5") and "\n" not in err
     assert not (tmp_path / "run").exists()
 
 

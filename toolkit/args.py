@@ -6,6 +6,7 @@ misspelled option is an error, never a silent default.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Literal, Optional, get_args
@@ -55,7 +56,7 @@ class TrainArgs:
             if value is not None and value < 1:
                 raise UserError(f"--train.{name} must be at least 1, got {value}")
         # Checked here, before any process starts, rather than by torch in the middle of set-up.
-        if not self.learning_rate > 0:
+        if not 0 < self.learning_rate < math.inf:
             raise UserError(f"--train.learning_rate must be positive, got {self.learning_rate}")
         if not 0 <= self.min_lr <= self.learning_rate:
             raise UserError(
@@ -63,17 +64,17 @@ class TrainArgs:
             )
         if self.warmup_steps < 0:
             raise UserError(f"--train.warmup_steps must be 0 or more, got {self.warmup_steps}")
-        if self.weight_decay < 0:
+        if not 0 <= self.weight_decay < math.inf:
             raise UserError(f"--train.weight_decay must be 0 or more, got {self.weight_decay}")
         for name in ("beta1", "beta2"):
             if not 0 <= getattr(self, name) < 1:
                 raise UserError(f"--train.{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.max_norm is not None and not self.max_norm > 0:
+        if self.max_norm is not None and not 0 < self.max_norm < math.inf:
             raise UserError(f"--train.max_norm must be positive (or null to disable clipping), got {self.max_norm}")
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise UserError(f"--train.{name} must be 0 or more, got {value}")
+            if value is not None and not 0 <= value < math.inf:
+                raise UserError(f"--train.{name} must be 0 or more (and finite), got {value}")
         if self.max_time is not None and not parse_duration(self.max_time) > 0:
             raise UserError(f"--train.max_time must be a positive duration, got {self.max_time!r}")
 
