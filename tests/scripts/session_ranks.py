@@ -62,6 +62,7 @@ def start_session(out_dir: Path, devices: int, config: Config, checkpointing: bo
 
 
 def shares(session: Session, vocab_size: int) -> tuple[list[dict], list[dict]]:
-    """This rank's training and validation sequences: rank r takes sequences r, r + world, r + 2 * world, ..."""
+    """This rank's training and validation sequences: rank r takes sequences r, r + world, r + 2 * world, ...
+    Three validation sequences: on 2 ranks the second has one batch fewer, and runs one again, uncounted."""
     rank, world = session.fabric.global_rank, session.fabric.world_size
-    return (sequences(STEPS * GLOBAL_BATCH, 1, vocab_size)[rank::world], sequences(4, 2, vocab_size)[rank::world])
+    return (sequences(STEPS * GLOBAL_BATCH, 1, vocab_size)[rank::world], sequences(3, 2, vocab_size)[rank::world])

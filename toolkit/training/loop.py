@@ -392,29 +392,38 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
 
     The validation samples, and so the loss, are those of one process running `max_iters`: a
     loader's global order does not depend on the number of processes, and rank r's i-th batch is
-    batch i * world_size + r of that order. Each rank runs ceil(max_iters / world_size) forward
-    passes (under FSDP every rank must run as many), and a rank's last one is left out of the sums
-    when it lies beyond `max_iters`. `objective` None is `CausalLM()`. Under FSDP every unit holds
-    only its shards afterwards.
+    batch i * world_size + r of that order. Under FSDP every rank must run as many forward passes:
+    each runs as many as the rank with the most batches (at most ceil(max_iters / world_size)); a
+    rank whose loader has ended runs its last batch again, and such a pass, or one beyond
+    `max_iters`, is left out of the sums. `objective` None is `CausalLM()`. Under FSDP every unit
+    holds only its shards afterwards.
     """
     objective = objective if objective is not None else CausalLM()
     was_training = model.training
     model.eval()
     sums = _Sums(fabric.device)
-    # Under FSDP every rank must run the same number of forward passes: agree on the shortest.
     length = _length(loader)
     per_rank = -(-max_iters // fabric.world_size)
-    n_batches = torch.tensor(per_rank if length is None else min(per_rank, length), device=fabric.device)
+    mine = per_rank if length is None else min(per_rank, length)
+    n_batches = mine
     if fabric.world_size > 1:
         import torch.distributed as dist
 
-        dist.all_reduce(n_batches, op=dist.ReduceOp.MIN)
-    n_batches = int(n_batches.item())
-    for i, batch in enumerate(loader):
-        if i >= n_batches:
-            break
+        # (most, -fewest) over the ranks: a rank with no batch at all has none to run again, so
+        # then every rank stops where the shortest loader ends
+        counts = torch.tensor([mine, -mine], device=fabric.device)
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+        most, fewest = int(counts[0].item()), -int(counts[1].item())
+        n_batches = most if fewest > 0 else 0
+    batches = iter(loader)
+    batch = None
+    for i in range(n_batches):
+        fresh = next(batches, None) if i < mine else None
+        if fresh is None and (fabric.world_size == 1 or batch is None):
+            break  # one process: nothing to keep in step with; a rank with no batch: see `fewest`
+        batch = fresh if fresh is not None else batch
         output = objective(model, fabric.to_device(batch))
-        sums.add(output, counted=i * fabric.world_size + fabric.global_rank < max_iters)
+        sums.add(output, counted=fresh is not None and i * fabric.world_size + fabric.global_rank < max_iters)
     # Forward passes without a backward pass leave the units that wait for one gathered (the final
     # norm and head, the root, every unit under SHARD_GRAD_OP): freed here, not held through the
     # training forward pass that follows.
