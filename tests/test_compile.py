@@ -225,6 +225,43 @@ def test_packed_rows_compile_once_for_every_packing_layout(checkpointing):
     assert train_on(new_layouts) == first, dict(counters["stats"])
 
 
+def test_compiled_mixture_with_looped_experts_compiles_once_whatever_the_routing():
+    """float32 experts compiled run one product per expert (no grouped kernel compiled in float32
+    here; a GPU older than sm90 too), whose row counts are data: after the first batches, batches
+    routed otherwise (experts with no row) compile nothing more; losses and gradients are eager's."""
+    from torch._dynamo.utils import counters
+
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT, Block, init_weights
+    from toolkit.parallel.compile import compile_blocks
+
+    config = Config.from_name("debug-mixtral")
+    eager = GPT(config)
+    init_weights(eager, config.n_layer, seed=0)  # the experts start empty (torch.empty)
+    compiled = GPT(config)
+    compiled.load_state_dict(eager.state_dict())
+    assert compile_blocks(compiled, Block, torch.device("cpu"), dynamic=False, print_fn=print) == config.n_layer
+    counters.clear()
+    generator = torch.Generator().manual_seed(2)
+
+    def train_on(batches: int) -> int:
+        for _ in range(batches):
+            ids = torch.randint(0, config.vocab_size, (2, 12), generator=generator)  # 48 rows over 8 experts
+            grads = []
+            for model in (eager, compiled):
+                model.zero_grad(set_to_none=True)
+                loss = model(ids, labels=ids)
+                loss.backward()
+                grads.append([loss.detach()] + [p.grad for p in model.parameters()])
+            for i, (got, want) in enumerate(zip(grads[1], grads[0])):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=f"loss and gradients, item {i}")
+        return counters["stats"]["unique_graphs"]
+
+    first = train_on(2)
+    assert 1 <= first <= 8, dict(counters["stats"])
+    assert train_on(10) == first, dict(counters["stats"])
+
+
 def test_auto_compiles_only_where_it_was_measured_faster():
     from toolkit.parallel.compile import AUTO_MIN_STEPS, should_compile
 

@@ -199,6 +199,14 @@ def expert_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, 
             return _padded_grouped_product(x, weight.transpose(-2, -1), counts)
         ends = counts.cumsum(0).to(torch.int32)  # (X,) where each expert's run ends
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=ends)
+    # Compiled, the loop runs eagerly: traced, every new pattern of row counts (an expert with none)
+    # would compile the rest of the block again, up to dynamo's recompile limit.
+    looped = torch.compiler.disable(_looped_product) if torch.compiler.is_compiling() else _looped_product
+    return looped(x, weight, counts)
+
+
+def _looped_product(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """`expert_product` as one product per expert with rows (a host sync for the counts)."""
     # unbind, not indexing: the backward of weight[e] would write a zero gradient of the whole
     # (X, ...) tensor per expert, X times; unbind's stacks the X gradients once
     matrices = weight.unbind(0)
