@@ -3,8 +3,8 @@
 Usage: moe_ranks.py OUT_DIR DEVICES CHECKPOINTING [EXPERTS]. Used by tests/test_moe_training.py,
 which compares the two: the same global batch of 4 sequences per step (one process accumulates 4
 micro-batches of 1, two processes 2 each) must give the same weights and the same logged losses and
-router metrics. Validation takes one batch, fewer than the ranks: the second rank runs one only to
-keep in step with the first, and reduces the same router metrics (zeros). The experts' 3-D weights
+router metrics. Validation has one batch, fewer than the ranks: the second rank runs the first
+rank's only to keep in step with it, and reduces the same router metrics (zeros). The experts' 3-D weights
 are sharded by FSDP2 along the experts (4, the default), or, 3 of them over 2 processes, along each
 expert's rows (`expert_shard_dim`); the script prints "expert weights split along dim(s) [...]".
 The router losses of each rank's micro-batches join its gradient before FSDP reduces it.
@@ -29,14 +29,14 @@ CONFIG = Config(name="tiny-moe", vocab_size=128, block_size=32, n_layer=2, n_emb
 
 def run(out_dir: Path, devices: int, checkpointing: bool, experts: int = 4) -> None:
     """Train on `devices` processes (this one and, past one device, those Fabric starts)."""
-    session = start_session(out_dir, devices, CONFIG.replace(n_expert=experts), checkpointing, val_iters=1)
+    session = start_session(out_dir, devices, CONFIG.replace(n_expert=experts), checkpointing)
     model = session.build_model("random")
     dims = sorted({p.dim for name, param in model.named_parameters() if "experts" in name
                    for p in getattr(param, "placements", ()) if p.is_shard()})
     session.fabric.print(f"expert weights split along dim(s) {dims}")
     # SGD: its update is proportional to the gradient, so a wrong weight of the router terms shows.
     optimizer = session.fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=session.train.learning_rate))
-    train_data, val_data = shares(session, CONFIG.vocab_size)
+    train_data, val_data = shares(session, CONFIG.vocab_size, val_sequences=1)
     session.fit(model, optimizer, train_data, val_data, total_steps=STEPS, tokens_per_step=None)
     session.export_final(model)
 

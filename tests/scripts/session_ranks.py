@@ -43,11 +43,10 @@ def sequences(count: int, seed: int, vocab_size: int) -> list[dict]:
     return out
 
 
-def start_session(out_dir: Path, devices: int, config: Config, checkpointing: bool = False,
-                  val_iters: int = 4) -> Session:  # fmt: skip
+def start_session(out_dir: Path, devices: int, config: Config, checkpointing: bool = False) -> Session:
     """A launched pretraining `Session` of STEPS steps at learning rate 0.5 (for SGD, whose update is
     proportional to the gradient, so that a wrongly scaled loss shows), logging every step to CSV,
-    validating every 2 steps on `val_iters` batches."""
+    validating every 2 steps on at most 4 batches."""
     out_dir.mkdir(parents=True, exist_ok=True)
     log = LogArgs(interval=1, loggers=("csv",))
     train = TrainArgs(micro_batch_size=1, global_batch_size=GLOBAL_BATCH, max_seq_length=SEQ, max_steps=STEPS,
@@ -57,12 +56,14 @@ def start_session(out_dir: Path, devices: int, config: Config, checkpointing: bo
     fabric = build_fabric(run_plan.strategy, block_cls=Block, loggers=make_loggers(out_dir, log, False))
     fabric.launch()
     return Session(kind="pretrain", fabric=fabric, out_dir=out_dir, config=config, train=train,
-                   eval=EvalArgs(interval=2, max_iters=val_iters), log=log, plan=run_plan.batches, run_plan=run_plan,
+                   eval=EvalArgs(interval=2, max_iters=4), log=log, plan=run_plan.batches, run_plan=run_plan,
                    seed=0, resume=False, precision="32-true")
 
 
-def shares(session: Session, vocab_size: int) -> tuple[list[dict], list[dict]]:
+def shares(session: Session, vocab_size: int, val_sequences: int = 3) -> tuple[list[dict], list[dict]]:
     """This rank's training and validation sequences: rank r takes sequences r, r + world, r + 2 * world, ...
-    Three validation sequences: on 2 ranks the second has one batch fewer, and runs one again, uncounted."""
+    Three validation sequences: on 2 ranks the second has one batch fewer, and runs one again,
+    uncounted; with one, the second has none, and runs the first rank's, uncounted."""
     rank, world = session.fabric.global_rank, session.fabric.world_size
-    return (sequences(STEPS * GLOBAL_BATCH, 1, vocab_size)[rank::world], sequences(3, 2, vocab_size)[rank::world])
+    return (sequences(STEPS * GLOBAL_BATCH, 1, vocab_size)[rank::world],
+            sequences(val_sequences, 2, vocab_size)[rank::world])

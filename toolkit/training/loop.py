@@ -12,6 +12,7 @@ samples are weighted. The loop never calls the model or reads a batch's keys exc
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -394,8 +395,8 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
     loader's global order does not depend on the number of processes, and rank r's i-th batch is
     batch i * world_size + r of that order. Under FSDP every rank must run as many forward passes:
     each runs as many as the rank with the most batches (at most ceil(max_iters / world_size)); a
-    rank whose loader has ended runs its last batch again, and such a pass, or one beyond
-    `max_iters`, is left out of the sums. `objective` None is `CausalLM()`. Under FSDP every unit
+    rank whose loader has ended runs its last batch again (one with no batch at all, rank 0's
+    first), and such a pass, or one beyond `max_iters`, is left out of the sums. `objective` None is `CausalLM()`. Under FSDP every unit
     holds only its shards afterwards.
     """
     objective = objective if objective is not None else CausalLM()
@@ -406,21 +407,26 @@ def validate(fabric, model, loader: Iterable[dict], max_iters: int, objective: O
     per_rank = -(-max_iters // fabric.world_size)
     mine = per_rank if length is None else min(per_rank, length)
     n_batches = mine
+    batches = iter(loader)
+    batch = None  # the batch a rank whose loader has ended runs again
     if fabric.world_size > 1:
         import torch.distributed as dist
 
-        # (most, -fewest) over the ranks: a rank with no batch at all has none to run again, so
-        # then every rank stops where the shortest loader ends
-        counts = torch.tensor([mine, -mine], device=fabric.device)
+        counts = torch.tensor([mine, -mine], device=fabric.device)  # (most, -fewest) over the ranks
         dist.all_reduce(counts, op=dist.ReduceOp.MAX)
-        most, fewest = int(counts[0].item()), -int(counts[1].item())
-        n_batches = most if fewest > 0 else 0
-    batches = iter(loader)
-    batch = None
+        n_batches, fewest = int(counts[0].item()), -int(counts[1].item())
+        if fewest == 0 and n_batches > 0:
+            # Fewer validation batches than ranks: a rank with none runs rank 0's first one, uncounted.
+            first = next(batches) if fabric.global_rank == 0 else None
+            batch = fabric.broadcast(first, src=0)
+            if first is not None:
+                batches = itertools.chain([first], batches)
     for i in range(n_batches):
         fresh = next(batches, None) if i < mine else None
-        if fresh is None and (fabric.world_size == 1 or batch is None):
-            break  # one process: nothing to keep in step with; a rank with no batch: see `fewest`
+        if fresh is None and fabric.world_size == 1:
+            break  # one process: nothing to keep in step with
+        if fresh is None and batch is None:  # a loader of unknown length (a mix of streams) that gave none
+            raise RuntimeError(f"the validation loader of rank {fabric.global_rank} gave no batch")
         batch = fresh if fresh is not None else batch
         output = objective(model, fabric.to_device(batch))
         sums.add(output, counted=fresh is not None and i * fabric.world_size + fabric.global_rank < max_iters)
