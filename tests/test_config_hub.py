@@ -4,12 +4,14 @@ The folder decides the entry point: pretrain/*.yaml -> `toolkit pretrain`, finet
 -> `toolkit finetune_full`, finetune/<model>/{lora,qlora}.yaml -> `toolkit finetune_lora`. Parsing
 goes through the CLI's own parser, so a misspelled key, a wrong type or an unknown data class_path
 fails here. Then the cheap checks a run would do before it starts: the model exists, the batch
-splits over the devices, the sequence fits the context. Nothing reads data or weights (data modules
-only store their paths until a run sets them up), so this stays fast.
+splits over the devices, the sequence fits the context, and the memory pre-flight (on the meta
+device and fake tensors) accepts the step at the peak the recipe's header quotes. Nothing reads data
+or weights (data modules only store their paths until a run sets them up).
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -23,7 +25,14 @@ FINETUNE_MODELS = (
     "tiny-llama-1.1b", "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b",
     "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "phi-2", "pythia-160m",
 )
+# Mixtures of experts: the recipes that fit each model's size (tutorials/moe.md).
+MOE_RECIPES = {
+    "qwen3-30b-a3b": ("full", "lora", "qlora"), "qwen3-235b-a22b": ("lora", "qlora"),
+    "mixtral-8x7b": ("lora", "qlora"), "gpt-oss-20b": ("lora",), "gpt-oss-120b": ("lora",),
+    "olmoe-1b-7b": ("full", "lora"),
+}
 EXPECTED = {
+    *(f"finetune/{model}/{kind}.yaml" for model, kinds in MOE_RECIPES.items() for kind in kinds),
     "pretrain/debug.yaml",
     "pretrain/debug-moe.yaml",
     "pretrain/tinyllama.yaml",
@@ -105,8 +114,11 @@ def test_recipe_parses_and_is_consistent(relative):
         qlora = relative.endswith("qlora.yaml")
         assert (args.get("quantize") is not None) == qlora
         if qlora:
-            # One device with bitsandbytes; the 70B's DPO recipe shards torchao's NF4 over two.
-            assert args["quantize"] == ("nf4" if preference else "bnb.nf4")
+            # One device with bitsandbytes; torchao's NF4 where FSDP2 shards the base (the 70B's DPO
+            # recipe) or where the experts are most of it (bnb.* quantizes linear layers only).
+            assert args["quantize"] == ("nf4" if preference or config.is_moe else "bnb.nf4")
+            if args["quantize"].startswith("bnb."):
+                assert args["devices"] * args["num_nodes"] == 1
             assert "head" not in args["lora"].targets  # refused with --quantize
         if name == "finetune_lora" and config.family == "gpt_neox":
             # Hugging Face fuses GPT-NeoX's query/key/value: adapters on them have no peft export,
@@ -144,3 +156,47 @@ def test_the_moe_quick_start_model_exports_as_mixtral():
     back = config_from_hf(hf, default_name=config.name)
     # the z-loss coefficient is a training setting; every layer is a mixture, so no dense width is used
     assert back.replace(router_z_loss_coef=config.router_z_loss_coef, intermediate_size=config.intermediate_size) == config
+
+
+def recipe_preflight(relative: str, device_bytes: int) -> str:
+    """The line training's memory pre-flight prints for this recipe on a device of `device_bytes`
+    (raises UserError when the step does not fit): the recipe's plan, adapters and objective."""
+    from toolkit.memory import check_run_fits
+    from toolkit.models.config import Config
+    from toolkit.parallel.plan import plan_run
+
+    name, raw, args = parse(relative)
+    if name == "pretrain":
+        config = Config.from_name(args["model_name"], **(args["model_overrides"] or {}))
+    else:
+        config = Config.from_name(Path(relative).parts[1])
+    train = args["train"]
+    max_seq_length = train.sequence_length(config)
+    accelerator = "cuda" if args["precision"] else "cpu"
+    plan = plan_run(args["devices"], args["num_nodes"], args["precision"], args["distributed"], train, max_seq_length,
+                    quantize=args.get("quantize"), accelerator=accelerator)
+    finetune = {"pretrain": None, "finetune_full": "full", "finetune_lora": "lora"}[name]
+    objective = args.get("objective")
+    profile = objective.memory_profile(finetune == "lora") if objective is not None else {}
+    return check_run_fits(device_bytes, config, plan, finetune, args.get("lora"), **profile)
+
+
+PEAK = re.compile(r"puts the peak at ([0-9.]+) GiB")
+GPU_SIZE = re.compile(r"([0-9]+) GB")
+
+
+@pytest.mark.parametrize("relative", [r for r in all_yamls() if not Path(r).name.startswith("debug")])
+def test_recipe_header_states_the_preflight_peak(relative):
+    """The peak a recipe's header quotes is the one the start-up pre-flight prints for it (one
+    decimal), and the step fits the GPU the header names (80 GB unless it names another size): a
+    change to the estimate or to the recipe that moves the figure fails here until the header says
+    so. The quick-start recipes (debug*) run on a CPU with a few MB and quote none."""
+    header = "\n".join(line for line in (CONFIG_HUB / relative).read_text().splitlines() if line.startswith("#"))
+    quoted = PEAK.findall(header)
+    assert len(quoted) == 1, f"config_hub/{relative}: the header quotes the peak once ('puts the peak at N GiB')"
+    sizes = {int(size) for size in GPU_SIZE.findall(header)}
+    assert len(sizes) <= 1, f"config_hub/{relative} names GPUs of several sizes: {sorted(sizes)}"
+    device_bytes = (sizes.pop() if sizes else 80) * 10**9
+    line = recipe_preflight(relative, device_bytes)  # raises when the step does not fit
+    figure = re.search(r"about ([0-9.]+) GiB", line).group(1)
+    assert quoted[0] == figure, f"config_hub/{relative}: the header says {quoted[0]} GiB, the pre-flight {figure} GiB"
