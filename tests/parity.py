@@ -24,13 +24,18 @@ def safetensors_in(folder: Path) -> dict[str, torch.Tensor]:
 
 def assert_greedy_generation_equals(hf, ours, prompt: torch.Tensor, new_tokens: int, label: str = "") -> torch.Tensor:
     """`ours` through its KV cache picks the same `new_tokens` greedy tokens after `prompt` (1-D) as
-    `hf.generate`; returns them with the prompt."""
+    `hf.generate`; returns them with the prompt. The new tokens must vary (at least 8 distinct, the
+    last 16 not one token repeated): a tiny random model that settles into one token early would
+    leave most of the comparison to a fixed point that any cache bug reaches too."""
     with torch.no_grad():
         expected = hf.generate(prompt[None], max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                                pad_token_id=0)[0]
     got = generate_tokens(ours, prompt, max_new_tokens=new_tokens, temperature=0.0, top_k=None)
     assert got.numel() == prompt.numel() + new_tokens
     assert torch.equal(got, expected), label
+    new = got[prompt.numel():]
+    assert new.unique().numel() >= 8 and new[-16:].unique().numel() > 1, (
+        f"{label}: the greedy tokens settle ({new.tolist()}); choose another prompt")
     return got
 
 

@@ -77,17 +77,20 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(_NO_IDS, partial_rotary_factor=0.75, tie_word_embeddings=True,
                                                        **_longrope(6))),
     # one local layer (window) and one global; softcaps that bite with these weights; the scores
-    # scaled by 1/sqrt(24), not 1/sqrt(head_dim); exact GELU (Gemma 2's configs may say "gelu")
+    # scaled by 1/sqrt(24), not 1/sqrt(head_dim); exact GELU (Gemma 2's configs may say "gelu").
+    # Untied: a tied Gemma 2 this small and random repeats one greedy token whatever the prompt
+    # (measured for initializer ranges 0.02 to 0.4), which leaves generation untested; gemma3 keeps
+    # Gemma's tie, at a smaller initializer range, where its greedy tokens vary.
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        tie_word_embeddings=False, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
         query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu")),
     # the layer pattern transformers derives when config.json has no layer_types; tanh GELU
     "gemma2-tanh-gelu": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        tie_word_embeddings=False, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
         query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3)),
     # local layers rotate with their own base, global ones with another and linear scaling; QK norm
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
-        head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=3, sliding_window_pattern=2,
+        initializer_range=0.05, head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24, num_hidden_layers=3, sliding_window_pattern=2,
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
 }

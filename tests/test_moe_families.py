@@ -1,6 +1,6 @@
 """Mixtral, Qwen3-MoE and OLMoE against transformers, through the real converter, on tiny random models.
 
-One row of `FAMILIES` per family: a few experts, top 2, and what the family does differently
+One row of `FAMILIES` per family: a few experts, top 2 or 4, and what the family does differently
 (Mixtral: a window on every layer; Qwen3-MoE: a dense layer between two sparse ones, renormalised
 top-k; OLMoE: QK norm over the whole projections, top-k not renormalised). For each row:
 
@@ -48,9 +48,9 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, head_dim=16, sliding_window=WINDOW)),
     # layer 1 dense (mlp_only_layers), experts narrower than the dense MLP, per-head QK norm
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
-        num_hidden_layers=3, num_experts=8, moe_intermediate_size=24, mlp_only_layers=[1], head_dim=32,
-        norm_topk_prob=True)),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, norm_topk_prob=False)),
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=24, mlp_only_layers=[1],
+        head_dim=32, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=4, norm_topk_prob=False)),
 }
 
 
@@ -121,7 +121,7 @@ def test_logits_and_the_chosen_experts_equal_transformers(converted):
     n_moe = sum(ours.config.layer(i).moe for i in range(ours.config.n_layer))
     assert len(theirs) == len(mine) == n_moe > 0
     for layer, (a, b) in enumerate(zip(theirs, mine)):
-        assert a.shape == b.shape == (ids.numel(), 2)
+        assert a.shape == b.shape == (ids.numel(), ours.config.n_expert_per_token)
         assert torch.equal(a.sort(dim=-1).values, b.sort(dim=-1).values), (name, layer)
     used = torch.cat(mine).unique().numel()
     assert used == ours.config.n_expert, "every expert should take some tokens"
@@ -129,7 +129,8 @@ def test_logits_and_the_chosen_experts_equal_transformers(converted):
 
 def test_greedy_generation_through_the_cache_equals_generate(converted):
     name, hf, _, ours = converted
-    prompt = torch.randint(0, TINY["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(2))
+    # seed 4: a prompt after which every family's greedy tokens vary (after seed 2's, Qwen3-MoE's settle)
+    prompt = torch.randint(0, TINY["vocab_size"], (PROMPT,), generator=torch.Generator().manual_seed(4))
     assert_greedy_generation_equals(hf, ours, prompt, NEW_TOKENS, name)
 
 
