@@ -303,8 +303,13 @@ def test_per_layer_balancing_is_the_mean_of_each_layers_own_loss_and_sees_what_p
 
 
 def test_pretrain_logs_the_router_metrics_and_takes_the_coefficients_given(tmp_path, capsys):
+    """The router terms and the experts' load reach the console, the CSV log and TensorBoard (read
+    back with TensorBoard's own event reader: the same values as the CSV, at the same steps)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     out = tmp_path / "run"
-    assert run(_pretrain_args(out, "--train.router_z_loss_coef", "0.002", "--train.router_aux_loss_per_layer", "true")) == 0
+    assert run(_pretrain_args(out, "--train.router_z_loss_coef", "0.002", "--train.router_aux_loss_per_layer", "true",
+                              "--log.loggers", "[csv, tensorboard]")) == 0
     printed = capsys.readouterr().out
     assert "Mixture of experts: router losses: load balancing per layer x 0.01, z-loss x 0.002" in printed
     steps = [line for line in printed.splitlines() if line.startswith("step ")]
@@ -315,6 +320,14 @@ def test_pretrain_logs_the_router_metrics_and_takes_the_coefficients_given(tmp_p
     assert {f"{split}/{m}" for split in ("train", "val") for m in METRICS} <= names
     aux = [float(r["train/router/aux_loss"]) for r in rows if r.get("train/router/aux_loss")]
     assert len(aux) == 2 and all(1.9 < a < 4 for a in aux)  # K = 2 when every layer is balanced; at most X = 4
+    (events,) = (out / "logs" / "tensorboard").glob("version_*")
+    board = EventAccumulator(str(events))
+    board.Reload()
+    for name in (f"{split}/{m}" for split in ("train", "val") for m in METRICS):
+        csv_values = {int(float(r["step"])): float(r[name]) for r in rows if r.get(name)}
+        board_values = {event.step: event.value for event in board.Scalars(name)}
+        assert board_values.keys() == csv_values.keys() and csv_values, name
+        assert all(board_values[step] == pytest.approx(csv_values[step], rel=1e-6) for step in csv_values), name
 
 
 def test_pretrain_refuses_a_negative_coefficient_in_one_line(tmp_path, capsys):
