@@ -229,8 +229,8 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
     pair; or, 33 rows, along dim 0 with an empty shard), 2 experts over 4 ranks without expert
     parallelism (split along dim 1; with LoRA too), 3 experts split along dim 1 within each of two
     simulated nodes,
-    LoRA on attention and on the frozen experts, and ranks whose experts get no token (with and
-    without adapters on them)."""
+    LoRA on attention and on the frozen experts (expert parallel 2 and 4), and ranks whose experts
+    get no token (with and without adapters on them)."""
     result = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], env=launch_env(), capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -238,7 +238,7 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
 
     report = json.loads((tmp_path / "result.json").read_text())
     assert report.keys() == {"full_shard", "hybrid", "uneven", "uneven_rows", "columns", "hybrid_columns", "columns_lora",
-                             "lora", "idle", "lora_idle"}
+                             "lora", "lora_ep4", "idle", "lora_idle"}
     for layout, found in report.items():
         loss, reference = found["loss"]
         assert abs(loss - reference) < 1e-6, layout
@@ -259,7 +259,7 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
         if "lora" not in layout:
             assert found["set_up"] == {"checkpoint": True, "initialiser": True}, layout
     assert report["idle"]["unrouted_grad"] == 0 and report["full_shard"]["unrouted_grad"] > 0
-    for layout in ("lora", "lora_idle"):
+    for layout in ("lora", "lora_ep4", "lora_idle"):
         grads = report[layout]["grads"]
         assert any("attn" in name and "lora_A" in name for name in grads)
         for weight in (".experts.base_layer.lora_A", ".experts.lora_B"):  # gate_up_proj's A, down_proj's B
@@ -267,6 +267,7 @@ def test_one_step_on_four_processes_equals_one_process_in_every_layout(tmp_path)
         assert not any("experts" in name and ".lora_" not in name for name in grads)  # the experts: frozen
         assert all(largest > 0 for name, (_, largest) in grads.items() if ".lora_" in name), layout
     assert "each expert's weights sharded over 2 process(es)" in report["full_shard"]["describe"]
+    assert "experts split over groups of 4" in report["lora_ep4"]["describe"]
     assert "replicated 2 times" in report["hybrid"]["describe"]
 
 

@@ -27,6 +27,8 @@ against the reference on the whole batch:
     lora         FULL_SHARD, expert_parallel 2, LoRA on attention and on the experts (each rank
                  applies its own experts' rows of the factors): experts frozen, the adapters'
                  gradients cross the all-to-all backward
+    lora_ep4     as lora with expert_parallel 4: one expert (and its rows of the factors) per rank,
+                 every token's rows sent to two other ranks and back
     lora_idle    as lora, with the routing of idle below: a rank without rows still gives its
                  experts' factors (zero) gradients, which every rank reduces
     idle         FULL_SHARD, expert_parallel 2, every token routed to experts 0 and 1 (a hook on
@@ -70,6 +72,7 @@ LAYOUTS = {
     "hybrid_columns": dict(sharding="HYBRID_SHARD", nodes=2, experts=3, top_k=2, expert_parallel=1),
     "columns_lora": dict(sharding="FULL_SHARD", nodes=1, experts=2, top_k=1, lora=True, expert_parallel=1),
     "lora": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True),
+    "lora_ep4": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True, expert_parallel=4),
     "idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, idle=True, backend="loop"),
     "lora_idle": dict(sharding="FULL_SHARD", nodes=1, experts=4, top_k=2, lora=True, idle=True, backend="loop"),
 }
