@@ -34,6 +34,12 @@ HF_MODELS = {
         vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
         norm_topk_prob=True, max_position_embeddings=64)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(
+        vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, norm_topk_prob=False, max_position_embeddings=64)),
     # the experts transposed (X, C, 2I) with gate and up rows alternating, biases, attention sinks
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
         vocab_size=96, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
