@@ -57,6 +57,18 @@ def test_a_misspelled_option_is_named_and_not_a_valid_one(capsys, text):
     assert "Unknown option --lora.rr." in line and "--lora.r" in line
 
 
+def test_nan_and_infinity_on_the_command_line_are_named_as_not_finite(capsys, text):
+    """jsonargparse refuses them as "Expected a <class 'float'>", as if they were not numbers; YAML's
+    .nan and .inf reach the settings' own checks (the table below)."""
+    pretrain = ["pretrain", "pythia-14m", "--data", "TextFiles", "--data.train_path", str(text)]
+    line = _one_error_line(capsys, [*pretrain, "--train.learning_rate", "nan"])
+    assert "--train.learning_rate must be a finite number, got nan." in line
+    line = _one_error_line(capsys, [*pretrain, "--train.router_aux_loss_coef=inf"])  # Optional[float]
+    assert "--train.router_aux_loss_coef must be a finite number, got inf." in line
+    line = _one_error_line(capsys, [*pretrain, "--train.learning_rate", "fast"])  # not a number: as before
+    assert "finite" not in line and "train.learning_rate" in line
+
+
 def test_there_is_no_ignore_index_option(capsys, checkpoint):
     """The model and the loop skip the labels -100 only, so the data cannot be told to write another value."""
     args = ["finetune_full", str(checkpoint), "--data", "Alpaca", "--data.json_path", str(ALPACA), "--data.ignore_index", "-1"]

@@ -147,7 +147,26 @@ def _explain_parse_error(parser, argv: list[str], error: Exception) -> str:
         fields = [f"--{key}.{name}" for name in _init_parameters(cls)]
         owner = f" for {class_path.rsplit('.', 1)[-1]}"
         return f"Unknown option {option}{owner}.{did_you_mean(option, fields)} {see}"
+    # nan and inf parse as Python floats but no setting takes them: jsonargparse refuses them as
+    # "Expected a <class 'float'>", which reads as if they were not numbers at all.
+    not_finite = re.search(r'Parser key "([\w.]+)":.*Expected a <class \'float\'>', message, re.DOTALL)
+    if not_finite:
+        option = f"--{not_finite.group(1)}"
+        given = _value_given(argv, option)
+        if given is not None and given.strip().lower().lstrip("+-") in ("nan", "inf", "infinity"):
+            return f"{option} must be a finite number, got {given}. {see}"
     return f"{_condense(message) or type(error).__name__} {see}"
+
+
+def _value_given(argv: list[str], option: str) -> Optional[str]:
+    """The value `option` was given on the command line (its last occurrence), or None."""
+    value = None
+    for i, word in enumerate(argv):
+        if word == option and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif word.startswith(option + "="):
+            value = word[len(option) + 1:]
+    return value
 
 
 def _user_error_in(error: BaseException) -> Optional[UserError]:
