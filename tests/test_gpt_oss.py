@@ -19,6 +19,7 @@ test sequences and full attention, YaRN not truncated. Checked:
 
 from __future__ import annotations
 
+import json
 import math
 import re
 
@@ -237,12 +238,17 @@ def _mxfp4_checkpoint(tmp_path):
             with torch.no_grad():
                 weights[name].copy_(convert_moe_packed_tensors(blocks, scales, dtype=torch.bfloat16).float())
     save_file(state, str(files[0]), metadata={"format": "pt"})
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["quantization_config"] = _published(1, 1)["quantization_config"]  # as the Hub's config.json says
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     return hf
 
 
 def test_mxfp4_experts_convert_to_the_weights_transformers_dequantizes(tmp_path):
     """Converted, the MXFP4 experts are transformers' dequantized weights (bf16 values), rearranged
-    as the toolkit keeps them, and the model computes what GptOss computes with them."""
+    as the toolkit keeps them, and the model computes what GptOss computes with them. Exported
+    again, the checkpoint is an unquantized gpt-oss (no quantization_config) that transformers
+    loads with the same logits."""
     from toolkit.convert import weight_maps
 
     hf = _mxfp4_checkpoint(tmp_path)
@@ -262,6 +268,11 @@ def test_mxfp4_experts_convert_to_the_weights_transformers_dequantizes(tmp_path)
     with torch.no_grad():
         expected, got = hf(ids).logits, ours(ids)
     assert (got - expected).abs().max().item() <= 1e-5
+    convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
+    assert "quantization_config" not in json.loads((tmp_path / "export" / "config.json").read_text())
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (exported(ids).logits - expected).abs().max().item() <= 1e-5
 
 
 def test_mxfp4_experts_default_to_bfloat16_and_a_lone_part_is_refused(tmp_path):
