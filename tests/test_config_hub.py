@@ -78,6 +78,27 @@ def parse(relative: str):
     return name, raw, parser.instantiate(cfg)
 
 
+def recipe_model(name: str, relative: str, args: dict):
+    """The model config a recipe trains: pretraining's preset and overrides, or the preset its
+    fine-tuning folder is named after."""
+    from toolkit.models.config import Config
+
+    if name == "pretrain":
+        return Config.from_name(args["model_name"], **(args["model_overrides"] or {}))
+    return Config.from_name(Path(relative).parts[1])
+
+
+def recipe_plan(args: dict, config):
+    """The plan a run makes before it starts (devices, strategy, QLoRA scheme, batch split); recipes
+    that name a precision are GPU recipes."""
+    from toolkit.parallel.plan import plan_run
+
+    train = args["train"]
+    accelerator = "cuda" if args["precision"] else "cpu"
+    return plan_run(args["devices"], args["num_nodes"], args["precision"], args["distributed"], train,
+                    train.sequence_length(config), quantize=args.get("quantize"), accelerator=accelerator)
+
+
 def test_the_expected_recipes_exist():
     missing = sorted(EXPECTED - set(all_yamls()))
     assert not missing, f"missing recipes: {missing}"
@@ -85,18 +106,15 @@ def test_the_expected_recipes_exist():
 
 @pytest.mark.parametrize("relative", all_yamls())
 def test_recipe_parses_and_is_consistent(relative):
-    from toolkit.models.config import Config
     from toolkit.models.presets import find_preset
-    from toolkit.parallel.plan import plan_run
 
     name, raw, args = parse(relative)
+    config = recipe_model(name, relative, args)
     if name == "pretrain":
-        config = Config.from_name(args["model_name"], **(args["model_overrides"] or {}))
         assert args["data"] is not None, "a pretraining recipe names its data"
         assert args["tokenizer_dir"] is not None or args["train_tokenizer_vocab"], "no tokenizer"
     else:
-        model = Path(relative).parts[1]
-        config = Config.from_name(model)  # the folder is named after a preset
+        model = Path(relative).parts[1]  # the folder is named after a preset
         assert find_preset(model)["name"] == model
         checkpoint = str(args["checkpoint_dir"])
         assert "checkpoint_dir" in raw, "fine-tuning recipes name the checkpoint `toolkit download` writes"
@@ -126,14 +144,8 @@ def test_recipe_parses_and_is_consistent(relative):
             assert not {"query", "key", "value"} & set(args["lora"].targets)
 
     train = args["train"]
-    max_seq_length = train.sequence_length(config)
-    assert max_seq_length <= config.block_size
-    # The plan a run makes before it starts (devices, strategy, QLoRA scheme, batch split); recipes
-    # that name a precision are GPU recipes.
-    accelerator = "cuda" if args["precision"] else "cpu"
-    plan = plan_run(args["devices"], args["num_nodes"], args["precision"], args["distributed"], train, max_seq_length,
-                    quantize=args.get("quantize"), accelerator=accelerator)
-    assert plan.batches.global_batch_size == train.global_batch_size
+    assert train.sequence_length(config) <= config.block_size
+    assert recipe_plan(args, config).batches.global_batch_size == train.global_batch_size
     if name == "pretrain":
         assert train.max_steps or train.max_tokens or train.max_time, "a pretraining recipe needs a stopping rule"
     # The command in the header comment runs this very file.
@@ -162,23 +174,13 @@ def recipe_preflight(relative: str, device_bytes: int) -> str:
     """The line training's memory pre-flight prints for this recipe on a device of `device_bytes`
     (raises UserError when the step does not fit): the recipe's plan, adapters and objective."""
     from toolkit.memory import check_run_fits
-    from toolkit.models.config import Config
-    from toolkit.parallel.plan import plan_run
 
-    name, raw, args = parse(relative)
-    if name == "pretrain":
-        config = Config.from_name(args["model_name"], **(args["model_overrides"] or {}))
-    else:
-        config = Config.from_name(Path(relative).parts[1])
-    train = args["train"]
-    max_seq_length = train.sequence_length(config)
-    accelerator = "cuda" if args["precision"] else "cpu"
-    plan = plan_run(args["devices"], args["num_nodes"], args["precision"], args["distributed"], train, max_seq_length,
-                    quantize=args.get("quantize"), accelerator=accelerator)
+    name, _, args = parse(relative)
+    config = recipe_model(name, relative, args)
     finetune = {"pretrain": None, "finetune_full": "full", "finetune_lora": "lora"}[name]
     objective = args.get("objective")
     profile = objective.memory_profile(finetune == "lora") if objective is not None else {}
-    return check_run_fits(device_bytes, config, plan, finetune, args.get("lora"), **profile)
+    return check_run_fits(device_bytes, config, recipe_plan(args, config), finetune, args.get("lora"), **profile)
 
 
 PEAK = re.compile(r"puts the peak at ([0-9.]+) GiB")
