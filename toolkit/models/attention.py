@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor  # imported by torch itself
 
 from toolkit.models.config import Config
 from toolkit.models.kv_cache import KVCache
@@ -219,7 +220,7 @@ class _ChunkedAttention(torch.autograd.Function):
         sink = sinks.float().view(G, H // G, 1) if sinks.numel() else None  # (G, R, 1): per query head
         out = torch.empty_like(qg)
         lse = torch.empty((B, G, H // G, T), dtype=torch.float32, device=q.device)
-        for first, end, lo, hi in _query_chunks(T, S, rows, window):
+        for first, end, lo, hi in _chunks_to_compute(q, T, S, rows, window):
             mask = _chunk_mask(S - T + first, end - first, lo, hi - lo, q.device, window, left_padding)
             _, probs, lse[..., first:end] = _ChunkedAttention._probs(
                 qg[..., first:end, :], kg[..., lo:hi, :], scale, softcap, mask, sinks=sink)
@@ -246,7 +247,7 @@ class _ChunkedAttention(torch.autograd.Function):
         dq = torch.empty(qg.shape, dtype=torch.float32, device=q.device)
         dk = torch.zeros((B, G, S, D), dtype=torch.float32, device=q.device)
         dv = torch.zeros_like(dk)
-        for first, end, lo, hi in _query_chunks(T, S, rows, window):
+        for first, end, lo, hi in _chunks_to_compute(q, T, S, rows, window):
             mask = _chunk_mask(S - T + first, end - first, lo, hi - lo, q.device, window, left_padding)
             qc, kc, vc = qg[..., first:end, :], kg[..., lo:hi, :], vg[..., lo:hi, :]
             tanh, probs, _ = _ChunkedAttention._probs(qc, kc, scale, softcap, mask, lse[..., first:end])
@@ -265,6 +266,17 @@ class _ChunkedAttention(torch.autograd.Function):
             dsinks = -(p_sink * delta).sum(dim=(0, 3)).view(H).to(sinks.dtype)
         return (dq.view(B, H, T, D).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks,
                 None, None, None, None, None)
+
+
+def _chunks_to_compute(q: torch.Tensor, T: int, S: int, rows: int, window: Optional[int]) -> list[tuple[int, ...]]:
+    """`_query_chunks`; on fake tensors (the memory estimate and the simulated step, which compute no
+    values) only the chunk with the most scores, whose buffers are the largest any chunk allocates:
+    the same peak and the same saved tensors, without hundreds of chunks dispatched one op at a time
+    (a 2048-token gpt-oss step recorded 10x faster)."""
+    chunks = list(_query_chunks(T, S, rows, window))
+    if len(chunks) > 1 and isinstance(q, FakeTensor):
+        return [max(chunks, key=lambda c: (c[1] - c[0]) * (c[3] - c[2]))]
+    return chunks
 
 
 def _chunk_mask(q_start, n_queries, k_start, n_keys, device, window, left_padding) -> torch.Tensor:
