@@ -174,6 +174,9 @@ def test_coefficients_come_from_the_config_unless_the_run_overrides_them():
     # experts given to a dense preset (--model_overrides) bring no coefficient: the start-up line says so
     unbalanced = with_router_losses(None, tiny_moe(router_aux_loss_coef=0.0), TrainArgs())
     assert "load balancing x 0, " in unbalanced.describe() and "no load-balancing loss" in unbalanced.describe()
+    # asked for (--train.router_aux_loss_coef 0, as fine-tuning recipes may): no warning
+    chosen = with_router_losses(None, config, TrainArgs(router_aux_loss_coef=0.0))
+    assert "load balancing x 0, " in chosen.describe() and "no load-balancing loss" not in chosen.describe()
     dense = with_router_losses(None, Config.from_name("debug"), TrainArgs(router_aux_loss_coef=0.5))
     assert type(dense) is CausalLM  # a dense model trains its objective as it is
     with pytest.raises(UserError, match=r"^--train.router_aux_loss_coef must be 0 or more \(and finite\), got -0.1$"):

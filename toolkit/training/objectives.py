@@ -198,11 +198,13 @@ class WithRouterLosses(Objective):
     terms, as transformers leaves it out through `attention_mask`.
     """
 
-    def __init__(self, objective: Objective, aux_coef: float, z_coef: float, per_layer: bool = False) -> None:
+    def __init__(self, objective: Objective, aux_coef: float, z_coef: float, per_layer: bool = False,
+                 aux_chosen: bool = True) -> None:
+        """`aux_chosen`: the run gave `aux_coef` (False: it is the model config's)."""
         if aux_coef < 0 or z_coef < 0:
             raise UserError(f"Router loss coefficients must not be negative, got aux {aux_coef} and z {z_coef}")
         self.objective, self.aux_coef, self.z_coef = objective, float(aux_coef), float(z_coef)
-        self.per_layer = bool(per_layer)
+        self.per_layer, self.aux_chosen = bool(per_layer), bool(aux_chosen)
         self.reports_perplexity = objective.reports_perplexity  # type: ignore[misc]
         self._layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
@@ -225,7 +227,7 @@ class WithRouterLosses(Objective):
         balance = "load balancing per layer" if self.per_layer else "load balancing"
         line = (f"router losses: {balance} x {self.aux_coef:g}, z-loss x {self.z_coef:g} "
                 "(--train.router_aux_loss_coef, --train.router_z_loss_coef, --train.router_aux_loss_per_layer)")
-        if self.aux_coef == 0:
+        if self.aux_coef == 0 and not self.aux_chosen:
             # a dense preset given experts through --model_overrides has no coefficient of its own
             line += ("; with no load-balancing loss the router may send most tokens to a few experts "
                      "(watch router/load_cv; Mixtral, Qwen3-MoE and OLMoE train with 0.001 to 0.02)")
@@ -275,7 +277,8 @@ def with_router_losses(objective: Optional[Objective], config: Any, train: Any) 
         return objective
     aux, z = train.router_aux_loss_coef, train.router_z_loss_coef
     return WithRouterLosses(objective, config.router_aux_loss_coef if aux is None else aux,
-                            config.router_z_loss_coef if z is None else z, train.router_aux_loss_per_layer)
+                            config.router_z_loss_coef if z is None else z, train.router_aux_loss_per_layer,
+                            aux_chosen=aux is not None)
 
 
 def _add(a: Optional[torch.Tensor], b: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
