@@ -401,17 +401,19 @@ def test_qlora_with_nf4_experts_on_one_and_two_processes(moe3_checkpoint, tmp_pa
                                      "--train.learning_rate", "0.002"))
         adapters[devices] = load_file(str(out / "final" / "lora_adapter.safetensors"))
     assert "QLoRA scheme: sharded" in logs["2"]
+    assert "the NF4 base gathered as NF4, the other block weights gathered in bfloat16" in logs["2"]
+    config = Config.from_file(moe3_checkpoint)
+    C, I, X = config.n_embd, config.moe_intermediate_size, config.n_expert
+    attention = C * C * 2 + C * config.n_query_groups * config.head_size * 2
+    quantized = config.n_layer * (attention + X * 3 * I * C)  # experts included, the router not
+    assert all(f"{quantized:,} frozen in NF4" in log for log in logs.values())  # the start-up's precision line
     assert all(v.abs().max().item() > 1e-3 for k, v in adapters["1"].items() if "lora_B" in k)  # every adapter trained
     assert any(".experts.gate_up_proj.lora_B" in k for k in adapters["1"])
     assert adapters["1"].keys() == adapters["2"].keys()
     for name in adapters["1"]:
         torch.testing.assert_close(adapters["2"][name], adapters["1"][name], atol=1e-4, rtol=0, msg=name)
 
-    config = Config.from_file(moe3_checkpoint)
     (whole,), halves = _nf4_bytes(logs["1"]), _nf4_bytes(logs["2"])
-    C, I, X = config.n_embd, config.moe_intermediate_size, config.n_expert
-    attention = C * C * 2 + C * config.n_query_groups * config.head_size * 2
-    quantized = config.n_layer * (attention + X * 3 * I * C)  # experts included, the router not
     assert whole == pytest.approx(quantized * 0.5 * (1 + 2 / 64), rel=0.01), (whole, quantized)
     weights = 6 * config.n_layer  # q, k, v, o and the two experts' weights: one 2-byte mean each, on every rank
     assert len(halves) == 2 and all(whole / 2 <= half <= whole / 2 + weights * 2 for half in halves), (whole, halves)

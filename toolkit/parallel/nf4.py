@@ -98,6 +98,8 @@ def _nf4_classes() -> tuple[type, type]:
     class NF4Linear(nn.Linear):
         """A frozen Linear whose weight is an NF4Tensor (an nn.Linear, so that peft wraps it with LoRA)."""
 
+        nf4_parameters = ("weight",)  # stored in NF4 once filled (`apply_precision_policy` counts them so)
+
         def forward(self, x):
             out = linear_nf4(x, self.weight)  # dequantized to x's dtype; autocast then computes in its dtype
             return out if self.bias is None else out + self.bias
@@ -129,6 +131,8 @@ def _nf4_classes() -> tuple[type, type]:
 
     class NF4Experts(GroupedExperts):
         """Frozen experts whose weights are NF4Tensors (X * out, in), expert after expert."""
+
+        nf4_parameters = ("gate_up_proj", "down_proj")  # the biases stay in 16 bits
 
         def product(self, x, weight, counts, grouped):
             return NF4ExpertProduct.apply(x, weight, counts, grouped)

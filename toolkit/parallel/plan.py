@@ -143,8 +143,9 @@ class StrategyPlan:
         refuses offloaded shards that live anywhere else), else `device`, where the rank trains."""
         return "cpu" if self.cpu_offload else device
 
-    def describe(self) -> str:
-        """One line for the start-up log, e.g. 'strategy: FSDP HYBRID_SHARD, mesh (2 nodes x 4 devices), ...'."""
+    def describe(self, nf4_base: bool = False) -> str:
+        """One line for the start-up log, e.g. 'strategy: FSDP HYBRID_SHARD, mesh (2 nodes x 4 devices), ...'.
+        `nf4_base`: the frozen base is torchao's NF4 (gathered as NF4 bytes, not in the compute dtype)."""
         if self.kind == "single":
             where = "single device"
         elif self.kind == "ddp":
@@ -162,7 +163,8 @@ class StrategyPlan:
                     where += f", replicated {replicas} times"
             if self.precision.endswith("-mixed"):
                 gather = "bfloat16" if self.precision.startswith("bf16") else "float16"
-                where += f", block weights gathered in {gather}, gradients reduced in float32"
+                what = "the NF4 base gathered as NF4, the other block weights" if nf4_base else "block weights"
+                where += f", {what} gathered in {gather}, gradients reduced in float32"
         extras = [f"precision {self.precision}", self.accelerator]
         if self.activation_checkpointing:
             extras.append("activation checkpointing")
@@ -466,7 +468,7 @@ class RunPlan:
 
     def describe(self) -> str:
         """The start-up lines: strategy, QLoRA scheme (if any), batch table."""
-        lines = [self.strategy.describe()]
+        lines = [self.strategy.describe(nf4_base=self.quantize == "nf4")]
         if self.quantized is not None:
             lines.append(self.quantized.describe())
         return "\n".join(lines + [self.batches.table()])

@@ -54,10 +54,14 @@ def apply_precision_policy(model: nn.Module, precision: str) -> str:
         return None if param.dtype == dtype else param.detach().to(dtype)
 
     replace_parameters(model, cast)
-    counts: dict[tuple[bool, Any], int] = {}
+    # a QLoRA base's weights are still 16-bit stand-ins here (on meta), quantized as they are read:
+    # their modules name them (`nf4_parameters`, toolkit.parallel.nf4)
+    nf4 = {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "nf4_parameters", ())}
+    counts: dict[tuple[bool, str], int] = {}
     for p in model.parameters():
-        counts[(p.requires_grad, p.dtype)] = counts.get((p.requires_grad, p.dtype), 0) + p.numel()
-    parts = [f"{n:,} {'trainable' if t else 'frozen'} in {str(d).removeprefix('torch.')}" for (t, d), n in sorted(counts.items(), key=str)]
+        key = (p.requires_grad, "NF4" if id(p) in nf4 else str(p.dtype).removeprefix("torch."))
+        counts[key] = counts.get(key, 0) + p.numel()
+    parts = [f"{n:,} {'trainable' if t else 'frozen'} in {d}" for (t, d), n in sorted(counts.items(), key=str)]
     return f"precision policy ({precision}): " + ", ".join(parts)
 
 
