@@ -12,6 +12,7 @@ Importing this module is cheap: torch and lightning are imported inside the func
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any, Callable
 
 from toolkit.models.param_names import unwrapped_name
@@ -55,7 +56,11 @@ def setup_model(fabric: Fabric, model: nn.Module, read_rows: ReadRows) -> Any:
         return module
     preset = {unwrapped_name(n): p.detach().clone() for n, p in model.named_parameters() if not p.is_meta}
     buffers = {unwrapped_name(n): b.detach().clone() for n, b in model.named_buffers()}
-    module = fabric.setup_module(model)
+    with warnings.catch_warnings():
+        # LoRA adapters are real beside the meta base: Fabric warns that it will move them all, which
+        # under FSDP2 it does not (`to_empty` below allocates every shard, `fill_shards` fills them)
+        warnings.filterwarnings("ignore", message=r"The model passed to `Fabric.setup\(\)` has .* on different devices")
+        module = fabric.setup_module(model)
     inner = module.module if hasattr(module, "module") else module
     # Every parameter and buffer: allocated, not initialised. Offloaded shards on the host, the
     # buffers (RoPE tables) where the forward pass runs.
