@@ -250,3 +250,21 @@ def test_list_groups_the_presets_by_family(capsys):
     assert len(families) == len(set(families))  # no family split over two groups
     assert groups["Qwen3"] == ["qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b", "qwen3-14b", "qwen3-32b"]
     assert groups["OLMo 2"] == ["olmo-2-1b", "olmo-2-7b", "olmo-2-13b", "olmo-2-32b"]
+
+
+def test_a_checkpoint_given_before_the_recipe_wins_over_the_recipes(capsys, tmp_path):
+    """`toolkit finetune_lora CKPT --config recipe.yaml`: the recipe names its own checkpoint_dir, and
+    jsonargparse lets a file override what comes before it; the positional argument is the user's
+    choice wherever it stands. An option before --config is still overridden by the file."""
+    recipe = Path(__file__).resolve().parents[1] / "config_hub" / "finetune" / "qwen3-30b-a3b" / "lora.yaml"
+    mine = tmp_path / "my-checkpoint"
+    for argv in (["finetune_lora", str(mine), "--config", str(recipe)],
+                 ["finetune_lora", str(mine), f"--config={recipe}", "--devices", "1"],
+                 ["finetune_lora", "--config", str(recipe), str(mine)]):
+        line = _one_error_line(capsys, argv)
+        assert str(mine) in line and "Qwen3-30B-A3B" not in line, line
+    # an option before the file: the file's value (8 devices) wins, as documented
+    from toolkit.cli import positional_after_config
+
+    assert positional_after_config(["ckpt", "--devices", "2", "--config", "r.yaml", "--lr", "1"]) == [
+        "--devices", "2", "--config", "r.yaml", "ckpt", "--lr", "1"]

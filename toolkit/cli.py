@@ -83,6 +83,21 @@ def build_parser(name: str, function: Callable, prog: Optional[str] = None):
     return parser
 
 
+def positional_after_config(argv: list[str]) -> list[str]:
+    """`argv` with a positional argument given first (`toolkit finetune_lora CKPT --config recipe.yaml`)
+    moved after `--config FILE`, so that it wins over the file's value as it would given after it:
+    jsonargparse lets a file override what comes before it, and a recipe names its own checkpoint.
+    Options keep their places (before --config: overridden by the file; after: overriding it)."""
+    if not argv or argv[0].startswith("-"):
+        return argv
+    for at, word in enumerate(argv):
+        if word.startswith("--config="):
+            return argv[1 : at + 1] + argv[:1] + argv[at + 1 :]
+        if word == "--config" and at + 1 < len(argv):  # (without its file: for the parser to explain)
+            return argv[1 : at + 2] + argv[:1] + argv[at + 2 :]
+    return argv
+
+
 def class_names_in_their_case(function: Callable, argv: list[str]) -> list[str]:
     """`argv` with each class chosen by name on the command line (`--data alpaca`, `--objective dpo`)
     spelt as the class is (Alpaca, DPO): a name may be written in any case. A name that is not one
@@ -277,7 +292,7 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
     """
     _show_toolkit_logs()
     parser = build_parser(prog, function, prog=prog)
-    argv = class_names_in_their_case(function, argv)
+    argv = positional_after_config(class_names_in_their_case(function, argv))
     try:
         cfg = parser.parse_args(argv)
     except SystemExit as exit_:  # --help
