@@ -272,7 +272,8 @@ def _chunks_to_compute(q: torch.Tensor, T: int, S: int, rows: int, window: Optio
     """`_query_chunks`; on fake tensors (the memory estimate and the simulated step, which compute no
     values) only the chunk with the most scores, whose buffers are the largest any chunk allocates:
     the same peak and the same saved tensors, without hundreds of chunks dispatched one op at a time
-    (a 2048-token gpt-oss step recorded 10x faster)."""
+    (the pre-flight of config_hub's gpt-oss-120b LoRA recipe, 2 x 2048 tokens: 19.0 s to 7.8 s on
+    one core, imports included)."""
     chunks = list(_query_chunks(T, S, rows, window))
     if len(chunks) > 1 and isinstance(q, FakeTensor):
         return [max(chunks, key=lambda c: (c[1] - c[0]) * (c[3] - c[2]))]
