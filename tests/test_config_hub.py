@@ -24,6 +24,7 @@ CONFIG_HUB = Path(__file__).resolve().parents[1] / "config_hub"
 FINETUNE_MODELS = (
     "tiny-llama-1.1b", "llama-2-7b", "llama-3-8b", "llama-3.1-8b", "llama-3.2-1b", "mistral-7b",
     "qwen2.5-0.5b", "qwen2.5-7b", "gemma-2b", "phi-2", "pythia-160m",
+    "qwen3-8b", "olmo-2-7b", "gemma-3-12b", "phi-4", "smollm3-3b",
 )
 # Mixtures of experts: the recipes that fit each model's size (tutorials/moe.md).
 MOE_RECIPES = {

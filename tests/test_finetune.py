@@ -239,6 +239,9 @@ def test_adapters_on_fused_projections_have_no_peft_copy_but_are_saved(tmp_path)
     reason = write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-neox"))
     assert "fused" in reason and "merge_lora" in reason
     assert not any(tmp_path.iterdir())  # nothing half-written
+    # Phi-3 and Phi-4 fuse query/key/value (qkv_proj), as config_hub/finetune/phi-4 says
+    assert "fused" in write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("phi-4"))
+    assert not any(tmp_path.iterdir())
     assert write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-llama2")) is None
     assert (tmp_path / "adapter_model.safetensors").is_file()
 
