@@ -268,3 +268,7 @@ def test_a_checkpoint_given_before_the_recipe_wins_over_the_recipes(capsys, tmp_
 
     assert positional_after_config(["ckpt", "--devices", "2", "--config", "r.yaml", "--lr", "1"]) == [
         "--devices", "2", "--config", "r.yaml", "ckpt", "--lr", "1"]
+    # two positionals (convert_from_hf IN OUT) keep their order
+    assert positional_after_config(["in", "out", "--config=c.yaml", "--dtype", "bf16"]) == [
+        "--config=c.yaml", "in", "out", "--dtype", "bf16"]
+    assert positional_after_config(["in", "out"]) == ["in", "out"]

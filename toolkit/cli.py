@@ -84,17 +84,21 @@ def build_parser(name: str, function: Callable, prog: Optional[str] = None):
 
 
 def positional_after_config(argv: list[str]) -> list[str]:
-    """`argv` with a positional argument given first (`toolkit finetune_lora CKPT --config recipe.yaml`)
-    moved after `--config FILE`, so that it wins over the file's value as it would given after it:
+    """`argv` with the positional arguments given first (`toolkit finetune_lora CKPT --config
+    recipe.yaml`, `toolkit convert_from_hf IN OUT --config ...`) moved, in their order, after
+    `--config FILE`, so that they win over the file's values as they would given after it:
     jsonargparse lets a file override what comes before it, and a recipe names its own checkpoint.
     Options keep their places (before --config: overridden by the file; after: overriding it)."""
-    if not argv or argv[0].startswith("-"):
+    lead = 0
+    while lead < len(argv) and not argv[lead].startswith("-"):
+        lead += 1
+    if lead == 0:
         return argv
     for at, word in enumerate(argv):
         if word.startswith("--config="):
-            return argv[1 : at + 1] + argv[:1] + argv[at + 1 :]
+            return argv[lead : at + 1] + argv[:lead] + argv[at + 1 :]
         if word == "--config" and at + 1 < len(argv):  # (without its file: for the parser to explain)
-            return argv[1 : at + 2] + argv[:1] + argv[at + 2 :]
+            return argv[lead : at + 2] + argv[:lead] + argv[at + 2 :]
     return argv
 
 
