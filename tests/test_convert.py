@@ -552,6 +552,23 @@ def test_exported_config_loads_without_remote_code(tmp_path):
             assert [i for i, rope in enumerate(hf.no_rope_layers) if not rope] == config.no_rope_layers
 
 
+def test_a_model_without_a_pad_token_exports_one_transformers_loads(tmp_path):
+    """No pad token in the checkpoint: the export says pad_token_id null. Left out, transformers
+    took SmolLM3's class default (128004), outside this vocabulary: the export did not load."""
+    from toolkit.convert import convert_from_hf, convert_to_hf
+
+    config = transformers.SmolLM3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, pad_token_id=None,
+                                        bos_token_id=None, eos_token_id=None)
+    torch.manual_seed(0)
+    transformers.SmolLM3ForCausalLM(config).save_pretrained(tmp_path / "hf")
+    convert_from_hf(tmp_path / "hf", tmp_path / "toolkit")
+    convert_to_hf(tmp_path / "toolkit", tmp_path / "export")
+    assert json.loads((tmp_path / "export" / "config.json").read_text())["pad_token_id"] is None
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export")
+    assert exported.config.pad_token_id is None and exported.model.embed_tokens.padding_idx is None
+
+
 # ---------------------------------------------------------------------------- tokenizers
 @pytest.mark.parametrize("tokenizer", ["llama2", "gpt-neox-20b"])
 def test_tokenizer_round_trip(tokenizer, tmp_path):

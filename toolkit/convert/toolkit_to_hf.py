@@ -216,6 +216,9 @@ def convert_to_hf(
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in special:
             hf_config[key] = special[key]
+    # No pad token: say so. Left out, transformers takes its class's default (SmolLM3's 128004), which
+    # a smaller vocabulary refuses to load and any other makes a padding row that never trains.
+    hf_config.setdefault("pad_token_id", None)
     if not (checkpoint_dir / "tokenizer.json").is_file():
         print(f"Warning: {checkpoint_dir} has no tokenizer.json; the export will have no tokenizer.", file=sys.stderr)
 
