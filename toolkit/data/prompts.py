@@ -173,30 +173,36 @@ DEFAULT_STYLES_BY_FAMILY: dict[str, str] = {"qwen2": "chatml", "gemma": "gemma",
 FALLBACK_STYLE = "alpaca"
 
 
-def _canonical_name(name: str) -> str:
+def _preset_name(name: str) -> Optional[str]:
     from toolkit.models.presets import find_preset
 
     try:
         return find_preset(name)["name"]
     except UserError:
-        return name
+        return None
+
+
+def _by_prefix(name: str) -> Optional[str]:
+    """The style of the longest prefix of `name` in DEFAULT_STYLES, or None."""
+    matches = [(prefix, style) for prefix, style in DEFAULT_STYLES if name.lower().startswith(prefix)]
+    return max(matches, key=lambda match: len(match[0]))[1] if matches else None
 
 
 def default_style_for(model: Any) -> str:
     """The default style name for a model: a preset name, alias or HF repo id, or a `Config`.
 
-    Unknown names fall back to the config's family (when given a config), then to "alpaca".
+    A preset's name decides (`DEFAULT_STYLES`). Another name is a custom model: its config's family
+    decides where it has a style of its own (a "phi4-custom" of family phi3 is laid out as Phi-3,
+    not as the Phi-2 its prefix would say), then the name's prefix, then "alpaca".
     """
     name = model if isinstance(model, str) else getattr(model, "name", "") or ""
     family = None if isinstance(model, str) else getattr(model, "family", None)
-    candidates = [_canonical_name(name).lower(), name.lower()] if name else []
-    for candidate in candidates:
-        matches = [(prefix, style) for prefix, style in DEFAULT_STYLES if candidate.startswith(prefix)]
-        if matches:
-            return max(matches, key=lambda match: len(match[0]))[1]
+    preset = _preset_name(name) if name else None
+    if preset is not None and (style := _by_prefix(preset)) is not None:
+        return style
     if family in DEFAULT_STYLES_BY_FAMILY:
         return DEFAULT_STYLES_BY_FAMILY[family]
-    return FALLBACK_STYLE
+    return (_by_prefix(name) if name else None) or FALLBACK_STYLE
 
 
 def resolve_style(prompt_style: Optional[str], model: Any = "") -> PromptStyle:
