@@ -239,8 +239,12 @@ def test_adapters_on_fused_projections_have_no_peft_copy_but_are_saved(tmp_path)
     reason = write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-neox"))
     assert "fused" in reason and "merge_lora" in reason
     assert not any(tmp_path.iterdir())  # nothing half-written
-    # Phi-3 and Phi-4 fuse query/key/value (qkv_proj), as config_hub/finetune/phi-4 says
-    assert "fused" in write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("phi-4"))
+    # Phi-3 and Phi-4 fuse query/key/value (qkv_proj) and gate/up (gate_up_proj), as config_hub/finetune/phi-4
+    # says: every fused projection is named
+    both = {**adapters, **{f"blocks.0.{m}.lora_A.weight": torch.zeros(4, 64)
+                           for m in ("mlp.gate_proj", "attn.k_proj", "attn.o_proj", "mlp.up_proj")}}
+    reason = write_peft_adapter(tmp_path, both, LoRAArgs(r=4), Config.from_name("phi-4"))
+    assert "stores q_proj, gate_proj, k_proj, up_proj fused" in reason  # not o_proj: Hugging Face keeps it alone
     assert not any(tmp_path.iterdir())
     assert write_peft_adapter(tmp_path, adapters, LoRAArgs(r=4), Config.from_name("debug-llama2")) is None
     assert (tmp_path / "adapter_model.safetensors").is_file()

@@ -329,7 +329,7 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
     def registration_order(name: str) -> int:
         return parameter_order.index(name.rsplit(".", 1)[-1])
 
-    hf_weights, hf_modules, hf_parameters = {}, set(), set()
+    hf_weights, hf_modules, hf_parameters, fused = {}, set(), set(), []
     on_parameters: dict[str, dict[str, dict[str, object]]] = {}  # HF module -> parameter -> {lora part: tensor}
     for name, tensor in adapters.items():
         module, lora_part = name.split(".lora_")  # blocks.0.attn.q_proj, A.weight
@@ -347,13 +347,15 @@ def write_peft_adapter(directory: Path, adapters: dict, lora: LoRAArgs, config) 
             continue
         hf_name, index, parts = toolkit_to_hf_name(config.family, module + ".weight")
         if parts > 1:
-            return (
-                f"{config.family} stores {module.rsplit('.', 1)[-1]} fused with other projections in Hugging Face "
-                "format, so this adapter has no peft-format copy; use `toolkit merge_lora` and export the merged model"
-            )
+            short = module.rsplit(".", 1)[-1]
+            fused += [short] if short not in fused else []
+            continue
         hf_module = hf_name.removesuffix(".weight")
         hf_modules.add(hf_module.rsplit(".", 1)[-1])
         hf_weights[f"base_model.model.{hf_module}.lora_{lora_part}"] = tensor.contiguous()
+    if fused:
+        return (f"{config.family} stores {', '.join(fused)} fused with other projections in Hugging Face format, so "
+                "this adapter has no peft-format copy; use `toolkit merge_lora` and export the merged model")
     for hf_module, parameters in on_parameters.items():
         paths = peft_parameter_paths(hf_module, sorted(parameters, key=registration_order))
         for parameter, tensors in parameters.items():
