@@ -272,3 +272,6 @@ def test_a_checkpoint_given_before_the_recipe_wins_over_the_recipes(capsys, tmp_
     assert positional_after_config(["in", "out", "--config=c.yaml", "--dtype", "bf16"]) == [
         "--config=c.yaml", "in", "out", "--dtype", "bf16"]
     assert positional_after_config(["in", "out"]) == ["in", "out"]
+    # after the last of several files, each of which overrides what precedes it
+    assert positional_after_config(["ckpt", "--config", "a.yaml", "--x", "1", "--config", "b.yaml"]) == [
+        "--config", "a.yaml", "--x", "1", "--config", "b.yaml", "ckpt"]

@@ -85,21 +85,22 @@ def build_parser(name: str, function: Callable, prog: Optional[str] = None):
 
 def positional_after_config(argv: list[str]) -> list[str]:
     """`argv` with the positional arguments given first (`toolkit finetune_lora CKPT --config
-    recipe.yaml`, `toolkit convert_from_hf IN OUT --config ...`) moved, in their order, after
-    `--config FILE`, so that they win over the file's values as they would given after it:
+    recipe.yaml`, `toolkit convert_from_hf IN OUT --config ...`) moved, in their order, after the
+    last `--config FILE`, so that they win over the files' values as they would given after them:
     jsonargparse lets a file override what comes before it, and a recipe names its own checkpoint.
     Options keep their places (before --config: overridden by the file; after: overriding it)."""
     lead = 0
     while lead < len(argv) and not argv[lead].startswith("-"):
         lead += 1
-    if lead == 0:
-        return argv
+    end = None  # just after the last `--config FILE` (each file overrides what precedes it)
     for at, word in enumerate(argv):
         if word.startswith("--config="):
-            return argv[lead : at + 1] + argv[:lead] + argv[at + 1 :]
-        if word == "--config" and at + 1 < len(argv):  # (without its file: for the parser to explain)
-            return argv[lead : at + 2] + argv[:lead] + argv[at + 2 :]
-    return argv
+            end = at + 1
+        elif word == "--config" and at + 1 < len(argv):  # (without its file: for the parser to explain)
+            end = at + 2
+    if lead == 0 or end is None:
+        return argv
+    return argv[lead:end] + argv[:lead] + argv[end:]
 
 
 def class_names_in_their_case(function: Callable, argv: list[str]) -> list[str]:
