@@ -357,6 +357,65 @@ def test_chunked_window_and_softcap_attention_equal_a_dense_reference_with_gradi
         torch.testing.assert_close(g.double(), ref.double(), rtol=0, atol=1e-5)
 
 
+def _fake_attention_peaks(monkeypatch, every_chunk: bool, window, softcap, sinks) -> tuple[int, int]:
+    """Peak bytes of live storages (forward, forward and backward) of `chunked_attention` on fake
+    tensors, with the fake path's chunks or (`every_chunk`) every chunk as on real tensors."""
+    import weakref
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    import toolkit.models.attention as attention
+
+    if every_chunk:
+        monkeypatch.setattr(attention, "_chunks_to_compute", lambda q, T, S, rows, window: list(
+            attention._query_chunks(T, S, rows, window)))
+
+    class Live(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+            self.seen = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            inputs = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and (key := t.untyped_storage()._cdata) not in self.seen | inputs:
+                    size = t.untyped_storage().nbytes()
+                    self.seen.add(key)
+                    self.live += size
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, lambda size=size, key=key: (setattr(self, "live", self.live - size),
+                                                                    self.seen.discard(key)))
+            return out
+
+    with FakeTensorMode():
+        q, k, v = (torch.randn(1, h, 1000, 64, requires_grad=True) for h in (8, 2, 2))
+        sink = torch.zeros(8, requires_grad=True) if sinks else None
+        live = Live()
+        with live:
+            out = attention.chunked_attention(q, k, v, None, softcap=softcap, window=window, rows=128, sinks=sink)
+            forward = live.peak
+            out.sum().backward()
+    return forward, live.peak
+
+
+@pytest.mark.parametrize("window, softcap, sinks", [(None, None, True), (None, 50.0, False), (128, 50.0, True),
+                                                     (300, None, True)])
+def test_fake_tensors_run_one_chunk_with_the_peak_of_every_chunk(monkeypatch, window, softcap, sinks):
+    """On fake tensors (the estimate, the pre-flight, the simulated step) chunked attention runs its
+    largest chunk twice instead of every chunk: the forward peak is the loop's, and the backward's
+    is the loop's or above it by less than one chunk's scores (the largest chunk's leftovers stand
+    for a smaller one's), never below it."""
+    one = _fake_attention_peaks(monkeypatch, False, window, softcap, sinks)
+    every = _fake_attention_peaks(monkeypatch, True, window, softcap, sinks)
+    assert one[0] == every[0]
+    chunk_scores = 4 * 8 * 128 * (1000 if window is None else 128 + window)  # float32, heads x rows x keys
+    assert every[1] <= one[1] < every[1] + chunk_scores, (one, every)
+
+
 def test_a_softcap_changes_attention_and_bf16_chunked_attention_is_close_to_float32():
     from toolkit.models.attention import chunked_attention
 
