@@ -112,6 +112,8 @@ def test_unknown_prompt_style_suggests_close_names(llama2):
         ("phi-4-mini-instruct", "phi-4-mini"),
         (Config(name="custom", family="phi3"), "phi-3"),
         (Config(name="phi4-custom", family="phi3"), "phi-3"),  # the family, not Phi-2's "phi" prefix
+        (Config(name="phi-4-reasoning", family="phi3"), "phi-4"),  # a prefix of the family's own presets
+        (Config(name="phi-4-mini-custom", family="phi3"), "phi-4-mini"),
         (Config(name="llama-3-custom"), "llama-3"),  # a family with no style of its own: the prefix
         ("pythia-160m", "alpaca"),
         ("tiny-llama", "alpaca"),

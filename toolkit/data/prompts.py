@@ -188,21 +188,34 @@ def _by_prefix(name: str) -> Optional[str]:
     return max(matches, key=lambda match: len(match[0]))[1] if matches else None
 
 
+def _family_styles(family: str) -> set[str]:
+    """The styles the presets of `family` are laid out in (Phi-3, Phi-4 and Phi-4-mini's for phi3)."""
+    from toolkit.models.config import Config
+    from toolkit.models.presets import PRESETS
+
+    default = Config.__dataclass_fields__["family"].default
+    return {style for p in PRESETS if p.get("family", default) == family and (style := _by_prefix(p["name"]))}
+
+
 def default_style_for(model: Any) -> str:
     """The default style name for a model: a preset name, alias or HF repo id, or a `Config`.
 
-    A preset's name decides (`DEFAULT_STYLES`). Another name is a custom model: its config's family
-    decides where it has a style of its own (a "phi4-custom" of family phi3 is laid out as Phi-3,
-    not as the Phi-2 its prefix would say), then the name's prefix, then "alpaca".
+    A preset's name decides (`DEFAULT_STYLES`). Another name is a custom model: its name's prefix
+    decides where it names a style of its family's presets ("phi-4-reasoning" of family phi3: Phi-4's),
+    else its family's style (a "phi4-custom" of family phi3 is Phi-3's, not the Phi-2 its prefix
+    would say), else the prefix alone, else "alpaca".
     """
     name = model if isinstance(model, str) else getattr(model, "name", "") or ""
     family = None if isinstance(model, str) else getattr(model, "family", None)
     preset = _preset_name(name) if name else None
     if preset is not None and (style := _by_prefix(preset)) is not None:
         return style
+    prefixed = _by_prefix(name) if name else None
+    if family is not None and prefixed in _family_styles(family):
+        return prefixed
     if family in DEFAULT_STYLES_BY_FAMILY:
         return DEFAULT_STYLES_BY_FAMILY[family]
-    return (_by_prefix(name) if name else None) or FALLBACK_STYLE
+    return prefixed or FALLBACK_STYLE
 
 
 def resolve_style(prompt_style: Optional[str], model: Any = "") -> PromptStyle:
