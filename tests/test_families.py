@@ -77,16 +77,14 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
     "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(_NO_IDS, partial_rotary_factor=0.75, tie_word_embeddings=True,
                                                        **_longrope(6))),
     # one local layer (window) and one global; softcaps that bite with these weights; the scores
-    # scaled by 1/sqrt(24), not 1/sqrt(head_dim); exact GELU (Gemma 2's configs may say "gelu").
-    # Untied: a tied Gemma 2 this small and random repeats one greedy token whatever the prompt
-    # (measured for initializer ranges 0.02 to 0.4), which leaves generation untested; gemma3 keeps
-    # Gemma's tie, at a smaller initializer range, where its greedy tokens vary.
+    # scaled by 1/sqrt(24), not 1/sqrt(head_dim); exact GELU (Gemma 2's configs may say "gelu"); tied
+    # embeddings, as published, scaled down (EMBEDDING_SCALE)
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        tie_word_embeddings=False, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
         query_pre_attn_scalar=24, layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu")),
     # the layer pattern transformers derives when config.json has no layer_types; tanh GELU
     "gemma2-tanh-gelu": ("Gemma2Config", "Gemma2ForCausalLM", dict(
-        tie_word_embeddings=False, head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
+        head_dim=16, sliding_window=WINDOW, attn_logit_softcapping=5.0, final_logit_softcapping=3.0,
         query_pre_attn_scalar=24, hidden_activation="gelu_pytorch_tanh", num_hidden_layers=3)),
     # local layers rotate with their own base, global ones with another and linear scaling; QK norm
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
@@ -94,6 +92,15 @@ FAMILIES: dict[str, tuple[str, str, dict]] = {
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 50.0}})),
 }
+
+
+# Tied embeddings multiplied by this after initialisation. Gemma scales its input embeddings by
+# sqrt(hidden): at the initializer range of the others a tied Gemma 2 this small copies its last token
+# greedily whatever the prompt (its residual is that token's embedding, its head the same matrix),
+# which would leave the generation test comparing one repeated token. (At 0.1 the tanh row's
+# `generate` leaves transformers' own full forward pass at the 40th token, where the toolkit's cache
+# stays with it: top logits 0.529 against 0.353, so not a near tie; 0.2 is clear of it.)
+EMBEDDING_SCALE = {"gemma2": 0.1, "gemma2-tanh-gelu": 0.2}
 
 
 def hf_model(name: str):
@@ -106,6 +113,7 @@ def hf_model(name: str):
         for param_name, p in model.named_parameters():
             if param_name.endswith("bias") or "norm" in param_name:
                 p.add_(torch.randn_like(p) * 0.1)
+        model.get_input_embeddings().weight.mul_(EMBEDDING_SCALE.get(name, 1.0))
     return model
 
 
