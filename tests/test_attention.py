@@ -404,7 +404,7 @@ def _fake_attention_peaks(monkeypatch, every_chunk: bool, window, softcap, sinks
 
 @pytest.mark.parametrize("window, softcap, sinks", [(None, None, True), (None, 50.0, False), (128, 50.0, True),
                                                      (300, None, True)])
-def test_fake_tensors_run_one_chunk_with_the_peak_of_every_chunk(monkeypatch, window, softcap, sinks):
+def test_fake_tensors_run_the_largest_chunk_for_the_peak_of_every_chunk(monkeypatch, window, softcap, sinks):
     """On fake tensors (the estimate, the pre-flight, the simulated step) chunked attention runs its
     largest chunk twice instead of every chunk: the forward peak is the loop's, and the backward's
     is the loop's or above it by less than one chunk's scores (the largest chunk's leftovers stand
