@@ -275,7 +275,7 @@ def _chunks_to_compute(q: torch.Tensor, T: int, S: int, rows: int, window: Optio
     first pass's are still held by the loop's variables, as one chunk's are during the next's. The
     same saved tensors and the loop's peak, or above it by the difference between the largest chunk
     and the one before it (tests/test_attention.py). The pre-flight of config_hub's gpt-oss-120b
-    LoRA recipe (2 x 2048 tokens): 19.0 s to 7.8 s on one core, imports included."""
+    LoRA recipe (2 x 2048 tokens): 13.8 s to 2.0 s on one core (benchmarks/preflight_time.py)."""
     chunks = list(_query_chunks(T, S, rows, window))
     if len(chunks) > 2 and isinstance(q, FakeTensor):
         largest = max(chunks, key=lambda c: (c[1] - c[0]) * (c[3] - c[2]))
