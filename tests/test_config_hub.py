@@ -203,3 +203,38 @@ def test_recipe_header_states_the_preflight_peak(relative):
     line = recipe_preflight(relative, device_bytes)  # raises when the step does not fit
     figure = re.search(r"about ([0-9.]+) GiB", line).group(1)
     assert quoted[0] == figure, f"config_hub/{relative}: the header says {quoted[0]} GiB, the pre-flight {figure} GiB"
+
+
+@pytest.mark.parametrize("relative", [
+    "finetune/qwen3-30b-a3b/lora.yaml",  # expert parallelism, adapters on the experts
+    "finetune/mixtral-8x7b/qlora.yaml",  # NF4 base, checkpointing
+    "finetune/llama-3.1-70b/dpo_qlora.yaml",  # DPO, CPU offload, 24 GB GPUs
+    "finetune/qwen2.5-0.5b/dpo_lora.yaml",  # a CPU recipe (no precision: bf16-mixed)
+    "finetune/qwen3-235b-a22b/lora.yaml",  # HYBRID_SHARD over 8 nodes
+    "pretrain/pythia-160m.yaml",
+])
+def test_toolkit_estimate_reads_a_recipe_and_prints_the_peak_its_header_quotes(relative, capsys):
+    """`toolkit estimate --recipe FILE` estimates the recipe's step as its run plans it: the peak it
+    prints is the one the header quotes (the pre-flight's, tested above)."""
+    from toolkit.cli import run
+
+    assert run(["estimate", "--recipe", str(CONFIG_HUB / relative)]) == 0
+    # one column (the recipe's sharding) and one peak row (its checkpointing)
+    (peak,) = re.findall(r"^peak(?:, checkpointed)? +([0-9.]+)$", capsys.readouterr().out, re.MULTILINE)
+    quoted = PEAK.findall((CONFIG_HUB / relative).read_text())[0]
+    assert f"{float(peak):.1f}" == quoted, (relative, peak, quoted)
+
+
+def test_a_recipe_estimate_takes_the_options_after_it_and_refuses_what_is_not_a_recipe(tmp_path, capsys):
+    from toolkit.cli import run
+
+    recipe = str(CONFIG_HUB / "finetune" / "qwen3-30b-a3b" / "lora.yaml")
+    assert run(["estimate", "--recipe", recipe, "--micro_batch_size", "4", "--memory_budget_gb", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "micro batch 4 x 2048 tokens" in out and "--train.micro_batch_size 2" in out  # the advice that fits
+    (tmp_path / "list.yaml").write_text("- a\n")
+    for argv, fragment in ((["--recipe", str(tmp_path / "list.yaml")], "not a recipe"),
+                           (["--recipe", str(tmp_path / "none.yaml")], "cannot read it"), (["--recipe"], "needs a file")):
+        assert run(["estimate", *argv]) == 2
+        err = capsys.readouterr().err.strip()
+        assert fragment in err and "\n" not in err, err

@@ -103,6 +103,103 @@ def positional_after_config(argv: list[str]) -> list[str]:
     return argv[lead:end] + argv[:lead] + argv[end:]
 
 
+def recipe_estimate_options(path: str) -> list[str]:
+    """`toolkit estimate` options that describe a training recipe's step (`--recipe FILE`): its model,
+    devices and nodes, micro-batch and sequence, precision, sharding, checkpointing, CPU offload,
+    expert parallelism, adapters, quantized base and objective, as the run would plan them
+    (`plan_run`); the start-up pre-flight's figure is this estimate's peak. The recipe's command is
+    told by its keys: `model_name` pretrains, `lora` or `quantize` is finetune_lora, else
+    finetune_full. A fine-tuning recipe's model is its checkpoint_dir where it exists, else the
+    preset whose Hugging Face repo id ends that path (`checkpoints/Qwen/Qwen3-30B-A3B`)."""
+    import json
+    from pathlib import Path
+
+    import yaml
+
+    from toolkit.models.config import Config
+    from toolkit.models.presets import find_preset
+    from toolkit.parallel.plan import plan_run
+
+    recipe = Path(path)
+    try:
+        raw = yaml.safe_load(recipe.read_text())
+    except (OSError, yaml.YAMLError) as error:
+        raise UserError(f"--recipe {path}: cannot read it ({str(error).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise UserError(f"--recipe {path}: not a recipe (a YAML mapping of a training command's options)")
+    command = "pretrain" if "model_name" in raw else "finetune_lora" if {"lora", "quantize"} & set(raw) else "finetune_full"
+    if command != "pretrain" and "checkpoint_dir" not in raw:
+        raise UserError(f"--recipe {path}: names neither model_name (pretraining) nor checkpoint_dir (fine-tuning)")
+    parser = build_parser(command, _load(COMMANDS[command][0]))
+    try:
+        args = parser.instantiate(parser.parse_args(["--config", str(recipe)]))
+    except Exception as error:  # jsonargparse's errors, or a refusal of the recipe's values
+        cause = _user_error_in(error)
+        raise UserError(f"--recipe {path}: {cause or _condense(str(error))}") from None
+    if command == "pretrain":
+        overrides = args["model_overrides"] or {}
+        model, config = args["model_name"], Config.from_name(args["model_name"], **overrides)
+    else:
+        overrides, checkpoint = {}, Path(args["checkpoint_dir"])
+        if checkpoint.is_dir():
+            model, config = str(checkpoint), Config.from_file(checkpoint)
+        else:
+            model = "/".join(checkpoint.parts[-2:])
+            try:
+                config = Config.from_name(find_preset(model)["name"])
+            except UserError:
+                raise UserError(f"--recipe {path}: checkpoint_dir {checkpoint} is not here and names no preset; "
+                                "give the model first: toolkit estimate <model> --recipe ...") from None
+    train = args["train"]
+    plan = plan_run(args["devices"], args["num_nodes"], args["precision"], args["distributed"], train,
+                    train.sequence_length(config), quantize=args.get("quantize"),
+                    accelerator="cuda" if args["precision"] else "cpu")
+    strategy, batches = plan.strategy, plan.batches
+    options = [model, "--devices", str(strategy.devices), "--num_nodes", str(strategy.num_nodes),
+               "--micro_batch_size", str(batches.micro_batch_size), "--max_seq_length", str(batches.max_seq_length),
+               "--precision", strategy.precision,
+               "--activation_checkpointing", str(strategy.activation_checkpointing).lower(),
+               "--cpu_offload", str(strategy.cpu_offload).lower(), "--expert_parallel", str(strategy.expert_parallel)]
+    if strategy.kind == "fsdp":
+        options += ["--strategy", "fsdp", "--sharding", strategy.sharding]
+    elif strategy.kind == "ddp":
+        options += ["--strategy", "ddp"]
+    if overrides:
+        options += ["--model_overrides", json.dumps(overrides)]
+    if command != "pretrain":
+        options += ["--finetune", "lora" if command == "finetune_lora" else "full"]
+    if command == "finetune_lora":
+        lora = args["lora"]
+        options += ["--lora_r", str(lora.r), "--lora_targets", "[" + ",".join(lora.targets) + "]",
+                    "--lora_dropout", str(lora.dropout)]
+        if plan.quantize:
+            options += ["--quantize", plan.quantize]
+    objective = args.get("objective")
+    name = type(objective).__name__.lower() if objective is not None else "sft"
+    if name in ("dpo", "ipo", "simpo", "orpo"):
+        options += ["--objective", name]
+        if getattr(objective, "precompute_reference", False):
+            options += ["--precompute_reference", "true"]
+    return options
+
+
+def _with_recipe(argv: list[str]) -> list[str]:
+    """`toolkit estimate` arguments with `--recipe FILE` replaced by the recipe's options
+    (`recipe_estimate_options`), which the other arguments given override; a model given first
+    replaces the recipe's."""
+    for at, word in enumerate(argv):
+        if word == "--recipe" or word.startswith("--recipe="):
+            path = word.partition("=")[2] if "=" in word else (argv[at + 1] if at + 1 < len(argv) else "")
+            if not path:
+                raise UserError("--recipe needs a file: toolkit estimate --recipe config_hub/finetune/<model>/<recipe>.yaml")
+            rest = argv[:at] + argv[at + (1 if "=" in word else 2):]
+            model, *options = recipe_estimate_options(path)
+            if rest and not rest[0].startswith("-"):  # a model given first
+                return rest[:1] + options + rest[1:]
+            return [model, *options, *rest]
+    return argv
+
+
 def class_names_in_their_case(function: Callable, argv: list[str]) -> list[str]:
     """`argv` with each class chosen by name on the command line (`--data alpaca`, `--objective dpo`)
     spelt as the class is (Alpaca, DPO): a name may be written in any case. A name that is not one
@@ -286,6 +383,12 @@ def run(argv: Optional[list[str]] = None) -> int:
         hint = f" Did you mean: {', '.join(matches)}?" if matches else ""
         _say(f"toolkit: error: unknown command {name!r}.{hint} Run `toolkit --help` for the list.")
         return 2
+    if name == "estimate":
+        try:
+            rest = _with_recipe(rest)
+        except UserError as error:
+            _say(f"toolkit estimate: error: {error}")
+            return 2
     return run_function(f"toolkit {name}", _load(COMMANDS[name][0]), rest)
 
 

@@ -198,7 +198,9 @@ def estimate(
     """Estimate the memory per device of a training step, for each distributed strategy.
 
     Prints a table (rows: memory components, columns: strategies) and, with --memory_budget_gb, the
-    cheapest set-up that fits. Figures are GiB (1024^3 bytes) per device.
+    cheapest set-up that fits. Figures are GiB (1024^3 bytes) per device. `toolkit estimate --recipe
+    FILE` takes the settings of a training recipe (config_hub/ or your own; the model from its
+    checkpoint_dir or model_name) and any option after it overrides them.
 
     Args:
         model_name: A preset name, alias or Hugging Face repo id, or a checkpoint directory.
