@@ -7,9 +7,12 @@ two-process test checks both on one run (stopped, resumed, killed, resumed)."""
 import importlib.util
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -143,3 +146,74 @@ def test_outside_the_loop_a_signal_stops_at_once_and_inside_it_only_raises_the_f
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) == before
+    # The watch of a stuck main thread ends with it: the wakeup descriptor is given back, its thread ends.
+    assert signal.set_wakeup_fd(-1) == -1
+    deadline = time.monotonic() + 5
+    while any(t.name == "toolkit-stop-watch" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(t.name == "toolkit-stop-watch" for t in threading.enumerate())
+
+
+def _children(pid: int) -> list[int]:
+    return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_a_run_stuck_in_a_collective_stops_on_sigterm_and_says_where(tmp_path):
+    """Rank 1 of two is frozen (SIGSTOP) mid-run, so rank 0 waits in a collective that would not
+    return before --distributed.timeout (an hour). SIGTERM to rank 0: its handler cannot run inside
+    that call, but the watch thread stops it (the patience is 2 s here, through tests/scripts/
+    stuck_run.py) with exit code 143 and one line naming the call and the toolkit line that made it,
+    stops rank 1 too, and writes no checkpoint."""
+    out = tmp_path / "stuck"
+    command = [sys.executable, str(REPO / "tests" / "scripts" / "stuck_run.py"), *_cmd(out, None, "--devices", "2")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=dict(launch_env(), STUCK_SECONDS="2"), start_new_session=True, cwd=REPO)
+    try:
+        for line in process.stdout:
+            if line.startswith("step 3/"):
+                break
+        (rank_1,) = _children(process.pid)
+        os.kill(rank_1, signal.SIGSTOP)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+    assert process.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("toolkit: error: rank 0: stopped by SIGTERM after ") and " inside one call: " in last, last
+    assert re.search(r", called from \w+ \(toolkit/training/\w+\.py:\d+\)", last), last
+    assert "No checkpoint was written by this stop" in last, last
+    assert not Path(f"/proc/{rank_1}").exists() or Path(f"/proc/{rank_1}/stat").read_text().split()[2] == "Z"
+    assert _steps_saved(out) == [] and not (out / "final").exists()
+
+
+@pytest.mark.parametrize("signals", [("SIGTERM", "SIGTERM"), ("SIGINT",)], ids=["second-sigterm", "ctrl-c"])
+def test_a_second_signal_or_ctrl_c_stops_a_process_stuck_in_a_collective_at_once(signals):
+    """Rank 0 of two gloo processes waits in an all-reduce that rank 1 never joins (gloo runs no
+    signal handler while it waits), with 600 s of patience: after SIGTERM it says where it is, and a
+    second SIGTERM stops it within seconds (exit 143); Ctrl-C alone does (exit 130)."""
+    env = dict(launch_env(), PYTHONPATH=str(REPO))
+    port = env["MASTER_PORT"]
+    script = str(REPO / "tests" / "scripts" / "stuck_collective.py")
+    ranks = [subprocess.Popen([sys.executable, script, str(rank), port, "600", "1"], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    try:
+        assert ranks[0].stdout.readline().strip() == "waiting"
+        time.sleep(1)  # into the all-reduce: before it, Ctrl-C's KeyboardInterrupt is raised in Python
+        ranks[0].send_signal(getattr(signal, signals[0]))
+        if len(signals) > 1:
+            report = ranks[0].stderr.readline()
+            assert report.startswith(f"toolkit: rank 0: {signals[0]} came, and the main thread has been inside one call for"), report
+            assert "all_reduce (torch/distributed/distributed_c10d.py:" in report, report
+            ranks[0].send_signal(getattr(signal, signals[1]))
+        out, err = ranks[0].communicate(timeout=30)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert ranks[0].returncode == 128 + getattr(signal, signals[0]), err
+    assert "returned" not in out and "Traceback" not in err
+    expected = "stopped by SIGTERM after" if signals[0] == "SIGTERM" else "interrupted while inside one call for"
+    assert err.strip().splitlines()[-1].startswith(f"toolkit: error: rank 0: {expected}"), err

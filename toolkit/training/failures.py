@@ -52,9 +52,11 @@ class _FailureContext:
     num_nodes: int = 1
     devices: int = 1
     peer_failures: list = None  # one line per dead local rank, found by the watch threads
+    children: list = None  # the node's other ranks, in the process that started them
 
     def __post_init__(self) -> None:
         self.peer_failures = []
+        self.children = []
 
 
 _FAILURE_CONTEXT = _FailureContext()
@@ -134,6 +136,7 @@ _PREEMPTED_CODES = (143, 138)
 
 def _watch_local_ranks(children: list) -> None:
     """Replaces Lightning's observer of the ranks this process started (see `prepare_failure_handling`)."""
+    _FAILURE_CONTEXT.children = children
     threading.Thread(target=_watch_children, args=(children,), daemon=True, name="toolkit-rank-watch").start()
 
 
@@ -190,12 +193,13 @@ def _describe_launcher_gone(pid: int) -> str:
     return f"rank {node_rank * _FAILURE_CONTEXT.devices} (process {pid}, which started this node's other ranks) is gone: killed, or out of memory"
 
 
-_EXIT_ACTIONS: list[Callable[[], None]] = []
+_EXIT_ACTIONS: list[Callable[[str], None]] = []
 
 
-def add_exit_action(action: Callable[[], None]) -> None:
-    """Run `action` (e.g. end the tracker runs as failed) before the watchdog ends this process with
-    os._exit, which skips every `finally` and context manager of the main thread."""
+def add_exit_action(action: Callable[[str], None]) -> None:
+    """Run `action(status)` (end the tracker runs with status "failed", or "killed" after a stop
+    signal) before a watchdog ends this process with os._exit, which skips every `finally` and
+    context manager of the main thread."""
     _EXIT_ACTIONS.append(action)
 
 
@@ -203,7 +207,13 @@ def clear_exit_actions() -> None:
     _EXIT_ACTIONS.clear()
 
 
-def _stop_now(message: str, children: list) -> None:
+def stop_after_signal(message: str, exit_code: int) -> None:
+    """Stop this process, and the node's other ranks if it started them, when a stop signal came
+    while its main thread was stuck inside one call (`toolkit.training.preemption`)."""
+    _stop_now(message, _FAILURE_CONTEXT.children, exit_code=exit_code, status="killed")
+
+
+def _stop_now(message: str, children: list, exit_code: int = 1, status: str = "failed") -> None:
     """Print `message` as this process's one line, stop `children` and exit at once (from any thread)."""
     import signal
 
@@ -211,13 +221,13 @@ def _stop_now(message: str, children: list) -> None:
     sys.stderr.flush()
     for action in list(_EXIT_ACTIONS):
         try:
-            action()
+            action(status)
         except Exception as error:  # a tracker that cannot be reached must not keep a stuck process alive
             log.warning("Could not finish before stopping: %s", str(error).splitlines()[0] if str(error) else error)
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGKILL)  # SIGTERM does not end a process stuck in a collective
-    os._exit(1)
+    os._exit(exit_code)
 
 
 def release_process_group() -> None:

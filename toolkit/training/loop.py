@@ -123,6 +123,8 @@ def fit(
         out_of_time = max_seconds is not None and fabric.global_rank == 0 and time.perf_counter() - run_start >= max_seconds
         # A preemption signal (SIGTERM, SIGUSR1) received so far: it travels the same way.
         signalled = hooks.stop.received if hooks.stop is not None else None
+        if hooks.stop is not None:
+            hooks.stop.step_started()
         group = _take(batches, accumulation)
         if group is None and world_size == 1:
             stop_reason = f"end of data after {state.epoch} epoch(s)"

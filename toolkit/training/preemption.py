@@ -12,16 +12,43 @@ as a shell reports a process ended by that signal. `--resume auto` continues exa
 Outside the loop (data preparation, model set-up, the final export) there is no step to finish: the
 signal stops the process at once with `Preempted`, its tracker runs are ended as killed, and the
 exit code is the same. A second signal while the first one's checkpoint is written does the same.
+
+Python runs a signal's handler in the main thread between two calls, so a process whose main thread
+is inside one call that does not return (a collective whose peers are stuck or gone waits
+--distributed.timeout, an hour by default; a device that stopped answering) would never see the
+signal. A watch thread learns of each signal through the interpreter's wakeup file descriptor and
+looks at where the main thread is: if it stays inside the same call, the process says where after
+`STUCK_REPORT_SECONDS`, and stops without a checkpoint (exit code as above, tracker runs killed,
+the node's other ranks with it) once the call has lasted `stuck_limit()`; after a second signal or
+Ctrl-C (SIGINT, exit code 130), once it has lasted `SECOND_SIGNAL_SECONDS`.
 """
 
 from __future__ import annotations
 
+import os
+import select
 import signal
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any, Optional
 
 from toolkit.errors import Preempted
 
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")
+# After a preemption signal, the longest the main thread may stay inside one call before the
+# process stops without a checkpoint: this, or twice the longest optimizer step so far (with its
+# validation and save) if that is longer. Schedulers follow SIGTERM with SIGKILL after their grace
+# (SLURM's KillWait and Kubernetes' default are 30 s); without one, a stuck run would otherwise
+# wait out --distributed.timeout.
+STUCK_SECONDS = 60.0
+# A process still inside the same call this long after a stop signal says where.
+STUCK_REPORT_SECONDS = 10.0
+# After a second signal, or Ctrl-C (which saves nothing), a main thread inside one call this long
+# is stopped.
+SECOND_SIGNAL_SECONDS = 3.0
+_SAMPLE_SECONDS = 0.5
 
 
 class StopSignals:
@@ -32,13 +59,95 @@ class StopSignals:
         self.agreed = False  # set by the loop when the ranks stopped because of a signal
         self.deferring = False  # True while the loop runs: a signal only raises the flag
         self._previous: dict[int, Any] = {}
+        self._previous_wakeup_fd: Optional[int] = None
+        self._wakeup_write_fd: Optional[int] = None
+        self._longest_step = 0.0  # seconds between two steps' starts (`step_started`)
+        self._last_step_start: Optional[float] = None
 
     def install(self) -> "StopSignals":
         for name in PREEMPTION_SIGNALS:
             number = getattr(signal, name, None)
             if number is not None:
                 self._previous[number] = signal.signal(number, self._handle)
+        self._start_watch()
         return self
+
+    def step_started(self) -> None:
+        """Called by the training loop as each optimizer step starts: the longest step so far
+        (with its validation and save) sets how long a call may take after a signal."""
+        now = time.monotonic()
+        if self._last_step_start is not None:
+            self._longest_step = max(self._longest_step, now - self._last_step_start)
+        self._last_step_start = now
+
+    def stuck_limit(self) -> float:
+        return max(STUCK_SECONDS, 2 * self._longest_step)
+
+    def _start_watch(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set the wakeup descriptor (and install handlers)
+        read_fd, write_fd = os.pipe()
+        os.set_blocking(write_fd, False)  # the interpreter's C handler must never wait
+        try:
+            self._previous_wakeup_fd = signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        except ValueError:
+            os.close(read_fd)
+            os.close(write_fd)
+            return
+        self._wakeup_write_fd = write_fd
+        threading.Thread(target=self._watch_main_thread, args=(read_fd, threading.main_thread().ident),
+                         daemon=True, name="toolkit-stop-watch").start()
+
+    def _watch_main_thread(self, read_fd: int, main_ident: int) -> None:
+        """The watch thread (see the module's docstring); it ends when `restore` closes the pipe."""
+        watched = {int(getattr(signal, name)) for name in (*PREEMPTION_SIGNALS, "SIGINT") if hasattr(signal, name)}
+        first: Optional[str] = None  # the first watched signal's name
+        again = False  # a second one came, or Ctrl-C: the process is asked to stop now
+        position, since, reported = None, 0.0, False
+        try:
+            while True:
+                ready, _, _ = select.select([read_fd], [], [], None if first is None else _SAMPLE_SECONDS)
+                if ready:
+                    data = os.read(read_fd, 64)
+                    if not data:
+                        return
+                    names = [signal.Signals(n).name for n in data if n in watched]
+                    if names:
+                        again = again or first is not None or len(names) > 1 or names[0] == "SIGINT"
+                        first = first or names[0]
+                if first is None:
+                    continue
+                current = _main_position(main_ident)
+                if current is None:
+                    return
+                now = time.monotonic()
+                if current != position:
+                    position, since, reported = current, now, False
+                    continue
+                inside = now - since
+                limit = SECOND_SIGNAL_SECONDS if again else self.stuck_limit()
+                if inside >= limit:
+                    self._stop_stuck(first, inside, _describe_position(main_ident))
+                    return
+                if inside >= STUCK_REPORT_SECONDS and not reported:
+                    reported = True
+                    _write_line(f"toolkit: {_rank_label()}{first} came, and the main thread has been inside one call for "
+                                f"{inside:.0f} s: {_describe_position(main_ident)}. It stops when the call returns, or "
+                                f"without a checkpoint in {limit - inside:.0f} s (a second signal stops it now).")
+        finally:
+            os.close(read_fd)
+
+    def _stop_stuck(self, name: str, inside: float, where: str) -> None:
+        from toolkit.training.failures import stop_after_signal
+
+        code = 128 + int(getattr(signal, name))
+        if name == "SIGINT":
+            what = f"interrupted while inside one call for {inside:.0f} s: {where}"
+        else:
+            what = (f"stopped by {name} after {inside:.0f} s inside one call: {where}; a collective whose peers are "
+                    "stuck or gone, or a device that stopped answering. No checkpoint was written by this stop: "
+                    "--resume auto continues from the last one")
+        stop_after_signal(f"{_rank_label()}{what}.", code)
 
     def _handle(self, number: int, frame: Any) -> None:
         name = signal.Signals(number).name
@@ -55,3 +164,56 @@ class StopSignals:
         for number, handler in self._previous.items():
             signal.signal(number, handler)
         self._previous.clear()
+        if self._wakeup_write_fd is not None:
+            signal.set_wakeup_fd(self._previous_wakeup_fd if self._previous_wakeup_fd is not None else -1)
+            os.close(self._wakeup_write_fd)  # the watch thread reads the end of the pipe and returns
+            self._wakeup_write_fd = None
+
+
+def _main_position(main_ident: int) -> Optional[tuple]:
+    """Where the main thread is: its innermost Python frame and the instruction in it (the same
+    while it is inside one call of native code), or None once the thread is gone."""
+    frame = sys._current_frames().get(main_ident)
+    return None if frame is None else (id(frame), frame.f_code, frame.f_lasti)
+
+
+def _describe_position(main_ident: int) -> str:
+    """`function (file:line)` of the main thread's innermost frame, and the toolkit's call that led there."""
+    frame = sys._current_frames().get(main_ident)
+    if frame is None:
+        return "the main thread has ended"
+    package = str(Path(__file__).resolve().parents[1])
+    text = _frame_text(frame)
+    caller = frame
+    while caller is not None and not caller.f_code.co_filename.startswith(package):
+        caller = caller.f_back
+    if caller is not None and caller is not frame:
+        text += f", called from {_frame_text(caller)}"
+    return text
+
+
+def _frame_text(frame: Any) -> str:
+    path = frame.f_code.co_filename
+    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    package_parent = str(Path(__file__).resolve().parents[2]) + os.sep
+    if path.startswith(package_parent):
+        path = path[len(package_parent):]
+    return f"{frame.f_code.co_name} ({path}:{frame.f_lineno})"
+
+
+def _rank_label() -> str:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return f"rank {dist.get_rank()}: "
+    return ""
+
+
+def _write_line(line: str) -> None:
+    """One line to stderr in one system call (ranks share stderr)."""
+    try:
+        os.write(sys.stderr.fileno(), (line + "\n").encode())
+    except (AttributeError, OSError, ValueError):
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()

@@ -140,9 +140,9 @@ class Session:
                       plan=plan, run_plan=run_plan, seed=seed, resume=resume, created_out_dir=created_out_dir,
                       precision=strategy.precision, frozen_base=base_record, resume_from=resume_from)
         # From here every way out ends the tracker runs: an error or a signal through __exit__, the
-        # failure watchdog (which ends a stuck process with os._exit) through this action.
+        # watchdogs (which end a stuck process with os._exit) through this action.
         session.stop_signals = StopSignals().install()
-        add_exit_action(lambda: session.finish_trackers("failed"))
+        add_exit_action(session.finish_trackers)
         return session
 
     def __enter__(self) -> "Session":
