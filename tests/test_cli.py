@@ -260,7 +260,8 @@ def test_a_checkpoint_given_before_the_recipe_wins_over_the_recipes(capsys, tmp_
     mine = tmp_path / "my-checkpoint"
     for argv in (["finetune_lora", str(mine), "--config", str(recipe)],
                  ["finetune_lora", str(mine), f"--config={recipe}", "--devices", "1"],
-                 ["finetune_lora", "--config", str(recipe), str(mine)]):
+                 ["finetune_lora", "--config", str(recipe), str(mine)],
+                 ["finetune_lora", "--devices", "1", str(mine), "--config", str(recipe)]):
         line = _one_error_line(capsys, argv)
         assert str(mine) in line and "Qwen3-30B-A3B" not in line, line
     # an option before the file: the file's value (8 devices) wins, as documented
@@ -275,3 +276,9 @@ def test_a_checkpoint_given_before_the_recipe_wins_over_the_recipes(capsys, tmp_
     # after the last of several files, each of which overrides what precedes it
     assert positional_after_config(["ckpt", "--config", "a.yaml", "--x", "1", "--config", "b.yaml"]) == [
         "--config", "a.yaml", "--x", "1", "--config", "b.yaml", "ckpt"]
+    # a positional among the options before the file, told from the options' values
+    assert positional_after_config(["--devices", "2", "ckpt", "--seed", "-1", "--config", "r.yaml", "--x", "1"]) == [
+        "--devices", "2", "--seed", "-1", "--config", "r.yaml", "ckpt", "--x", "1"]
+    assert positional_after_config(["--devices=2", "ckpt", "--config", "r.yaml"]) == ["--devices=2", "--config", "r.yaml", "ckpt"]
+    assert positional_after_config(["--devices", "2", "--config", "r.yaml", "ckpt"]) == [
+        "--devices", "2", "--config", "r.yaml", "ckpt"]

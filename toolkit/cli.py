@@ -83,24 +83,38 @@ def build_parser(name: str, function: Callable, prog: Optional[str] = None):
     return parser
 
 
+# The options that take no value: every other `--key` takes the next word, unless written `--key=value`.
+_OPTIONS_WITHOUT_VALUE = ("-h", "--help", "--print_config")
+
+
 def positional_after_config(argv: list[str]) -> list[str]:
-    """`argv` with the positional arguments given first (`toolkit finetune_lora CKPT --config
-    recipe.yaml`, `toolkit convert_from_hf IN OUT --config ...`) moved, in their order, after the
-    last `--config FILE`, so that they win over the files' values as they would given after them:
-    jsonargparse lets a file override what comes before it, and a recipe names its own checkpoint.
-    Options keep their places (before --config: overridden by the file; after: overriding it)."""
-    lead = 0
-    while lead < len(argv) and not argv[lead].startswith("-"):
-        lead += 1
+    """`argv` with the positional arguments given before the last `--config FILE` (`toolkit
+    finetune_lora CKPT --config recipe.yaml`, `toolkit finetune_lora --devices 2 CKPT --config ...`,
+    `toolkit convert_from_hf IN OUT --config ...`) moved, in their order, just after it, so that they
+    win over the files' values as they would given after them: jsonargparse lets a file override
+    what comes before it, and a recipe names its own checkpoint. Options keep their places (before
+    --config: overridden by the file; after: overriding it)."""
     end = None  # just after the last `--config FILE` (each file overrides what precedes it)
     for at, word in enumerate(argv):
         if word.startswith("--config="):
             end = at + 1
         elif word == "--config" and at + 1 < len(argv):  # (without its file: for the parser to explain)
             end = at + 2
-    if lead == 0 or end is None:
+    if end is None:
         return argv
-    return argv[lead:end] + argv[:lead] + argv[end:]
+    options, positionals, value_next = [], [], False
+    for word in argv[:end]:
+        if value_next:  # an option's value, whatever it looks like (`--seed -1`)
+            options.append(word)
+            value_next = False
+        elif word.startswith("-") and len(word) > 1:
+            options.append(word)
+            value_next = "=" not in word and word not in _OPTIONS_WITHOUT_VALUE
+        else:
+            positionals.append(word)
+    if not positionals:
+        return argv
+    return options + positionals + argv[end:]
 
 
 def recipe_estimate_options(path: str) -> list[str]:
