@@ -197,7 +197,7 @@ def test_a_second_signal_or_ctrl_c_stops_a_process_stuck_in_a_collective_at_once
     env = dict(launch_env(), PYTHONPATH=str(REPO))
     port = env["MASTER_PORT"]
     script = str(REPO / "tests" / "scripts" / "stuck_collective.py")
-    ranks = [subprocess.Popen([sys.executable, script, str(rank), port, "600", "1"], stdout=subprocess.PIPE,
+    ranks = [subprocess.Popen([sys.executable, script, "collective", str(rank), port, "600", "1"], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
     try:
         assert ranks[0].stdout.readline().strip() == "waiting"
@@ -217,3 +217,22 @@ def test_a_second_signal_or_ctrl_c_stops_a_process_stuck_in_a_collective_at_once
     assert "returned" not in out and "Traceback" not in err
     expected = "stopped by SIGTERM after" if signals[0] == "SIGTERM" else "interrupted while inside one call for"
     assert err.strip().splitlines()[-1].startswith(f"toolkit: error: rank 0: {expected}"), err
+
+
+def test_a_process_that_makes_progress_through_native_calls_is_not_taken_for_stuck():
+    """After SIGTERM, with 2 s of patience, the main thread spends 6 s in native calls made from one
+    line (its innermost frame and instruction are the same at every look, as while a checkpoint is
+    written file after file), returning to Python between them: it is not stopped, and ends with the
+    flag raised."""
+    script = str(REPO / "tests" / "scripts" / "stuck_collective.py")
+    process = subprocess.Popen([sys.executable, script, "busy", "0", "0", "2", "1"], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=dict(launch_env(), PYTHONPATH=str(REPO)))
+    try:
+        assert process.stdout.readline().strip() == "waiting"
+        process.send_signal(signal.SIGTERM)
+        out, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+        process.wait()
+    assert process.returncode == 0, err
+    assert out.strip() == "returned, SIGTERM received" and err == "", (out, err)

@@ -1,28 +1,35 @@
-"""Two gloo processes on 127.0.0.1; rank 0 installs the stop signals as a training session does,
-raises the loop's deferring flag and waits in an all-reduce that rank 1 never joins (rank 1
-sleeps). The test signals rank 0 and checks how it stops.
+"""Rank 0 installs the stop signals as a training session does, raises the loop's deferring flag
+and then, in mode `collective`, waits in an all-reduce that rank 1 (a second gloo process on
+127.0.0.1) never joins, or in mode `busy` (one process) makes progress for 6 s through native
+calls made from one line, as a checkpoint written file after file does. The test signals rank 0.
 
-    python stuck_collective.py RANK PORT STUCK_SECONDS STUCK_REPORT_SECONDS
+    python stuck_collective.py MODE RANK PORT STUCK_SECONDS STUCK_REPORT_SECONDS
 """
 
 import sys
 import time
 from datetime import timedelta
 
-import torch
-import torch.distributed as dist
-
 from toolkit.training import preemption
 
-rank, port = int(sys.argv[1]), int(sys.argv[2])
-preemption.STUCK_SECONDS, preemption.STUCK_REPORT_SECONDS = float(sys.argv[3]), float(sys.argv[4])
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                        timeout=timedelta(seconds=300))
-if rank == 1:
-    time.sleep(300)
-    sys.exit(0)
+mode, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+preemption.STUCK_SECONDS, preemption.STUCK_REPORT_SECONDS = float(sys.argv[4]), float(sys.argv[5])
+if mode == "collective":
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=300))
+    if rank == 1:
+        time.sleep(300)
+        sys.exit(0)
 stop = preemption.StopSignals().install()
 stop.deferring = True
 print("waiting", flush=True)
-dist.all_reduce(torch.ones(4))
-print("returned", flush=True)
+if mode == "collective":
+    dist.all_reduce(torch.ones(4))
+else:
+    end = time.monotonic() + 6
+    while time.monotonic() < end:
+        time.sleep(0.3)
+print(f"returned, {stop.received} received", flush=True)

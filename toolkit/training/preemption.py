@@ -17,14 +17,15 @@ Python runs a signal's handler in the main thread between two calls, so a proces
 is inside one call that does not return (a collective whose peers are stuck or gone waits
 --distributed.timeout, an hour by default; a device that stopped answering) would never see the
 signal. A watch thread learns of each signal through the interpreter's wakeup file descriptor and
-looks at where the main thread is: if it stays inside the same call, the process says where after
-`STUCK_REPORT_SECONDS`, and stops without a checkpoint (exit code as above, tracker runs killed,
+asks the main thread to run a tiny function (`_MainThreadProbe`); if the main thread stays inside
+one call and does not, the process says where after `STUCK_REPORT_SECONDS`, and stops without a checkpoint (exit code as above, tracker runs killed,
 the node's other ranks with it) once the call has lasted `stuck_limit()`; after a second signal or
 Ctrl-C (SIGINT, exit code 130), once it has lasted `SECOND_SIGNAL_SECONDS`.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import select
 import signal
@@ -103,7 +104,7 @@ class StopSignals:
         watched = {int(getattr(signal, name)) for name in (*PREEMPTION_SIGNALS, "SIGINT") if hasattr(signal, name)}
         first: Optional[str] = None  # the first watched signal's name
         again = False  # a second one came, or Ctrl-C: the process is asked to stop now
-        position, since, reported = None, 0.0, False
+        probe, reported = _MainThreadProbe(), False
         try:
             while True:
                 ready, _, _ = select.select([read_fd], [], [], None if first is None else _SAMPLE_SECONDS)
@@ -117,14 +118,11 @@ class StopSignals:
                         first = first or names[0]
                 if first is None:
                     continue
-                current = _main_position(main_ident)
-                if current is None:
-                    return
-                now = time.monotonic()
-                if current != position:
-                    position, since, reported = current, now, False
+                inside = probe.unanswered_for()
+                if inside == 0.0:
+                    reported = False
+                    probe.ask()
                     continue
-                inside = now - since
                 limit = SECOND_SIGNAL_SECONDS if again else self.stuck_limit()
                 if inside >= limit:
                     self._stop_stuck(first, inside, _describe_position(main_ident))
@@ -170,11 +168,37 @@ class StopSignals:
             self._wakeup_write_fd = None
 
 
-def _main_position(main_ident: int) -> Optional[tuple]:
-    """Where the main thread is: its innermost Python frame and the instruction in it (the same
-    while it is inside one call of native code), or None once the thread is gone."""
-    frame = sys._current_frames().get(main_ident)
-    return None if frame is None else (id(frame), frame.f_code, frame.f_lasti)
+_PENDING_CALL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)
+
+
+class _MainThreadProbe:
+    """Tells whether the main thread runs Python: `ask` schedules a function that the interpreter
+    runs in the main thread the next time it executes Python code (`Py_AddPendingCall`, part of the
+    stable C API). While the main thread is inside one call of native code (a collective waiting for
+    a stuck peer) the function does not run; between two calls of a loop that makes progress (a
+    checkpoint written file after file) it runs at once, where the innermost frame and instruction
+    would look the same at every look."""
+
+    def __init__(self) -> None:
+        self._asked_at: Optional[float] = None  # the unanswered request's time
+        self._callback = _PENDING_CALL(self._answer)  # kept alive while a request may run
+        self._add = ctypes.pythonapi.Py_AddPendingCall
+        self._add.argtypes, self._add.restype = [_PENDING_CALL, ctypes.c_void_p], ctypes.c_int
+
+    def _answer(self, _: Any) -> int:
+        self._asked_at = None
+        return 0
+
+    def ask(self) -> None:
+        if self._asked_at is None:
+            self._asked_at = time.monotonic()  # before the request: the main thread may answer at once
+            if self._add(self._callback, None) != 0:  # the interpreter's queue is full: ask again later
+                self._asked_at = None
+
+    def unanswered_for(self) -> float:
+        """Seconds since the request the main thread has not answered yet; 0 if none is waiting."""
+        asked = self._asked_at
+        return 0.0 if asked is None else time.monotonic() - asked
 
 
 def _describe_position(main_ident: int) -> str:
