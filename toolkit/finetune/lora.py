@@ -258,18 +258,15 @@ def unused_quantization_libraries(quantize: Optional[str]) -> list[str]:
 
 def report_nf4_bytes(fabric, model) -> list[int]:
     """Print (rank 0) and return the bytes of NF4 base weights each rank holds (collective call)."""
-    import torch
-
     from toolkit.parallel.nf4 import is_nf4, nf4_storage_bytes
+    from toolkit.training.checkpoint_io import gather_objects
 
     mine = 0
     for param in model.parameters():
         local = param.to_local() if hasattr(param, "to_local") else param
         if is_nf4(local):
             mine += nf4_storage_bytes(local)
-    per_rank = [mine]
-    if fabric.world_size > 1:
-        per_rank = [int(b) for b in fabric.all_gather(torch.tensor([mine], dtype=torch.int64)).flatten().tolist()]
+    per_rank = gather_objects(fabric, mine)
     fabric.print("NF4 base bytes per rank: " + ", ".join(str(b) for b in per_rank))
     return per_rank
 

@@ -287,8 +287,10 @@ class Session:
 
     def _report_setup_memory(self, setup_bytes: int) -> None:
         """Host memory each rank's model set-up took (growth of its peak RSS), on rank 0's log."""
-        mine = torch.tensor([setup_bytes], dtype=torch.float64)
-        per_rank = self.fabric.all_gather(mine).flatten().tolist() if self.fabric.world_size > 1 else [setup_bytes]
+        from toolkit.training.checkpoint_io import gather_objects
+
+        # (not fabric.all_gather: its torch call warns "deprecated" on every rank of every run)
+        per_rank = gather_objects(self.fabric, setup_bytes)
         gib = ", ".join(f"{b / 2**30:.3f}" for b in per_rank)
         self.fabric.print(f"Model set-up took {gib} GiB of host memory per rank (peak RSS growth)")
 
