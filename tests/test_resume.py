@@ -95,6 +95,44 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(reference)
     _assert_same_weights(reference, out)
 
 
+def test_auto_refuses_when_no_checkpoint_is_usable_and_changes_nothing(reference):
+    """Every checkpoint damaged: starting fresh would write new checkpoints over them, so --resume
+    auto refuses in one line naming each one's problem, and the folder is left byte for byte."""
+    out = reference.parent / "all-damaged"
+    shutil.copytree(reference, out)
+    for meta in (out / "checkpoints").glob("step-*/meta.json"):
+        meta.write_text('{"step": 8, "trunc')
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = subprocess.run(_pretrain_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("toolkit pretrain: error: --resume auto: none of the 3 checkpoint(s) in "), line
+    assert "step-00000008: meta.json" in line and "nothing was changed" in line, line
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_convert_pretrained_checkpoint_checks_the_files_against_meta_json(reference, tmp_path):
+    """Bytes flipped inside state.pt leave a file torch reads without complaint (weights of 1e38):
+    the conversion checks every file's sha256 as a resume does, and writes nothing; a .tmp folder
+    (an unfinished save) is refused too."""
+    from toolkit.convert import convert_pretrained_checkpoint
+    from toolkit.errors import UserError
+
+    damaged = tmp_path / "step-00000008"
+    shutil.copytree(reference / "checkpoints" / "step-00000008", damaged)
+    with open(damaged / "state.pt", "r+b") as f:
+        f.seek(f.seek(0, 2) // 2)
+        f.write(b"\x7f" * 64)
+    with pytest.raises(UserError, match=r"step-00000008 is not usable: state.pt is corrupted \(checksum mismatch\)"):
+        convert_pretrained_checkpoint(damaged, tmp_path / "out")
+    unfinished = damaged.rename(tmp_path / "step-00000008.tmp")
+    with pytest.raises(UserError, match=r"a save that did not finish"):
+        convert_pretrained_checkpoint(unfinished, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    converted = convert_pretrained_checkpoint(reference / "checkpoints" / "step-00000008", tmp_path / "out")
+    assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
+
+
 def test_resuming_with_a_different_global_batch_is_refused(reference):
     out = reference.parent / "changed"
     shutil.copytree(reference, out)
@@ -110,7 +148,7 @@ def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     cmd = _pretrain_cmd(tmp_path / "empty")
     cmd[cmd.index("--resume") + 1] = "true"
     result = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
-    assert result.returncode != 0 and "holds no usable checkpoint" in result.stderr
+    assert result.returncode != 0 and "empty/checkpoints holds no checkpoint; use --resume auto" in result.stderr
     assert not (tmp_path / "empty").exists()
 
 

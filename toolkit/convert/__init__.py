@@ -80,6 +80,15 @@ def _load_training_model_state(training_checkpoint: Path) -> tuple[dict, Path]:
     else:
         raise UserError(f"{path} is not a training checkpoint: expected state.pt or a state/ folder in it")
     _refuse_frozen_base_checkpoint(config_dir)
+    if path.is_dir():
+        from toolkit.checkpoint_files import META, check_files
+
+        if path.name.endswith(".tmp"):
+            raise UserError(f"{path} is a save that did not finish (.tmp); convert a checkpoint without the suffix")
+        if (path / META).exists():  # a training save: every file's size and sha256, as a resume checks them
+            problem = check_files(path)
+            if problem is not None:
+                raise UserError(f"{path} is not usable: {problem}")
 
     if state_file is not None:
         try:

@@ -34,7 +34,6 @@ per-rank counters are converted, and rank r takes the RNG state of saved rank r 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -46,10 +45,10 @@ from typing import Any, Optional, Union
 
 import torch
 
+from toolkit.checkpoint_files import META, check_files, file_digest, read_meta
 from toolkit.errors import UserError
 
 CHECKPOINT_DIR = "checkpoints"
-META = "meta.json"
 
 
 def checkpoint_root(out_dir: Path) -> Path:
@@ -78,14 +77,14 @@ def list_checkpoints(out_dir: Path) -> list[Path]:
 
 
 def _sequence(checkpoint: Path) -> int:
-    meta = _read_meta(checkpoint)
+    meta = read_meta(checkpoint)
     value = meta.get("sequence") if isinstance(meta, dict) else None
     return value if isinstance(value, int) else -1
 
 
 def saved_seconds(checkpoint: Path) -> Optional[float]:
     """How long writing `checkpoint` took (meta.json's `save_seconds`), or None when it does not say."""
-    meta = _read_meta(Path(checkpoint))
+    meta = read_meta(Path(checkpoint))
     value = meta.get("save_seconds") if isinstance(meta, dict) else None
     return float(value) if isinstance(value, (int, float)) else None
 
@@ -118,47 +117,14 @@ def history(checkpoint: Path) -> list[Path]:
     while current is not None and current.is_dir() and current.name not in seen:
         chain.append(current)
         seen.add(current.name)
-        meta = _read_meta(current)
+        meta = read_meta(current)
         parent = meta.get("parent") if isinstance(meta, dict) else None
         current = current.parent / parent if isinstance(parent, str) and "/" not in parent else None
     return chain
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != META)
-
-
-def _digest(path: Path) -> dict:
-    return {"size": path.stat().st_size, "sha256": _sha256(path)}
-
-
-def _read_meta(checkpoint: Path) -> Optional[dict]:
-    try:
-        return json.loads((checkpoint / META).read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-_MISSING_META = "meta.json is missing or unreadable (the save did not finish)"
-
-
-def _check_file(checkpoint: Path, rel: str, expected: dict) -> Optional[str]:
-    path = checkpoint / rel
-    if not path.is_file():
-        return f"{rel} is missing"
-    if path.stat().st_size != expected["size"]:
-        return f"{rel} is truncated ({path.stat().st_size} of {expected['size']} bytes)"
-    if _sha256(path) != expected["sha256"]:
-        return f"{rel} is corrupted (checksum mismatch)"
-    return None
 
 
 def _verify_together(fabric, checkpoint: Path) -> Optional[str]:
@@ -166,17 +132,10 @@ def _verify_together(fabric, checkpoint: Path) -> Optional[str]:
     the ranks by size, each checks its share, and every rank gets the same answer."""
     from toolkit.training.checkpoint_io import gather_objects
 
-    meta = _read_meta(checkpoint)
-    found: Optional[tuple[str, str]] = ("", _MISSING_META) if meta is None else None
-    if meta is not None:
-        files = meta.get("files", {})
-        for rel in _shares(files, fabric.world_size)[fabric.global_rank]:
-            problem = _check_file(checkpoint, rel, files[rel])
-            if problem is not None:
-                found = (rel, problem)
-                break
-    problems = sorted(p for p in gather_objects(fabric, found) if p is not None)
-    return problems[0][1] if problems else None
+    meta = read_meta(checkpoint)
+    mine = _shares(meta.get("files", {}), fabric.world_size)[fabric.global_rank] if meta is not None else None
+    problems = sorted(p for p in gather_objects(fabric, check_files(checkpoint, mine)) if p is not None)
+    return problems[0] if problems else None
 
 
 def _shares(files: dict[str, dict], world_size: int) -> list[list[str]]:
@@ -288,13 +247,13 @@ def save(
     for p in _files(tmp):
         rel = str(p.relative_to(tmp))
         if _writer_rank(rel) == fabric.global_rank:
-            mine[rel] = _digest(p)
+            mine[rel] = file_digest(p)
     gathered = gather_objects(fabric, mine)
 
     def complete() -> None:
         files = {rel: digest for digests in gathered for rel, digest in digests.items()}
         for p in _files(tmp):  # a file no rank claimed (a writer rank beyond this world): hash it here
-            files.setdefault(str(p.relative_to(tmp)), _digest(p))
+            files.setdefault(str(p.relative_to(tmp)), file_digest(p))
         sequence = 1 + max((_sequence(c) for c in list_checkpoints(out_dir)), default=0)
         meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
                 "world_size_independent": _world_size_independent(loader), "sequence": sequence,
@@ -370,14 +329,24 @@ def find_resume_checkpoint(fabric, out_dir: Path, resume: Union[bool, str, Path]
     if resume in (True, "true", "True", "auto"):
         # Rank 0 lists, so that every rank walks the same candidates.
         candidates = fabric.broadcast([str(p) for p in list_checkpoints(out_dir)] if fabric.global_rank == 0 else None, src=0)
+        problems = []
         for candidate in candidates:
             problem = _verify_together(fabric, Path(candidate))
             if problem is None:
                 return Path(candidate)
-            fabric.print(f"Checkpoint {candidate} is not usable: {problem}. Falling back to the previous one.")
+            problems.append(f"{Path(candidate).name}: {problem}")
+            if candidate != candidates[-1]:
+                fabric.print(f"Checkpoint {candidate} is not usable: {problem}. Falling back to the previous one.")
+        if problems:
+            # A fresh start here would write its checkpoints over theirs: the user decides.
+            raise UserError(
+                f"--resume {resume}: none of the {len(problems)} checkpoint(s) in {checkpoint_root(out_dir)} is usable "
+                f"({'; '.join(problems)}); nothing was changed. Resume from a good copy with --resume <path>, "
+                "or move them away (or use a new --out_dir) to start fresh."
+            )
         if resume == "auto":
             return None
-        raise UserError(f"--resume true but {checkpoint_root(out_dir)} holds no usable checkpoint; use --resume auto to start fresh.")
+        raise UserError(f"--resume true but {checkpoint_root(out_dir)} holds no checkpoint; use --resume auto to start fresh.")
     path = Path(resume)
     is_dir = fabric.broadcast(path.is_dir() if fabric.global_rank == 0 else None, src=0)
     problem = _verify_together(fabric, path) if is_dir else f"{path} is not a checkpoint folder"
@@ -495,7 +464,7 @@ def check_frozen_base(checkpoint: Path, frozen_base: dict) -> None:
     `frozen_base` is this run's ({"checkpoint", "fingerprint"}). A checkpoint without a record
     (full fine-tuning, pretraining, or a LoRA checkpoint of an earlier version) passes.
     """
-    saved = (_read_meta(checkpoint) or {}).get("frozen_base")
+    saved = (read_meta(checkpoint) or {}).get("frozen_base")
     if saved is None or saved.get("fingerprint") == frozen_base["fingerprint"]:
         return
     raise UserError(

@@ -111,7 +111,7 @@ class Session:
         out_dir = Path(out_dir)
         check_out_dir(out_dir, resume)
         if resume in (True, "true", "True") and not list_checkpoints(out_dir):
-            raise UserError(f"--resume true but {out_dir} holds no usable checkpoint; use --resume auto to start fresh.")
+            raise UserError(f"--resume true but {out_dir / 'checkpoints'} holds no checkpoint; use --resume auto to start fresh.")
         strategy, plan = run_plan.strategy, run_plan.batches
         if run_plan.preflight and strategy.accelerator == "cuda" and torch.cuda.is_available():
             profile = objective.memory_profile(frozen_base is not None) if objective is not None else {}
