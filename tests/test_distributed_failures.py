@@ -108,6 +108,23 @@ def test_two_nodes_without_a_launcher_fail_before_any_work(tmp_path):
     assert not out_dir.exists()
 
 
+def test_torchrun_with_another_process_count_than_devices_is_refused_by_every_process(tmp_path):
+    """torchrun starts 2 processes for a --devices 1 command: each would train alone into the same
+    --out_dir. The processes refuse in one line, before any work, suggesting the settings that match."""
+    out_dir = tmp_path / "out"
+    cmd = _pretrain(out_dir, ASSETS / "tinyshakespeare.txt", 1)
+    cmd[:3] = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "toolkit"]
+    result = run_as_group(cmd, env=_env(), timeout=120)
+    assert result.returncode != 0
+    expected = ("toolkit pretrain: error: torchrun started 2 process(es), but this run asks for --devices 1 x --num_nodes 1 = 1: "
+                "give the command what was launched (--devices 2 --num_nodes 1), or change torchrun's --nnodes and --nproc-per-node.")
+    # Each process that got that far says it (torchrun stops the other one when the first fails), then
+    # torchrun prints its own summary of the failure, a ChildFailedError traceback of its code.
+    ours = [line for line in result.stderr.splitlines() if line.startswith("toolkit pretrain")]
+    assert ours and set(ours) == {expected} and "/toolkit/" not in result.stderr, result.stderr[-3000:]
+    assert not out_dir.exists()
+
+
 def test_rendezvous_that_never_completes_names_address_and_port(tmp_path):
     """Node 0 started, node 1 never: the wait ends at the timeout with the address it waited on."""
     port = _free_port()

@@ -1,6 +1,7 @@
 """Failing together: one message from every process, in seconds, instead of a hang.
 
-- `check_launcher`: before any process starts, refuse a multi-node run that nothing launched.
+- `check_launcher`: before any process starts, refuse a multi-node run that nothing launched, and
+  a launch (torchrun, SLURM) of another number of processes than --devices x --num_nodes.
 - `prepare_failure_handling` (called by `build_fabric`): watch the node's other ranks (in the
   process that starts them) or the launching process (in the ranks it started).
 - `run_on_rank_zero`: work only rank 0 does, with every rank learning how it went.
@@ -87,7 +88,10 @@ def check_launcher(num_nodes: int, devices: int) -> None:
     node would claim ranks 0..devices-1 and wait on its own random port: a silent hang. One node
     needs nothing: Fabric starts the local processes itself.
     """
-    if num_nodes <= 1 or _launcher_environment() is not None:
+    launcher = _launcher_environment()
+    if launcher in ("torchrun", "SLURM"):
+        _check_launched_processes(launcher, num_nodes, devices)
+    if num_nodes <= 1 or launcher is not None:
         return
     missing = [v for v in _MANUAL_LAUNCH_VARIABLES if not os.environ.get(v)]
     raise UserError(
@@ -98,6 +102,28 @@ def check_launcher(num_nodes: int, devices: int) -> None:
         f"`srun --nodes {num_nodes} --ntasks-per-node {devices} toolkit <command and options>`, or by setting "
         f"NODE_RANK (0..{num_nodes - 1}), MASTER_ADDR (node 0's address) and MASTER_PORT (a free port on node 0) "
         "on every node. See tutorials/distributed.md."
+    )
+
+
+def _check_launched_processes(launcher: str, num_nodes: int, devices: int) -> None:
+    """Refuse a launch whose process count differs from --devices x --num_nodes: with fewer asked
+    for, each process would train alone into the same --out_dir; with more, the ranks would wait
+    for processes that never come."""
+    if launcher == "torchrun":
+        world, per_node = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+        how = "--nnodes and --nproc-per-node"
+    else:
+        world, per_node = os.environ.get("SLURM_NTASKS"), os.environ.get("SLURM_NTASKS_PER_NODE")
+        how = "--nodes and --ntasks-per-node"
+    if not (world or "").isdigit() or int(world) == num_nodes * devices:
+        return
+    world = int(world)
+    # SLURM writes "2(x3)" for uneven layouts: only a plain count suggests --devices
+    per_node = int(per_node) if (per_node or "").isdigit() and int(per_node) > 0 else None
+    fix = f" (--devices {per_node} --num_nodes {world // per_node})" if per_node and world % per_node == 0 else ""
+    raise UserError(
+        f"{launcher} started {world} process(es), but this run asks for --devices {devices} x --num_nodes "
+        f"{num_nodes} = {devices * num_nodes}: give the command what was launched{fix}, or change {launcher}'s {how}."
     )
 
 
