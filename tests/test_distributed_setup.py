@@ -138,6 +138,9 @@ def test_invalid_names_and_counts_are_user_errors():
         plan_strategy("two", 1, None, DistributedArgs(), "cpu")
     with pytest.raises(UserError, match="num_nodes must be at least 1"):
         plan_strategy(1, 0, None, DistributedArgs(), "cpu")
+    for timeout in (0, -5):  # gloo and NCCL would fail every collective at once, blaming a peer
+        with pytest.raises(UserError, match=f"--distributed.timeout must be a whole number of seconds, at least 1, got {timeout}"):
+            plan_strategy(2, 1, None, DistributedArgs(timeout=timeout), "cpu")
 
 
 def test_plan_strategy_choices():

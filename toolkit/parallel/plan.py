@@ -219,6 +219,8 @@ def _decide_strategy(devices: int, num_nodes: int, precision: str, dist: Distrib
     check_choice("distributed.strategy", dist.strategy, get_args(StrategyName))
     check_choice("distributed.sharding", dist.sharding, get_args(ShardingName))
     check_choice("distributed.state_dict_type", dist.state_dict_type, get_args(StateDictTypeName))
+    if isinstance(dist.timeout, bool) or not isinstance(dist.timeout, int) or dist.timeout < 1:
+        raise UserError(f"--distributed.timeout must be a whole number of seconds, at least 1, got {dist.timeout!r}.")
     notes: list[tuple[int, str]] = []
     note = check_expert_parallel(dist, devices, num_nodes, model)
     if note is not None:
