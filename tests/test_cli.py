@@ -282,3 +282,31 @@ def test_a_checkpoint_given_before_the_recipe_wins_over_the_recipes(capsys, tmp_
     assert positional_after_config(["--devices=2", "ckpt", "--config", "r.yaml"]) == ["--devices=2", "--config", "r.yaml", "ckpt"]
     assert positional_after_config(["--devices", "2", "--config", "r.yaml", "ckpt"]) == [
         "--devices", "2", "--config", "r.yaml", "ckpt"]
+
+
+def test_ctrl_c_raised_again_by_a_checkpoint_save_reads_as_interrupted(capsys):
+    """Ctrl-C inside torch's distributed checkpoint save reaches the command as a CheckpointException
+    holding each rank's failure, a KeyboardInterrupt among them (a user audit saw 227 lines of
+    tracebacks and exit code 1): it is reported as an interruption, exit code 130. Other errors
+    are not."""
+    from torch.distributed.checkpoint.api import CheckpointException, _wrap_exception
+
+    from toolkit.cli import run_function
+    from toolkit.errors import caused_by_interrupt
+
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt as interrupt:
+        failures = {0: _wrap_exception(interrupt), 1: _wrap_exception(RuntimeError("unexpected pos 704 vs 598"))}
+
+    def save(text: str = "") -> None:
+        raise CheckpointException("write", failures)
+
+    assert run_function("toolkit save", save, []) == 130
+    assert capsys.readouterr().err.strip() == "toolkit save: interrupted"
+    try:
+        raise RuntimeError("the writer's error") from KeyboardInterrupt()
+    except RuntimeError as chained:
+        assert caused_by_interrupt(chained)
+    assert not caused_by_interrupt(CheckpointException("write", {1: _wrap_exception(RuntimeError("disk full"))}))
+    assert not caused_by_interrupt(RuntimeError("disk full"))

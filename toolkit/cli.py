@@ -448,13 +448,30 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
         _release_process_group()
         return stopped.exit_code
     except Exception as error:
+        if _interrupted(error):  # Ctrl-C, which a library raised as its own error
+            _say(f"{prog}: interrupted")
+            return 130
         failure = _peer_failure_line(error)
         if failure is None:
             raise
         _say(f"{prog}: error: {failure}")
         return 1
+    except BaseException as error:  # torch's CheckpointException (a BaseException) holding Ctrl-C
+        if isinstance(error, (SystemExit, GeneratorExit)) or not _interrupted(error):
+            raise
+        _say(f"{prog}: interrupted")
+        return 130
     _release_process_group()
     return 0
+
+
+def _interrupted(error: BaseException) -> bool:
+    """Whether `error` came of Ctrl-C: raised from it, or met by this process after it received
+    SIGINT (a peer that stopped on it fails this process's collective first)."""
+    from toolkit.errors import caused_by_interrupt
+    from toolkit.training.preemption import interrupt_received
+
+    return caused_by_interrupt(error) or interrupt_received()
 
 
 def _say(line: str) -> None:

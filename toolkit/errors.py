@@ -57,3 +57,25 @@ class Preempted(Exception):
         import signal
 
         self.exit_code = 128 + int(getattr(signal, signal_name))
+
+
+def caused_by_interrupt(error: BaseException) -> bool:
+    """Whether `error` is Ctrl-C's KeyboardInterrupt that a library caught and raised again as its
+    own error: in its chain of causes, or among the per-rank failures of torch's distributed
+    checkpoint (a save interrupted on any rank raises one CheckpointException on every rank)."""
+    pending, seen = [error], set()
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, KeyboardInterrupt):
+            return True
+        pending += [current.__cause__, current.__context__]
+        failures = getattr(current, "failures", None)  # CheckpointException: {rank: (exception, stack)}
+        if isinstance(failures, dict):
+            for failure in failures.values():
+                failure = failure[0] if isinstance(failure, tuple) and failure else failure
+                if isinstance(failure, BaseException):
+                    pending.append(failure)
+    return False

@@ -50,6 +50,12 @@ STUCK_REPORT_SECONDS = 10.0
 # is stopped.
 SECOND_SIGNAL_SECONDS = 3.0
 _SAMPLE_SECONDS = 0.5
+_SEEN = {"SIGINT": False}  # set by the watch thread: Ctrl-C reached this process while a run was under way
+
+
+def interrupt_received() -> bool:
+    """Whether this process received SIGINT (Ctrl-C) while a training run's stop signals were installed."""
+    return _SEEN["SIGINT"]
 
 
 class StopSignals:
@@ -113,6 +119,8 @@ class StopSignals:
                     if not data:
                         return
                     names = [signal.Signals(n).name for n in data if n in watched]
+                    if "SIGINT" in names:
+                        _SEEN["SIGINT"] = True
                     if names:
                         again = again or first is not None or len(names) > 1 or names[0] == "SIGINT"
                         first = first or names[0]

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 
-from toolkit.errors import Preempted, UserError
+from toolkit.errors import Preempted, UserError, caused_by_interrupt
 from toolkit.models.config import Config
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.parallel.plan import RunPlan
@@ -172,7 +172,7 @@ class Session:
     def finish_trackers_after(self, error: BaseException) -> None:
         """End the tracker runs of a start that `error` stops: killed for Ctrl-C, else failed. A
         tracker that cannot be reached is logged and left; `error` stays the one that is reported."""
-        status = "killed" if isinstance(error, (KeyboardInterrupt, Preempted)) else "failed"
+        status = "killed" if isinstance(error, (KeyboardInterrupt, Preempted)) or caused_by_interrupt(error) else "failed"
         try:
             self.finish_trackers(status)
         except Exception as failure:
