@@ -144,6 +144,16 @@ def test_resuming_with_a_different_global_batch_is_refused(reference):
     assert "Traceback" not in result.stderr
 
 
+def test_resuming_with_another_seed_is_refused(reference):
+    """The seed orders the data: the saved position (samples yielded) in another shuffle would repeat
+    some samples of the epoch and skip others."""
+    result = subprocess.run(_pretrain_cmd(reference.parent / "reseeded", STEPS, "--resume", str(reference / "checkpoints" / "step-00000004"),
+                                          "--seed", "7"), capture_output=True, text=True, env=_env(), timeout=600)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "Cannot resume" in result.stderr and "seed: checkpoint has 42, this run 7" in result.stderr, result.stderr[-2000:]
+    assert not (reference.parent / "reseeded").exists()
+
+
 def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     cmd = _pretrain_cmd(tmp_path / "empty")
     cmd[cmd.index("--resume") + 1] = "true"

@@ -307,6 +307,7 @@ class Session:
             "kind": self.kind, "model": self.config.to_dict(), "global_batch_size": self.plan.global_batch_size,
             "micro_batch_size": self.plan.micro_batch_size, "max_seq_length": self.plan.max_seq_length,
             "world_size": self.fabric.world_size,
+            "seed": self.seed,  # the data order: a resumed position means nothing in another shuffle
         }
 
     def fit(self, model, optimizer, train_loader, val_loader, total_steps: Optional[int], tokens_per_step: Optional[int],
@@ -328,7 +329,8 @@ class Session:
         run_shape["objective"] = (objective or CausalLM()).record()
         resume_from = self.resume_from
         if resume_from is not None:
-            checkpoint.check_compatible(resume_from, run_shape)
+            with self.remove_output_on_error():  # a refused resume into a new --out_dir leaves nothing
+                checkpoint.check_compatible(resume_from, run_shape)
             state = TrainState(**checkpoint.load(self.fabric, resume_from, model, optimizer, train_loader))
             position = train_loader.state_dict() if hasattr(train_loader, "state_dict") else {}
             self.fabric.print(
