@@ -154,6 +154,22 @@ def test_resuming_with_another_seed_is_refused(reference):
     assert not (reference.parent / "reseeded").exists()
 
 
+def test_resume_given_a_run_folder_or_nothing_says_what_it_takes(reference, capsys):
+    """Two mistakes a user makes, each answered with what to give instead (in this process: the
+    refusal comes before any work)."""
+    from toolkit.cli import run
+
+    for value, expected in (
+        (str(reference), f"it is a run's --out_dir, not one of its checkpoints; give one (its newest is "
+                         f"{reference / 'checkpoints' / 'step-00000008'}), or --out_dir {reference} --resume auto"),
+        ("", "--resume takes auto, true, false or a checkpoint folder (<out_dir>/checkpoints/step-N), got ''."),
+    ):
+        out = reference.parent / "elsewhere"
+        assert run(_pretrain_args(out, STEPS, "--resume", value)) == 1
+        assert expected in capsys.readouterr().err
+        assert not out.exists()
+
+
 def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     cmd = _pretrain_cmd(tmp_path / "empty")
     cmd[cmd.index("--resume") + 1] = "true"

@@ -347,12 +347,25 @@ def find_resume_checkpoint(fabric, out_dir: Path, resume: Union[bool, str, Path]
         if resume == "auto":
             return None
         raise UserError(f"--resume true but {checkpoint_root(out_dir)} holds no checkpoint; use --resume auto to start fresh.")
+    if not str(resume).strip():
+        raise UserError("--resume takes auto, true, false or a checkpoint folder (<out_dir>/checkpoints/step-N), got ''.")
     path = Path(resume)
-    is_dir = fabric.broadcast(path.is_dir() if fabric.global_rank == 0 else None, src=0)
+    is_dir, newest = fabric.broadcast((path.is_dir(), _newest_in_run(path)) if fabric.global_rank == 0 else None, src=0)
+    if newest is not None:
+        raise UserError(f"Cannot resume from {resume}: it is a run's --out_dir, not one of its checkpoints; give one "
+                        f"(its newest is {newest}), or --out_dir {resume} --resume auto for the newest usable one.")
     problem = _verify_together(fabric, path) if is_dir else f"{path} is not a checkpoint folder"
     if problem is not None:
         raise UserError(f"Cannot resume from {resume}: {problem}.")
     return path
+
+
+def _newest_in_run(path: Path) -> Optional[str]:
+    """The newest checkpoint of `path` if it is a run's output folder (with no meta.json of its own), else None."""
+    if not path.is_dir() or (path / META).exists():
+        return None
+    found = list_checkpoints(path)
+    return str(found[0]) if found else None
 
 
 def check_compatible(checkpoint: Path, run_shape: dict) -> None:
