@@ -181,7 +181,8 @@ def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
 def test_resuming_an_older_checkpoint_prunes_by_history_and_auto_follows_the_new_branch(reference):
     """Resumed from step 4 while steps 6 and 8 exist, with keep_last 1: the checkpoint it resumed from
     and the one it just wrote survive, the abandoned step 8 is left alone, and --resume auto then
-    continues the new branch (its step 6), not the abandoned step 8 with the higher number."""
+    continues the new branch (its step 6), not the abandoned step 8 with the higher number. Resumed
+    from that step 8 again, pruning leaves the new branch alone too."""
     out = reference.parent / "branch"
     shutil.copytree(reference, out)
     root = out / "checkpoints"
@@ -200,3 +201,11 @@ def test_resuming_an_older_checkpoint_prunes_by_history_and_auto_follows_the_new
     # keep_last 1 along this history: step 7 (just written) and step 6 (resumed from) stay, the
     # new branch's older step 4 goes; the abandoned step 8 is never touched.
     assert names == {"step-00000006", "step-00000007", "step-00000008"}, names
+
+    # Back to the abandoned step 8, whose parent was the step 6 that the new branch has since saved
+    # again: pruning follows step 8's own history only, so the other branch's step 6 and 7 stay.
+    abandoned = root / "step-00000008"
+    result = _run(_pretrain_cmd(out, 10, "--resume", str(abandoned), "--train.keep_last", "1"))
+    assert f"Resumed from {abandoned}" in result.stdout
+    names = {p.name for p in root.iterdir()}
+    assert names == {"step-00000006", "step-00000007", "step-00000008", "step-00000010"}, names

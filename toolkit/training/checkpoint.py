@@ -117,9 +117,11 @@ def history(checkpoint: Path) -> list[Path]:
     while current is not None and current.is_dir() and current.name not in seen:
         chain.append(current)
         seen.add(current.name)
-        meta = read_meta(current)
-        parent = meta.get("parent") if isinstance(meta, dict) else None
+        meta = read_meta(current) or {}
+        parent, expected = meta.get("parent"), meta.get("parent_sequence")
         current = current.parent / parent if isinstance(parent, str) and "/" not in parent else None
+        if current is not None and isinstance(expected, int) and _sequence(current) != expected:
+            current = None  # that step was saved again since, on another branch: not this one's parent
     return chain
 
 
@@ -255,9 +257,10 @@ def save(
         for p in _files(tmp):  # a file no rank claimed (a writer rank beyond this world): hash it here
             files.setdefault(str(p.relative_to(tmp)), file_digest(p))
         sequence = 1 + max((_sequence(c) for c in list_checkpoints(out_dir)), default=0)
+        parent_name = _parent_name(parent, final)
         meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
                 "world_size_independent": _world_size_independent(loader), "sequence": sequence,
-                "parent": _parent_name(parent, final),
+                "parent": parent_name, "parent_sequence": _sequence(parent) if parent_name is not None else None,
                 "save_seconds": round(time.perf_counter() - start, 3),  # all of the save but this file's rename
                 "files": dict(sorted(files.items()))}
         if frozen_base is not None:
