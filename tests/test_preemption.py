@@ -146,12 +146,29 @@ def test_outside_the_loop_a_signal_stops_at_once_and_inside_it_only_raises_the_f
     finally:
         stop.restore()
     assert signal.getsignal(signal.SIGTERM) == before
+    # A forked child (a data loader's worker) writes no signals into the parent's watch.
+    stop = StopSignals().install()
+    try:
+        child = os.fork()
+        if child == 0:
+            os._exit(0 if signal.set_wakeup_fd(-1) == -1 else 1)
+        assert os.waitpid(child, 0)[1] == 0
+    finally:
+        stop.restore()
     # The watch of a stuck main thread ends with it: the wakeup descriptor is given back, its thread ends.
     assert signal.set_wakeup_fd(-1) == -1
     deadline = time.monotonic() + 5
     while any(t.name == "toolkit-stop-watch" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(t.name == "toolkit-stop-watch" for t in threading.enumerate())
+
+
+def _read_line(stream, seconds: float) -> str:
+    """The next line of a child's pipe, or '' if none comes within `seconds`."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], seconds)
+    return stream.readline() if ready else ""
 
 
 def _children(pid: int) -> list[int]:
@@ -165,7 +182,8 @@ def test_a_run_stuck_in_a_collective_stops_on_sigterm_and_says_where(tmp_path):
     stuck_run.py) with exit code 143 and one line naming the call and the toolkit line that made it,
     stops rank 1 too, and writes no checkpoint."""
     out = tmp_path / "stuck"
-    command = [sys.executable, str(REPO / "tests" / "scripts" / "stuck_run.py"), *_cmd(out, None, "--devices", "2")]
+    command = [sys.executable, str(REPO / "tests" / "scripts" / "stuck_run.py"),
+               *_cmd(out, None, "--devices", "2", "--train.max_steps", "100000")]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                env=dict(launch_env(), STUCK_SECONDS="2"), start_new_session=True, cwd=REPO)
     try:
@@ -185,7 +203,10 @@ def test_a_run_stuck_in_a_collective_stops_on_sigterm_and_says_where(tmp_path):
     assert last.startswith("toolkit: error: rank 0: stopped by SIGTERM after ") and " inside one call: " in last, last
     assert re.search(r", called from \w+ \(toolkit/training/\w+\.py:\d+\)", last), last
     assert "No checkpoint was written by this stop" in last, last
-    assert not Path(f"/proc/{rank_1}").exists() or Path(f"/proc/{rank_1}/stat").read_text().split()[2] == "Z"
+    deadline = time.monotonic() + 10  # SIGKILL to a stopped process takes effect when the kernel gets to it
+    while Path(f"/proc/{rank_1}").exists() and Path(f"/proc/{rank_1}/stat").read_text().split()[2] != "Z":
+        assert time.monotonic() < deadline, f"rank 1 (process {rank_1}) is still there"
+        time.sleep(0.1)
     assert _steps_saved(out) == [] and not (out / "final").exists()
 
 
@@ -204,7 +225,7 @@ def test_a_second_signal_or_ctrl_c_stops_a_process_stuck_in_a_collective_at_once
         time.sleep(1)  # into the all-reduce: before it, Ctrl-C's KeyboardInterrupt is raised in Python
         ranks[0].send_signal(getattr(signal, signals[0]))
         if len(signals) > 1:
-            report = ranks[0].stderr.readline()
+            report = _read_line(ranks[0].stderr, 30)
             assert report.startswith(f"toolkit: rank 0: {signals[0]} came, and the main thread has been inside one call for"), report
             assert "all_reduce (torch/distributed/distributed_c10d.py:" in report, report
             ranks[0].send_signal(getattr(signal, signals[1]))
@@ -236,3 +257,31 @@ def test_a_process_that_makes_progress_through_native_calls_is_not_taken_for_stu
         process.wait()
     assert process.returncode == 0, err
     assert out.strip() == "returned, SIGTERM received" and err == "", (out, err)
+
+
+def test_before_the_steps_a_stuck_process_waits_and_a_second_signal_stops_it():
+    """A rank waits in a collective before any optimizer step (as for rank 0 preparing data: a wait
+    as long as that work): SIGTERM, delivered twice at once (torchrun forwards what srun also sends),
+    does not stop it even past the patience; it says where it waits, and a signal a second later stops it."""
+    env = dict(launch_env(), PYTHONPATH=str(REPO))
+    script = str(REPO / "tests" / "scripts" / "stuck_collective.py")
+    ranks = [subprocess.Popen([sys.executable, script, "setup", str(rank), env["MASTER_PORT"], "1", "1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
+    try:
+        assert ranks[0].stdout.readline().strip() == "waiting"
+        time.sleep(1)
+        ranks[0].send_signal(signal.SIGTERM)
+        ranks[0].send_signal(signal.SIGTERM)
+        report = _read_line(ranks[0].stderr, 30)
+        assert report.startswith("toolkit: rank 0: SIGTERM came, and the main thread has been inside one call for"), report
+        assert "or when it is stopped (a second signal stops it now)" in report, report
+        time.sleep(2)  # past the patience (1 s): still waiting
+        assert ranks[0].poll() is None
+        ranks[0].send_signal(signal.SIGTERM)
+        _, err = ranks[0].communicate(timeout=30)
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    assert ranks[0].returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1].startswith("toolkit: error: rank 0: stopped by SIGTERM after"), err

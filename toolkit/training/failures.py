@@ -239,20 +239,33 @@ def stop_after_signal(message: str, exit_code: int) -> None:
     _stop_now(message, _FAILURE_CONTEXT.children, exit_code=exit_code, status="killed")
 
 
+# How long the exit actions (ending tracker runs: a network call) may take when a watchdog stops
+# the process: an unreachable tracker server must not keep a stuck run alive.
+_EXIT_ACTION_SECONDS = 10.0
+
+
 def _stop_now(message: str, children: list, exit_code: int = 1, status: str = "failed") -> None:
     """Print `message` as this process's one line, stop `children` and exit at once (from any thread)."""
     import signal
 
-    sys.stderr.write(f"toolkit: error: {message}\n")
-    sys.stderr.flush()
-    for action in list(_EXIT_ACTIONS):
-        try:
-            action(status)
-        except Exception as error:  # a tracker that cannot be reached must not keep a stuck process alive
-            log.warning("Could not finish before stopping: %s", str(error).splitlines()[0] if str(error) else error)
     for child in children:
         if child.poll() is None:
             child.send_signal(signal.SIGKILL)  # SIGTERM does not end a process stuck in a collective
+    try:  # one system call, which takes no lock a stuck main thread may hold (sys.stderr's)
+        os.write(2, f"toolkit: error: {message}\n".encode())
+    except OSError:
+        pass
+
+    def run_actions() -> None:
+        for action in list(_EXIT_ACTIONS):
+            try:
+                action(status)
+            except Exception as error:  # a tracker that cannot be reached must not keep a stuck process alive
+                log.warning("Could not finish before stopping: %s", str(error).splitlines()[0] if str(error) else error)
+
+    actions = threading.Thread(target=run_actions, daemon=True, name="toolkit-exit-actions")
+    actions.start()
+    actions.join(_EXIT_ACTION_SECONDS)
     os._exit(exit_code)
 
 

@@ -12,7 +12,7 @@ import logging
 import os
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Union
@@ -352,11 +352,13 @@ class Session:
         history = {"last": resume_from}  # the checkpoint the next save follows
 
         def save(current: TrainState) -> None:
-            history["last"] = checkpoint.save(
-                self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape,
-                self.config, self.train.keep_last, frozen_base=self.frozen_base, tokenizer_dir=self.tokenizer_dir,
-                parent=history["last"], resumed_from=resume_from,
-            )
+            # A rank may wait a long while for a peer that writes a large shard: no stuck-call stop meanwhile.
+            with self.stop_signals.patient() if self.stop_signals is not None else nullcontext():
+                history["last"] = checkpoint.save(
+                    self.fabric, self.out_dir, model, optimizer, train_loader, current.to_dict(), run_shape,
+                    self.config, self.train.keep_last, frozen_base=self.frozen_base, tokenizer_dir=self.tokenizer_dir,
+                    parent=history["last"], resumed_from=resume_from,
+                )
             saved_steps.add(current.step)
 
         compiled = 0
