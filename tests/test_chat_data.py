@@ -400,6 +400,15 @@ def test_template_choice_and_the_template_written_into_the_output(qwen, tmp_path
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATES["zephyr"])
     assert resolve_chat_template(Tokenizer(out)).source == CHAT_TEMPLATES["zephyr"]
 
+    # A JSON file given as the template is read for its "chat_template", never used as the text of
+    # one (a tokenizer_config.json rendered 628 tokens of JSON into every conversation).
+    gemma_config = ASSETS / "chat_templates" / "gemma" / "tokenizer_config.json"
+    from_json = resolve_chat_template(tokenizer, str(gemma_config))
+    assert from_json.source == json.loads(gemma_config.read_text())["chat_template"]
+    (tmp_path / "other.json").write_text(json.dumps({"eos_token": "</s>"}))
+    with pytest.raises(UserError, match=r'other.json holds no "chat_template"'):
+        resolve_chat_template(tokenizer, str(tmp_path / "other.json"))
+
 
 def test_the_cli_builds_chat_data():
     args = ["--data", "Chat", "--data.json_path", str(FASTCHAT), "--data.chat_template", "llama-2",

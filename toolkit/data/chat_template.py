@@ -229,8 +229,12 @@ def checkpoint_template(directory: Path) -> Optional[tuple[str, str]]:
             return jinja_file.read_text(encoding="utf-8"), str(jinja_file)
         except (OSError, UnicodeDecodeError) as err:
             raise UserError(f"cannot read {jinja_file}: {err}; fix or delete that file") from err
-    value = _read_config(directory).get("chat_template")
-    origin = f"{directory / TOKENIZER_CONFIG}"
+    return _configured_template(_read_config(directory).get("chat_template"), f"{directory / TOKENIZER_CONFIG}")
+
+
+def _configured_template(value: Any, origin: str) -> Optional[tuple[str, str]]:
+    """(source, origin) of a "chat_template" value of a JSON file: a template, or a list of named
+    ones of which "default" is used; None when there is none."""
     if isinstance(value, str) and value.strip():
         return value, origin
     if isinstance(value, list):
@@ -242,6 +246,20 @@ def checkpoint_template(directory: Path) -> Optional[tuple[str, str]]:
             "pass one with --data.chat_template FILE.jinja"
         )
     return None
+
+
+def _template_from_json_file(path: Path) -> tuple[str, str]:
+    """The template a JSON file holds under "chat_template" (a tokenizer_config.json, or a file of
+    that one key): the file itself is not a template."""
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UserError(f"cannot read the chat template {path}: {err}") from None
+    found = _configured_template(config.get("chat_template"), str(path)) if isinstance(config, dict) else None
+    if found is None:
+        raise UserError(f"{path} holds no \"chat_template\" (a JSON file must be a tokenizer_config.json or "
+                        "{\"chat_template\": ...}); pass it, or a .jinja file")
+    return found
 
 
 def default_template_name(model: Any) -> str:
@@ -285,12 +303,16 @@ def resolve_chat_template(
             path = Path(name)
             if not path.is_file():
                 raise UserError(
-                    f"chat template file {path} does not exist; pass a .jinja file or one of: {', '.join(CHAT_TEMPLATES)}"
+                    f"chat template file {path} does not exist; pass a .jinja file (or a tokenizer_config.json) or one "
+                    f"of: {', '.join(CHAT_TEMPLATES)}"
                 )
-            try:
-                source, origin = path.read_text(encoding="utf-8"), str(path)
-            except (OSError, UnicodeDecodeError) as err:
-                raise UserError(f"cannot read the chat template {path}: {err}") from err
+            if path.suffix == ".json":
+                source, origin = _template_from_json_file(path)
+            else:
+                try:
+                    source, origin = path.read_text(encoding="utf-8"), str(path)
+                except (OSError, UnicodeDecodeError) as err:
+                    raise UserError(f"cannot read the chat template {path}: {err}") from err
         else:
             raise UserError(
                 f"unknown chat template {name!r}.{did_you_mean(name, CHAT_TEMPLATES)} Pass one of: "
