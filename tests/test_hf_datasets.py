@@ -120,7 +120,13 @@ def test_bad_input_is_one_line(alpaca, chats, tokenizer, tmp_path):
     root = alpaca["root"]
     cases = [
         (HFInstruct(path=str(root / "data.parquet")), "has no column 'instruction', 'output' (its columns: question, context, answer, id)"),
-        (HFInstruct(path=str(root / "saved"), split="validation"), "has no split 'validation' (its splits: train, test)"),
+        (HFInstruct(path=str(root / "saved"), split="validation"), "has no split 'validation' (its splits: train, test); set --data.split"),
+        (HFInstruct(path=str(root / "saved"), val_split="validation"), "has no split 'validation' (its splits: train, test); set --data.val_split"),
+        # One file, or one saved Dataset, is the training split: validating on it would use the training rows.
+        (HFInstruct(path=str(root / "data.parquet"), val_split="test", columns={"instruction": "question", "input": "context", "output": "answer"}),
+         "holds one split, which trains; --data.val_split test would validate on those same rows"),
+        (HFChat(path=str(chats / "saved"), val_split="test", columns={"conversations": "dialog"}),
+         "holds one split, which trains; --data.val_split test would validate on those same rows"),
         (HFInstruct(path=str(tmp_path / "missing.parquet")), "missing.parquet does not exist"),
         (HFChat(path=str(chats / "saved")), "has no column 'messages' or 'conversations'"),
     ]

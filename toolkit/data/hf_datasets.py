@@ -57,12 +57,14 @@ def _first_line(error: BaseException) -> str:
     return (text[0] if text else type(error).__name__).rstrip(".")
 
 
-def load_split(path: str, split: str, name: Optional[str] = None, streaming: bool = False):
+def load_split(path: str, split: str, name: Optional[str] = None, streaming: bool = False, option: str = "--data.split"):
     """One split of a dataset as a `datasets.Dataset` (or `IterableDataset` when streaming).
 
     `path`: a `save_to_disk` folder (a DatasetDict's splits, or one Dataset whose split is itself),
     a Parquet/JSON/JSON Lines/CSV/Arrow file (the file is the split), a folder of such files, or a
-    Hub name. Any failure is one UserError line.
+    Hub name. `option` names the setting that asked for `split` in messages; a single file or
+    Dataset is the training split only, so `--data.val_split` on one is refused (it would validate
+    on the training rows). Any failure is one UserError line.
     """
     try:
         import datasets
@@ -73,11 +75,17 @@ def load_split(path: str, split: str, name: Optional[str] = None, streaming: boo
     if not local.exists() and _looks_local(path):
         raise UserError(f"{path} does not exist; pass a Parquet/JSON/CSV file, a save_to_disk folder, or a Hub dataset name")
     try:
+        single = local.is_file() or (local.is_dir() and (local / "state.json").is_file())
+        if single and option == "--data.val_split":
+            raise UserError(
+                f"{path} holds one split, which trains; {option} {split} would validate on those same rows. Drop "
+                f"{option} to hold out a share of them, or give a save_to_disk folder of a DatasetDict with a {split!r} split"
+            )
         if local.is_dir() and ((local / "dataset_dict.json").is_file() or (local / "state.json").is_file()):
             loaded = datasets.load_from_disk(str(local))
             if isinstance(loaded, datasets.DatasetDict):
                 if split not in loaded:
-                    raise UserError(f"{path} has no split {split!r} (its splits: {', '.join(loaded)}); set --data.split")
+                    raise UserError(f"{path} has no split {split!r} (its splits: {', '.join(loaded)}); set {option}")
                 loaded = loaded[split]
             return loaded.to_iterable_dataset() if streaming else loaded
         if local.is_file():
@@ -184,8 +192,9 @@ class _HFRecords:
         self.val_path = self.path if self.val_split is not None else None
 
     def read_records(self, path: Path | str, what: str) -> list[tuple[str, Any]]:
-        split = self.val_split if what == "validation file" and self.val_split is not None else self.split
-        dataset = load_split(self.path, split, self.name, self.streaming)
+        validation = what == "validation file" and self.val_split is not None
+        split = self.val_split if validation else self.split
+        dataset = load_split(self.path, split, self.name, self.streaming, "--data.val_split" if validation else "--data.split")
         where = f"{self.path} [{split}]"
         records = [
             (f"row {i}", record)
@@ -346,7 +355,8 @@ class HFText(PretrainData, _HFOptions):
 
     def _export(self, split: str, work_dir: Path) -> Path:
         """The text column of `split` as `<cache>/hf-<name>-<key>.jsonl`, written once (atomically)."""
-        dataset = load_split(self.path, split, self.name, self.streaming)
+        option = "--data.val_split" if split == self.val_split and split != self.split else "--data.split"
+        dataset = load_split(self.path, split, self.name, self.streaming, option)
         local = Path(self.path).expanduser()
         identity = {
             "path": str(local.resolve()) if local.exists() else self.path, "name": self.name, "split": split,
