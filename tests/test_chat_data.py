@@ -311,6 +311,8 @@ def test_long_conversations_are_cut_at_turn_boundaries_or_dropped(qwen, tmp_path
         ({"messages": "hi"}, "line 2: no messages: 'messages' is a JSON string"),
         ({"text": "hi"}, "line 2: no messages: there is no 'messages' field"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "line 2: message 0 has an unknown role 'bot'"),
+        ({"messages": [{"role": "usr", "content": "x"}]},
+         r"""message 0 has an unknown role 'usr' \(known: .*\); map it with --data.role_names '{"usr": "user"}'"""),
         ({"messages": [{"role": "user", "content": "  "}, {"role": "assistant", "content": "x"}]},
          r"line 2: message 0 \(user\) has empty content"),
         ({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": ""}]},

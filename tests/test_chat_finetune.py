@@ -121,6 +121,11 @@ def test_generate_answers_a_conversation_and_chats_with_the_same_history(base, c
     path.write_text(json.dumps(second[:2]))
     assert run(["generate", checkpoint, "--messages", str(path)]) == 1
     assert "must end with 'user'" in capsys.readouterr().err
+    # generate has no --data options: an unknown role asks for a known one
+    path.write_text(json.dumps([{"role": "usr", "content": "Who are you?"}]))
+    assert run(["generate", checkpoint, "--messages", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "unknown role 'usr'" in err and "use one of those (did you mean 'user'?)" in err and "--data." not in err, err
 
     # The fine-tuned model needs no --chat_template: it carries the one it was trained with.
     lines = _generate([str(chat_run["merged"]), "--chat", "true", "--max_new_tokens", "4"], capsys, "Hi\n", monkeypatch)

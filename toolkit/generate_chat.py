@@ -42,7 +42,7 @@ def read_messages(path: Path, system: Optional[str] = None) -> list[dict[str, st
     if isinstance(record, list):
         record = {"messages": record}
     spec = FORMATS[detect_format(record, path, "")]
-    conversation = parse_conversation(record, path, "", spec, system, final_role="user")
+    conversation = parse_conversation(record, path, "", spec, system, final_role="user", options=False)
     return conversation.as_dicts()
 
 

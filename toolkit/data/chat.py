@@ -83,7 +83,7 @@ from toolkit.data.chat_template import (
 from toolkit.data.instruct import (
     IGNORE_INDEX, InstructData, TokenizedSamples, _InstructOptions, _json_type, common_prefix, pad_id_for, sample_stats,
 )
-from toolkit.errors import UserError
+from toolkit.errors import UserError, closest
 
 if TYPE_CHECKING:
     import torch
@@ -189,23 +189,28 @@ def detect_format(record: Any, path: Path, where: str) -> str:
 
 def parse_conversation(
     record: Any, path: Path, where: str, spec: RecordFormat, system_prompt: Optional[str] = None,
-    final_role: Optional[str] = "assistant",
+    final_role: Optional[str] = "assistant", options: bool = True,
 ) -> Conversation:
     """Check one record and turn it into a Conversation; any problem is one UserError line.
 
     `final_role`: the role the last message must have (training data ends with the assistant turn
     the model learns; a prompt for `generate` ends with the user message to answer); None: any.
+    `options`: whether `--data.*` options can rename fields and roles (training data); without them
+    (`generate --messages`) the messages ask for the standard names.
     """
 
     def bad(problem: str) -> UserError:
         return UserError(f"{f'{path} {where}'.strip()}: {problem}")
+
+    def rename(option: str) -> str:
+        return f"set --data.{option}" if options else "use that name"
 
     if not isinstance(record, dict):
         raise bad(f"is a JSON {_json_type(record)}; each record must be a JSON object")
     if spec.conversation_key not in record:
         fields = ", ".join(repr(k) for k in list(record)[:8]) or "none"
         raise bad(f"no messages: there is no {spec.conversation_key!r} field (its fields: {fields}); "
-                  "set --data.conversation_key")
+                  f"{rename('conversation_key')}")
     raw = record[spec.conversation_key]
     if not isinstance(raw, list):
         raise bad(f"no messages: {spec.conversation_key!r} is a JSON {_json_type(raw)}, expected an array of messages")
@@ -221,13 +226,18 @@ def parse_conversation(
                       f"{spec.role_key!r} and {spec.content_key!r}")
         if spec.role_key not in message:
             fields = ", ".join(repr(k) for k in list(message)[:8]) or "none"
-            raise bad(f"message {index} has no {spec.role_key!r} field (its fields: {fields}); set --data.role_key")
+            raise bad(f"message {index} has no {spec.role_key!r} field (its fields: {fields}); {rename('role_key')}")
         name = message[spec.role_key]
         role = spec.roles.get(name) if isinstance(name, str) else None
         if role is None:
             known = ", ".join(sorted(spec.roles))
-            raise bad(f"message {index} has an unknown role {name!r} (known: {known}); map it with "
-                      f"--data.role_names '{{\"{name}\": \"assistant\"}}'")
+            near = closest(name, list(spec.roles)) if isinstance(name, str) else []
+            if options:
+                target = spec.roles[near[0]] if near else "assistant"
+                hint = f"map it with --data.role_names '{{\"{name}\": \"{target}\"}}'"
+            else:
+                hint = f"use one of those{f' (did you mean {near[0]!r}?)' if near else ''}"
+            raise bad(f"message {index} has an unknown role {name!r} (known: {known}); {hint}")
         calls = message.get("tool_calls")
         if calls is not None:
             if role != "assistant" or not isinstance(calls, list) or not calls:
@@ -239,7 +249,7 @@ def parse_conversation(
                               "(an object or a JSON string), alone or under 'function'")
         if spec.content_key not in message and not calls:
             fields = ", ".join(repr(k) for k in list(message)[:8]) or "none"
-            raise bad(f"message {index} has no {spec.content_key!r} field (its fields: {fields}); set --data.content_key")
+            raise bad(f"message {index} has no {spec.content_key!r} field (its fields: {fields}); {rename('content_key')}")
         content = message.get(spec.content_key)
         if calls and content is None:
             pass  # a message that only calls tools
