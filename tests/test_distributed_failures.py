@@ -59,7 +59,7 @@ def test_bad_data_on_rank_zero_stops_every_rank_with_one_line(tmp_path, devices)
     script = REPO / "tests" / "scripts" / "run_and_count_process_groups.py"
     command = [sys.executable, str(script), *_pretrain(out_dir, data, devices, "--train.max_steps", "2")[3:]]
     result = run_as_group(command, env=env, timeout=30 + 15 * devices)  # start-up of N processes on 2 busy cores
-    line = f"toolkit pretrain: error: {data}:2 is not valid JSON (Expecting value); each line must be one JSON object"
+    line = f"toolkit pretrain: error: {data}:2 is not valid JSON (Expecting value: column 10); each line must be one JSON object"
     assert result.returncode != 0
     assert result.stderr.count(line) == devices, result.stderr[-3000:]  # every rank, the same line
     assert "Traceback" not in result.stderr + result.stdout

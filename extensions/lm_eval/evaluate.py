@@ -116,6 +116,12 @@ def evaluate(
     settings = check_settings(Config.from_file(checkpoint), Tokenizer(adapter_dir or checkpoint), batch_size, max_length, stride, chat_template)
     if max_batch_size < 1:
         raise UserError(f"--max_batch_size must be at least 1, got {max_batch_size}.")
+    if limit is not None and not (0 < limit < 1 or (limit >= 1 and float(limit).is_integer())):
+        raise UserError(f"--limit must be a number of documents (1, 2, ...) or a fraction between 0 and 1, got {limit}.")
+    if chat_template is not None and not apply_chat_template:
+        raise UserError("--chat_template lays out prompts only with --apply_chat_template true; add it, or drop --chat_template.")
+    if num_fewshot is not None and num_fewshot < 0:
+        raise UserError(f"--num_fewshot must be 0 or more, got {num_fewshot}.")
     generation = parse_gen_kwargs(gen_kwargs)
     files = check_data_files(names, data_files or {})
     task_manager = make_task_manager(names, files, include_path)

@@ -114,7 +114,7 @@ def read_json_records(path: Path, what: str = "data file") -> list[tuple[str, An
                 records.append((f"line {lineno}", json.loads(line)))
             except json.JSONDecodeError as err:
                 raise UserError(
-                    f"{path} line {lineno} is not valid JSON ({err.msg} at column {err.colno}); "
+                    f"{path} line {lineno} is not valid JSON ({err.msg}: column {err.colno}); "
                     "a JSON Lines file holds one JSON object per line"
                 ) from err
     else:
@@ -122,7 +122,7 @@ def read_json_records(path: Path, what: str = "data file") -> list[tuple[str, An
             data = json.loads(text)
         except json.JSONDecodeError as err:
             raise UserError(
-                f"{path} is not valid JSON: {err.msg} at line {err.lineno} column {err.colno} (char {err.pos})"
+                f"{path} is not valid JSON: {err.msg}: line {err.lineno} column {err.colno} (char {err.pos})"
             ) from err
         if not isinstance(data, list):
             raise UserError(

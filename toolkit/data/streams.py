@@ -317,7 +317,7 @@ def _jsonl_text(path: Path, line: bytes, lineno: int, text_key: str) -> str:
     try:
         record = json.loads(raw)
     except json.JSONDecodeError as err:
-        raise UserError(f"{path}:{lineno} is not valid JSON ({err.msg}); each line must be one JSON object") from err
+        raise UserError(f"{path}:{lineno} is not valid JSON ({err.msg}: column {err.colno}); each line must be one JSON object") from err
     if not isinstance(record, dict) or text_key not in record:
         keys = ", ".join(sorted(record)[:5]) if isinstance(record, dict) else type(record).__name__
         raise UserError(

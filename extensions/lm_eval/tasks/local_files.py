@@ -24,6 +24,8 @@ def read_documents(path: Path | str) -> list[dict]:
     except UnicodeDecodeError as err:
         raise UserError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}).") from None
     if path.suffix != ".jsonl":
+        if not content.strip():
+            raise UserError(f"{path} holds no text.")  # (perplexity per word of nothing: a division by zero)
         return [{"text": content}]
     documents = []
     for number, line in enumerate(content.splitlines(), start=1):
@@ -32,9 +34,11 @@ def read_documents(path: Path | str) -> list[dict]:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
-            raise UserError(f"{path}, line {number}: not JSON ({err.msg}).") from None
+            raise UserError(f"{path}, line {number}: not JSON ({err.msg}: column {err.colno}).") from None
         if not isinstance(record, dict) or not isinstance(record.get("text"), str):
             raise UserError(f'{path}, line {number}: expected an object with a "text" string.')
+        if not record["text"].strip():
+            raise UserError(f'{path}, line {number}: the "text" is empty.')
         documents.append({"text": record["text"]})
     if not documents:
         raise UserError(f"{path} holds no documents.")

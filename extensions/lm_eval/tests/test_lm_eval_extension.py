@@ -374,11 +374,21 @@ def test_bad_input_is_one_line_and_writes_nothing(models, tmp_path, capsys, monk
     _one_line_error(capsys, [str(tmp_path), "--tasks", "local_lambada", *data], "is not a toolkit checkpoint")
     _one_line_error(capsys, [checkpoint, *data], "--tasks")
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--stride", "0", *data], "--stride must be between 1 and")
-    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--chat_template", "chatlm", *data], "unknown chat template", "chatml")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--chat_template", "chatlm", "--apply_chat_template", "true", *data],
+                    "unknown chat template", "chatml")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--chat_template", "chatml", *data],
+                    "--chat_template lays out prompts only with --apply_chat_template true")
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--gen_kwargs", "max_gen_tok=5", *data],
                     "unknown setting 'max_gen_tok'", "Did you mean: max_gen_toks")
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--batch_size", "big", *data], "a number or 'auto'")
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--sharded", "true", *data], "needs more than one device")
+    for limit in ("0", "-5", "2.5"):
+        _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--limit", limit, *data], f"--limit must be a number of documents")
+    _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--num_fewshot", "-1", *data], "--num_fewshot must be 0 or more")
+    for text in ("", " \n\t\n"):  # perplexity per word of no words divided by zero
+        (tmp_path / "empty.txt").write_text(text)
+        _one_line_error(capsys, [checkpoint, "--tasks", "local_perplexity", "--data_files",
+                                 json.dumps({"local_perplexity": str(tmp_path / "empty.txt")})], "empty.txt holds no text")
     broken = tmp_path / "broken.jsonl"
     broken.write_text('{"text": "fine"}\n{"txt": "no text field"}\n')
     _one_line_error(capsys, [checkpoint, "--tasks", "local_lambada", "--data_files", json.dumps({"local_lambada": str(broken)})],
