@@ -55,6 +55,12 @@ def test_a_misspelled_option_is_named_and_not_a_valid_one(capsys, text):
     assert "--data.train_path needs its class first" in line and "TextFiles" in line
     line = _one_error_line(capsys, ["finetune_lora", "x", "--lora.rr", "4"])
     assert "Unknown option --lora.rr." in line and "--lora.r" in line
+    # A misspelled class name: the classes the option takes, and the nearest.
+    line = _one_error_line(capsys, ["finetune_lora", "x", "--objective", "dpoo"])
+    assert line.startswith("toolkit finetune_lora: error: Unknown --objective 'dpoo'; choose one of: "), line
+    assert "DPO, IPO, ORPO, SFT, SimPO" in line and "Did you mean: DPO" in line, line
+    line = _one_error_line(capsys, ["finetune_lora", "x", "--data=alpacaa"])
+    assert "Unknown --data 'alpacaa'" in line and "Did you mean: Alpaca?" in line, line
 
 
 def test_nan_and_infinity_on_the_command_line_are_named_as_not_finite(capsys, text):

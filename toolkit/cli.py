@@ -219,13 +219,28 @@ def class_names_in_their_case(function: Callable, argv: list[str]) -> list[str]:
     spelt as the class is (Alpaca, DPO): a name may be written in any case. A name that is not one
     of the option's classes, or that two of them share in some case, is left as it was (for
     jsonargparse to explain)."""
+    spellings = _class_spellings(function)
+    out = []
+    for i, word in enumerate(argv):
+        option, equals, value = word.partition("=")
+        if equals and option in spellings:
+            word = option + "=" + spellings[option].get(value.lower(), value)
+        elif i and argv[i - 1] in spellings and not word.startswith("-"):
+            word = spellings[argv[i - 1]].get(word.lower(), word)
+        out.append(word)
+    return out
+
+
+def _class_spellings(function: Callable) -> dict[str, dict[str, str]]:
+    """For each option of `function` that takes a class by name (`--data`, `--objective`): the
+    lower-case name of each of its concrete classes -> the class's own spelling."""
     import inspect
     import typing
 
     try:
         hints = typing.get_type_hints(function)
     except Exception:  # an annotation that cannot be resolved here: jsonargparse will say so
-        return argv
+        return {}
     spellings: dict[str, dict[str, str]] = {}
     for name, hint in hints.items():
         for cls in typing.get_args(hint) or (hint,):
@@ -242,21 +257,22 @@ def class_names_in_their_case(function: Callable, argv: list[str]) -> list[str]:
                     names.setdefault(c.__name__.lower(), set()).add(c.__name__)
             spellings[f"--{name}"] = {lower: found.pop() for lower, found in names.items() if len(found) == 1}
             spellings[f"--{name}.help"] = spellings[f"--{name}"]
-    out = []
-    for i, word in enumerate(argv):
-        option, equals, value = word.partition("=")
-        if equals and option in spellings:
-            word = option + "=" + spellings[option].get(value.lower(), value)
-        elif i and argv[i - 1] in spellings and not word.startswith("-"):
-            word = spellings[argv[i - 1]].get(word.lower(), word)
-        out.append(word)
-    return out
+    return spellings
 
 
-def _explain_parse_error(parser, argv: list[str], error: Exception) -> str:
-    """One line: what was wrong; for a misspelled option, that option and the closest valid names."""
+def _explain_parse_error(parser, argv: list[str], error: Exception, function: Optional[Callable] = None) -> str:
+    """One line: what was wrong; for a misspelled option, that option and the closest valid names;
+    for an unknown class name (`--objective dpoo`), the classes the option takes."""
     message = str(error)
     see = f"See `{parser.prog} --help`."
+    unknown_class = re.search(r'Parser key "(\w+)":.*?Expected a dot import path string: (\S+)', message, re.DOTALL)
+    if unknown_class and function is not None:
+        option, given = f"--{unknown_class.group(1)}", unknown_class.group(2)
+        spelt = _class_spellings(function).get(option, {})  # lower-case name -> class name
+        if spelt:
+            near = [spelt[name] for name in closest(given.lower(), sorted(spelt))]
+            hint = f" Did you mean: {', '.join(near)}?" if near else ""
+            return f"Unknown {option} {given!r}; choose one of: {', '.join(sorted(spelt.values()))} (any case).{hint} {see}"
     # A misspelled option of a dataclass group or of the command: "unrecognized arguments: --a 1 --b".
     unrecognized = re.match(r"unrecognized arguments: (.*)", message.strip(), re.DOTALL)
     if unrecognized:
@@ -421,7 +437,7 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
         return int(exit_.code or 0)
     except Exception as error:  # jsonargparse's ArgumentError and friends
         cause = _user_error_in(error)
-        _say(f"{prog}: error: {cause or _explain_parse_error(parser, argv, error)}")
+        _say(f"{prog}: error: {cause or _explain_parse_error(parser, argv, error, function)}")
         return 2
     try:
         init = parser.instantiate(cfg)
