@@ -169,6 +169,15 @@ def test_existing_output_refused_unless_overwrite(hf_dir, tmp_path):
     assert json.loads((out / "model_config.json").read_text())["name"] == "tiny-llama"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directories left
     one_line_error(convert_from_hf, hf_dir, hf_dir, overwrite=True, match="must differ")
+    # An output folder that holds the input: replacing it would delete the input.
+    parent = tmp_path / "parent"
+    shutil.copytree(hf_dir, parent / "src")
+    one_line_error(convert_from_hf, parent / "src", parent, overwrite=True, match="holds the input .*src: replacing it would delete")
+    assert (parent / "src" / "config.json").is_file()
+    ckpt = parent / "src-toolkit"
+    convert_from_hf(parent / "src", ckpt)
+    one_line_error(convert_to_hf, ckpt, parent, overwrite=True, match="holds the input")
+    assert (ckpt / "model.safetensors").is_file() and (parent / "src" / "config.json").is_file()
     one_line_error(convert_from_hf, hf_dir, tmp_path / "x", dtype="float8", match="Unknown dtype 'float8'")
 
 

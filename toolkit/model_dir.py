@@ -19,7 +19,7 @@ import shutil
 import uuid
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Iterable, Iterator, Mapping, Optional
 
 from toolkit.errors import UserError
 from toolkit.models.config import CONFIG_FILENAME, Config
@@ -62,14 +62,22 @@ def require_checkpoint_dir(path: Path | str) -> Path:
 
 
 @contextmanager
-def atomic_directory(out_dir: Path | str, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(out_dir: Path | str, overwrite: bool = False, inputs: Iterable[Path | str] = ()) -> Iterator[Path]:
     """Yield a temporary directory next to `out_dir`; on success it replaces `out_dir` in one rename.
 
-    On failure the temporary directory is removed and `out_dir` is left as it was.
+    On failure the temporary directory is removed and `out_dir` is left as it was. An `out_dir`
+    that is or holds one of `inputs` (what the result is made from) is refused: replacing it would
+    delete them.
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():  # never replaced, even with overwrite: it is not a checkpoint
         raise UserError(f"{out_dir} is a file, not a folder; move it away or choose another directory.")
+    if out_dir.exists():
+        folder = out_dir.resolve()
+        for source in inputs:
+            resolved = Path(source).resolve()
+            if resolved == folder or folder in resolved.parents:
+                raise UserError(f"{out_dir} holds the input {source}: replacing it would delete that; choose another directory.")
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise UserError(f"{out_dir} already exists and is not empty; choose another directory or pass --overwrite true.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)

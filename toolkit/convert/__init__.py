@@ -150,6 +150,6 @@ def convert_pretrained_checkpoint(training_checkpoint: Path, out_dir: Path, over
     missing = [name for name in expected if name not in state]
     if missing:
         raise UserError(f"{training_checkpoint} lacks weight {missing[0]!r} ({len(missing)} missing in all)")
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, inputs=(training_checkpoint,)) as tmp:
         save_checkpoint_files(tmp, state, config, tokenizer_dir=config_dir)
     return out_dir

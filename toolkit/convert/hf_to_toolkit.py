@@ -618,7 +618,7 @@ def convert_hf_dir(
     reader = TensorReader()
     try:
         planned = plan_from_hf(read_headers(files), config, reader, dtype)
-        with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        with atomic_directory(out_dir, overwrite=overwrite, inputs=(hf_dir,)) as tmp:
             progress = Progress(sum(t.nbytes for t in planned), f"{default_name or hf_dir.name} -> toolkit")
             try:
                 write_weight_files(tmp, planned, limit, reader, progress)

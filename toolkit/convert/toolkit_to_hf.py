@@ -225,7 +225,7 @@ def convert_to_hf(
     reader = TensorReader()
     try:
         planned = plan_to_hf(infos, config, reader)
-        with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+        with atomic_directory(out_dir, overwrite=overwrite, inputs=(checkpoint_dir,)) as tmp:
             progress = Progress(sum(t.nbytes for t in planned), f"{checkpoint_dir.name} -> Hugging Face")
             try:
                 write_weight_files(tmp, planned, limit, reader, progress)

@@ -434,7 +434,7 @@ def merge_lora(adapter_dir: Path, out_dir: Optional[Path] = None, overwrite: boo
     peft_model = attach_adapter(model, adapter_dir, lora)
     with torch.no_grad():
         merged = peft_model.merge_and_unload()
-    with atomic_directory(out_dir, overwrite=overwrite) as tmp:
+    with atomic_directory(out_dir, overwrite=overwrite, inputs=(adapter_dir, base)) as tmp:
         save_checkpoint_files(tmp, merged.state_dict(), merged.config, adapter_dir)
     print(f"Merged {adapter_dir} into {base}: {out_dir}")
     return out_dir
