@@ -279,6 +279,19 @@ def test_lm_head_present_in_tied_checkpoint(tmp_path):
     ours = logits_toolkit(load_model(tmp_path / "toolkit"), ids)
     assert (ours - logits_hf(model, ids)).abs().max().item() <= 1e-4
 
+    # A stored head that differs from the embeddings: transformers does not tie it (it warns), so
+    # the conversion keeps it too, and the logits are transformers'.
+    state["lm_head.weight"] = torch.randn_like(state["lm_head.weight"]) * 0.02
+    save_file(state, str(hf_dir / "model.safetensors"), metadata={"format": "pt"})
+    convert_from_hf(hf_dir, tmp_path / "untied")
+    untied = load_model(tmp_path / "untied")
+    assert untied.config.tie_embeddings is False
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    assert not torch.equal(reference.lm_head.weight, reference.model.embed_tokens.weight)
+    assert (logits_toolkit(untied, ids) - logits_hf(reference, ids)).abs().max().item() <= 1e-4
+    convert_to_hf(tmp_path / "untied", tmp_path / "export")
+    assert torch.equal(read_safetensors_dir(tmp_path / "export")["lm_head.weight"], state["lm_head.weight"])
+
 
 # ---------------------------------------------------------------------------- configs
 def test_weight_maps_invert_exactly():

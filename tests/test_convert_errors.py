@@ -96,6 +96,16 @@ def test_unsupported_features(hf_dir):
     one_line_error(config_from_hf, {**base, "attention_bias": True}, match="attention_bias=True with mlp_bias=False")
     one_line_error(config_from_hf, {**base, "auto_map": {"AutoModel": "x.Y"}}, match="custom code")
     one_line_error(config_from_hf, {k: v for k, v in base.items() if k != "hidden_size"}, match="lacks 'hidden_size'")
+    # Values of the wrong type are named, not a TypeError from inside the conversion.
+    one_line_error(config_from_hf, {**base, "hidden_size": None}, match="hidden_size must be a whole number, got null")
+    one_line_error(config_from_hf, {**base, "num_hidden_layers": [2]}, match=r"num_hidden_layers must be a whole number, got \[2\]")
+    one_line_error(config_from_hf, {**base, "rms_norm_eps": "small"}, match='rms_norm_eps must be a number, got "small"')
+    one_line_error(config_from_hf, {**base, "tie_word_embeddings": [1]}, match=r"tie_word_embeddings must be true or false")
+    one_line_error(config_from_hf, {**base, "architectures": [1]}, match=r"architectures must be a list of class names")
+    # Bidirectional attention, however it is asked for (transformers' Llama honours is_causal).
+    for flag in ({"is_causal": False}, {"use_bidirectional_attention": True}):
+        one_line_error(config_from_hf, {**base, **flag}, match="bidirectional attention .* is not supported")
+    assert config_from_hf({**base, "use_bidirectional_attention": None, "sliding_window": None}).n_embd == base["hidden_size"]
     one_line_error(config_from_hf, base, model_name="pythia-14m", match="does not match preset 'pythia-14m'")
     one_line_error(config_to_hf, Config.from_name("debug-neox", n_query_groups=2), match="grouped-query")
 

@@ -13,6 +13,7 @@ Pure Python: importing this module does not import torch or transformers.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Optional
 
@@ -60,8 +61,43 @@ def supported_architectures() -> str:
     return ", ".join(f"{arch} ({family})" for arch, family in ARCHITECTURES.items())
 
 
+# Fields of config.json whose type is checked before anything reads them: a null or a list where a
+# number belongs is one line, not a TypeError from deep inside the conversion.
+_WHOLE_NUMBER_FIELDS = (
+    "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size",
+    "max_position_embeddings", "num_key_value_heads", "head_dim", "moe_intermediate_size", "num_experts",
+    "num_local_experts", "num_experts_per_tok", "sliding_window", "decoder_sparse_step",
+)
+_NUMBER_FIELDS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "rope_theta", "partial_rotary_factor")
+_FLAG_FIELDS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "norm_topk_prob", "use_bidirectional_attention")
+# Fields that may be null in a valid config.json (transformers reads null as "not used").
+_NULLABLE_FIELDS = ("sliding_window", "head_dim", "rope_theta", "partial_rotary_factor")
+
+
+def _check_field_types(hf_config: dict[str, Any]) -> None:
+    for key, value in hf_config.items():
+        if value is None and key in _NULLABLE_FIELDS:
+            continue
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if key in _WHOLE_NUMBER_FIELDS and not (is_number and float(value).is_integer()):
+            raise UserError(f"config.json: {key} must be a whole number, got {json.dumps(value)}")
+        if key in _NUMBER_FIELDS and not is_number:
+            raise UserError(f"config.json: {key} must be a number, got {json.dumps(value)}")
+        if key in _FLAG_FIELDS and value is not None and not isinstance(value, bool):  # (null: unset)
+            raise UserError(f"config.json: {key} must be true or false, got {json.dumps(value)}")
+    architectures = hf_config.get("architectures")
+    if architectures is not None and not (
+        isinstance(architectures, str) or (isinstance(architectures, list) and all(isinstance(a, str) for a in architectures))
+    ):
+        raise UserError(f"config.json: architectures must be a list of class names, got {json.dumps(architectures)}")
+    if hf_config.get("is_causal") is False or hf_config.get("use_bidirectional_attention"):
+        raise UserError("config.json asks for bidirectional attention (is_causal false or use_bidirectional_attention), "
+                        "which is not supported: the toolkit's attention is causal")
+
+
 def detect_family(hf_config: dict[str, Any]) -> str:
     """The toolkit family of a config.json, from `model_type`, else `architectures`."""
+    _check_field_types(hf_config)
     model_type = hf_config.get("model_type")
     architectures = hf_config.get("architectures") or []
     if isinstance(architectures, str):
@@ -82,8 +118,14 @@ def detect_family(hf_config: dict[str, Any]) -> str:
     return family
 
 
+def _flag(hf_config: dict[str, Any], key: str, default: bool) -> bool:
+    """A true/false field of config.json; absent or null: `default`."""
+    value = hf_config.get(key)
+    return default if value is None else bool(value)
+
+
 def _require(hf_config: dict[str, Any], key: str) -> Any:
-    if key not in hf_config:
+    if hf_config.get(key) is None:
         raise UserError(f"config.json lacks {key!r}, which a {hf_config.get('model_type')} model needs")
     return hf_config[key]
 
@@ -351,7 +393,7 @@ def config_from_hf(
         rope_base=rope_base,
         rope_scaling=rope_scaling,
         rotary_percentage=rotary_percentage,
-        tie_embeddings=bool(hf_config.get("tie_word_embeddings", family in _GEMMAS)),
+        tie_embeddings=_flag(hf_config, "tie_word_embeddings", family in _GEMMAS),
     )
     act = hf_config.get("hidden_activation") or hf_config.get("hidden_act") or "silu"
 
@@ -438,7 +480,7 @@ def _read_dense_family(hf_config: dict[str, Any], family: str, act: str) -> dict
                 "(the toolkit puts biases on all block projections or none)"
             )
         values.update(norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)), bias=attention_bias,
-                      tie_embeddings=bool(hf_config.get("tie_word_embeddings", True)))
+                      tie_embeddings=_flag(hf_config, "tie_word_embeddings", True))
         params = hf_config.get("rope_parameters") or {}
         if "rope_theta" not in hf_config and "rope_theta" not in params:
             values["rope_base"] = 2000000.0  # SmolLM3Config's default base

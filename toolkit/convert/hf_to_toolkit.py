@@ -28,7 +28,7 @@ import json
 import re
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Optional, Union
 
@@ -403,6 +403,33 @@ def plan_from_hf(
     return list(planned.values())
 
 
+def _stored_head_is_the_embedding(infos: list, config: Config, reader: "TensorReader", rows: int = 4096) -> bool:
+    """Whether a tied model's stored head (if it stores one) equals its embeddings, compared
+    `rows` rows at a time; True when the head is not stored."""
+    import torch
+
+    from toolkit.convert import weight_maps
+
+    head = embed = None
+    for info in infos:
+        if weight_maps.is_ignored(info.name) or weight_maps.quantized_stem(config.family, info.name) is not None:
+            continue
+        target = weight_maps.hf_to_toolkit_name(config.family, info.name)
+        if target == "lm_head.weight":
+            head = info
+        elif target == "embed.weight":
+            embed = info
+    if head is None or embed is None:
+        return True
+    if head.shape != embed.shape:
+        return False
+    for start in range(0, head.shape[0], rows):
+        stop = min(start + rows, head.shape[0])
+        if not torch.equal(reader.load_rows(head, start, stop), reader.load_rows(embed, start, stop)):
+            return False
+    return True
+
+
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A Hugging Face tensor stored quantized (`weight_maps.QUANTIZED_PARTS`; MXFP4 blocks and scales,
@@ -617,7 +644,13 @@ def convert_hf_dir(
     files = find_hf_weights(hf_dir)
     reader = TensorReader()
     try:
-        planned = plan_from_hf(read_headers(files), config, reader, dtype)
+        infos = read_headers(files)
+        if config.tie_embeddings and not _stored_head_is_the_embedding(infos, config, reader):
+            # As transformers loads it: a stored head that differs from the embeddings is not tied to them.
+            config = replace(config, tie_embeddings=False)
+            print(f"Note: config.json ties the output head to the embeddings, but {hf_dir} stores a different "
+                  "lm_head.weight; as in transformers, the head is kept separate (tie_embeddings false).")
+        planned = plan_from_hf(infos, config, reader, dtype)
         with atomic_directory(out_dir, overwrite=overwrite, inputs=(hf_dir,)) as tmp:
             progress = Progress(sum(t.nbytes for t in planned), f"{default_name or hf_dir.name} -> toolkit")
             try:
