@@ -316,3 +316,28 @@ def test_ctrl_c_raised_again_by_a_checkpoint_save_reads_as_interrupted(capsys):
         assert caused_by_interrupt(chained)
     assert not caused_by_interrupt(CheckpointException("write", {1: _wrap_exception(RuntimeError("disk full"))}))
     assert not caused_by_interrupt(RuntimeError("disk full"))
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_any_work(capsys, tmp_path):
+    """NeoX's 50,277 tokens beside a 512-row embedding: ids past row 511 ended in an IndexError
+    traceback mid-run (after fine-tuning had written its out_dir). generate and fine-tuning refuse it
+    up front; conversion says so."""
+    import torch
+
+    from toolkit.model_dir import save_checkpoint_files
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT
+
+    config = Config.from_name("debug-neox", n_layer=1, vocab_size=512)
+    small = tmp_path / "small"
+    small.mkdir()
+    save_checkpoint_files(small, GPT(config).state_dict(), config, tokenizer_dir=NEOX)
+    expected = f"The tokenizer in {small} has 50277 tokens but {small} only 512 embeddings"
+    line = _one_error_line(capsys, ["generate", str(small), "--prompt", "Hello"])
+    assert expected in line, line
+    data = tmp_path / "data.json"
+    data.write_text('[{"instruction": "Say hi.", "output": "Hi."}]')
+    line = _one_error_line(capsys, ["finetune_full", str(small), "--out_dir", str(tmp_path / "out"),
+                                    "--data", "JSON", "--data.json_path", str(data)])
+    assert expected in line, line
+    assert not (tmp_path / "out").exists()

@@ -89,7 +89,8 @@ def generate(
             or '{"reasoning_effort": "high"}' (gpt-oss).
     """
     from toolkit.model_dir import load_model, require_checkpoint_dir
-    from toolkit.tokenizer import Tokenizer
+    from toolkit.models.config import Config
+    from toolkit.tokenizer import Tokenizer, check_tokenizer_fits
 
     checkpoint_dir = require_checkpoint_dir(checkpoint_dir)
     if max_new_tokens < 1:
@@ -111,6 +112,7 @@ def generate(
 
         conversation = read_messages(messages, system)  # a bad file fails before the model loads
     tokenizer = Tokenizer(checkpoint_dir)
+    check_tokenizer_fits(tokenizer, Config.from_file(checkpoint_dir).vocab_size, str(checkpoint_dir))
     model = load_model(checkpoint_dir, device=device, dtype=dtype)
     if chat or messages is not None:
         from toolkit.data.chat_template import resolve_chat_template

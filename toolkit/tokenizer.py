@@ -269,6 +269,16 @@ def _umask() -> int:
     return mask
 
 
+def check_tokenizer_fits(tokenizer: "Tokenizer", vocab_size: int, model: str) -> None:
+    """Refuse a tokenizer with more tokens than the model has embeddings: its ids past the last row
+    would fail inside the model (an IndexError) on the first text that uses them."""
+    if tokenizer.vocab_size > vocab_size:
+        raise UserError(
+            f"The tokenizer in {tokenizer.directory} has {tokenizer.vocab_size} tokens but {model} only "
+            f"{vocab_size} embeddings: ids from {vocab_size} on have none. Use the tokenizer the model was trained with."
+        )
+
+
 def train_bpe_tokenizer(text_files: list[Path], vocab_size: int, out_dir: Path) -> Tokenizer:
     """Train a byte-level BPE tokenizer on local text and write it to `out_dir`.
 

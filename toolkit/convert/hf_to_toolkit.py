@@ -661,4 +661,20 @@ def convert_hf_dir(
             copy_tokenizer_files(hf_dir, tmp)
     finally:
         reader.close()
+    _note_tokenizer(out_dir, config)
     return out_dir
+
+
+def _note_tokenizer(checkpoint_dir: Path, config: Config) -> None:
+    """Say, at conversion, what would stop `generate` and fine-tuning later: no tokenizer, or one with
+    more tokens than the model has embeddings."""
+    from toolkit.tokenizer import Tokenizer, check_tokenizer_fits
+
+    if not (checkpoint_dir / "tokenizer.json").is_file():
+        print(f"Note: {checkpoint_dir} has no tokenizer.json (the source had none); add the model's tokenizer "
+              "files to it before generating or fine-tuning.")
+        return
+    try:
+        check_tokenizer_fits(Tokenizer(checkpoint_dir), config.vocab_size, str(checkpoint_dir))
+    except UserError as problem:
+        print(f"Note: {problem} Generation and fine-tuning refuse it until then.")

@@ -70,7 +70,7 @@ def run_finetune(
     from toolkit.model_dir import require_checkpoint_dir
     from toolkit.models.config import Config
     from toolkit.parallel.plan import plan_run
-    from toolkit.tokenizer import Tokenizer
+    from toolkit.tokenizer import Tokenizer, check_tokenizer_fits
     from toolkit.training.objectives import SFT, ObjectiveSetup
     from toolkit.training.session import Session
     from toolkit.training.trackers import plain
@@ -80,6 +80,7 @@ def run_finetune(
     config = Config.from_file(checkpoint_dir)
     dtype = resolve_export_dtype(export_dtype, checkpoint_dir)
     tokenizer = Tokenizer(checkpoint_dir)
+    check_tokenizer_fits(tokenizer, config.vocab_size, str(checkpoint_dir))
     max_seq_length = train.sequence_length(config)
     run_plan = plan_run(devices, num_nodes, precision, distributed, train, max_seq_length, quantize, model=config)
     import torch
