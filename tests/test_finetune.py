@@ -2,6 +2,7 @@
 real Llama-2 tokenizer and real Alpaca records; real peft, bitsandbytes and transformers."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -82,7 +83,7 @@ def _adapted_logits(base, lora_run, tokens):
         return model(tokens)
 
 
-def test_merged_checkpoint_gives_the_logits_of_base_plus_adapter(base, lora_run, tmp_path):
+def test_merged_checkpoint_gives_the_logits_of_base_plus_adapter(base, lora_run, tmp_path, capsys):
     tokens = torch.randint(0, 32000, (2, 24), generator=torch.Generator().manual_seed(1))
     expected = _adapted_logits(base, lora_run, tokens)
     merged_dir = tmp_path / "merged"
@@ -93,6 +94,23 @@ def test_merged_checkpoint_gives_the_logits_of_base_plus_adapter(base, lora_run,
     # The adapter is not a no-op: the base alone gives other logits.
     with torch.no_grad():
         assert (load_model(base["checkpoint"])(tokens) - expected).abs().max() > 1e-3
+
+    # A base replaced at its path since training (same shapes, other weights) is refused, not merged into.
+    from toolkit.finetune.lora import LORA_META
+    from toolkit.safetensors_io import load_file, save_file
+
+    replaced = tmp_path / "replaced-base"
+    shutil.copytree(base["checkpoint"], replaced)
+    weights = load_file(str(replaced / "model.safetensors"))
+    save_file({k: v + 0.01 if v.is_floating_point() else v for k, v in weights.items()}, str(replaced / "model.safetensors"))
+    moved = tmp_path / "run" / "final"
+    shutil.copytree(lora_run["out"] / "final", moved)
+    meta = json.loads((moved / LORA_META).read_text())
+    assert meta["base_fingerprint"]
+    (moved / LORA_META).write_text(json.dumps({**meta, "base_checkpoint": str(replaced)}))
+    capsys.readouterr()
+    assert run(["merge_lora", str(tmp_path / "run"), "--out_dir", str(tmp_path / "wrong")]) == 1
+    assert "with other weights (fingerprint" in capsys.readouterr().err and not (tmp_path / "wrong").exists()
 
 
 def test_peft_format_adapter_reproduces_the_logits_in_transformers(base, lora_run):

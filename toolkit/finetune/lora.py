@@ -289,7 +289,8 @@ def save_adapter(session, model, lora: LoRAArgs, base_checkpoint: Path, quantize
     def write() -> None:
         with atomic_directory(target, overwrite=True) as tmp:
             save_file(adapters, tmp / ADAPTER_FILE)
-            meta = {"base_checkpoint": str(Path(base_checkpoint).resolve()), "lora": asdict(lora), "quantize": quantize}
+            meta = {"base_checkpoint": str(Path(base_checkpoint).resolve()), "lora": asdict(lora), "quantize": quantize,
+                    "base_fingerprint": (session.frozen_base or {}).get("fingerprint")}
             (tmp / LORA_META).write_text(json.dumps(meta, indent=2) + "\n")
             save_checkpoint_files(tmp, {}, session.config, session.tokenizer_dir, weights=False)
             skipped = write_peft_adapter(tmp, adapters, lora, session.config)
@@ -379,9 +380,22 @@ def find_adapter_dir(path: Path | str) -> Optional[Path]:
 
 
 def read_adapter_meta(adapter_dir: Path) -> tuple[Path, LoRAArgs]:
-    """(the base checkpoint, the adapter's settings), as `save_adapter` recorded them."""
+    """(the base checkpoint, the adapter's settings), as `save_adapter` recorded them. A base whose
+    weights are no longer those the adapter was trained on (its fingerprint, where recorded) is refused."""
+    from toolkit.model_dir import checkpoint_fingerprint, require_checkpoint_dir
+
     meta = json.loads((Path(adapter_dir) / LORA_META).read_text())
-    return Path(meta["base_checkpoint"]), LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
+    base = Path(meta["base_checkpoint"])
+    recorded = meta.get("base_fingerprint")
+    if recorded is not None:
+        require_checkpoint_dir(base)
+        found = checkpoint_fingerprint(base)
+        if found != recorded:
+            raise UserError(
+                f"The adapter in {adapter_dir} was trained on {base} with other weights (fingerprint {recorded}, now "
+                f"{found}): the base was replaced since. Restore it (or an exact copy at that path) to apply the adapter."
+            )
+    return base, LoRAArgs(**{**meta["lora"], "targets": tuple(meta["lora"]["targets"])})
 
 
 def attach_adapter(model, adapter_dir: Path, lora: LoRAArgs):
