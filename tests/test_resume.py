@@ -178,6 +178,16 @@ def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     assert not (tmp_path / "empty").exists()
 
 
+def test_a_finished_run_started_again_keeps_pruning_its_history(reference):
+    """A finished run started once more saves its last step again: that save keeps the step's place
+    in the history, so a longer run afterwards still prunes down to keep_last (3)."""
+    out = reference.parent / "again"
+    shutil.copytree(reference, out)
+    _run(_pretrain_cmd(out))  # the same 8 steps: starts and stops at once, saving step 8 again
+    _run(_pretrain_cmd(out, 12))
+    assert {p.name for p in (out / "checkpoints").iterdir()} == {"step-00000008", "step-00000010", "step-00000012"}
+
+
 def test_resuming_an_older_checkpoint_prunes_by_history_and_auto_follows_the_new_branch(reference):
     """Resumed from step 4 while steps 6 and 8 exist, with keep_last 1: the checkpoint it resumed from
     and the one it just wrote survive, the abandoned step 8 is left alone, and --resume auto then

@@ -258,9 +258,15 @@ def save(
             files.setdefault(str(p.relative_to(tmp)), file_digest(p))
         sequence = 1 + max((_sequence(c) for c in list_checkpoints(out_dir)), default=0)
         parent_name = _parent_name(parent, final)
+        parent_sequence = _sequence(parent) if parent_name is not None else None
+        if parent is not None and parent_name is None and Path(parent).name == final.name and final.exists():
+            # The same step saved again (a finished run started once more): it replaces itself, so it
+            # keeps that checkpoint's place in the history, or the older ones would never be pruned.
+            replaced = read_meta(final) or {}
+            parent_name, parent_sequence = replaced.get("parent"), replaced.get("parent_sequence")
         meta = {"step": step, "train_state": train_state, "run": run_shape, "sharded": sharded,
                 "world_size_independent": _world_size_independent(loader), "sequence": sequence,
-                "parent": parent_name, "parent_sequence": _sequence(parent) if parent_name is not None else None,
+                "parent": parent_name, "parent_sequence": parent_sequence,
                 "save_seconds": round(time.perf_counter() - start, 3),  # all of the save but this file's rename
                 "files": dict(sorted(files.items()))}
         if frozen_base is not None:
