@@ -111,6 +111,10 @@ def test_merged_checkpoint_gives_the_logits_of_base_plus_adapter(base, lora_run,
     capsys.readouterr()
     assert run(["merge_lora", str(tmp_path / "run"), "--out_dir", str(tmp_path / "wrong")]) == 1
     assert "with other weights (fingerprint" in capsys.readouterr().err and not (tmp_path / "wrong").exists()
+    # Exporting the adapter folder itself says to merge first.
+    assert run(["convert_to_hf", str(lora_run["out"] / "final"), str(tmp_path / "export")]) != 0
+    assert f"holds a LoRA adapter, not a whole model: merge it into its base first with `toolkit merge_lora {lora_run['out']}`" \
+        in capsys.readouterr().err
 
 
 def test_peft_format_adapter_reproduces_the_logits_in_transformers(base, lora_run):

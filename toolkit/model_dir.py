@@ -52,6 +52,12 @@ def require_checkpoint_dir(path: Path | str) -> Path:
             f"{path} is a Hugging Face model, not a toolkit checkpoint: convert it first with "
             f"`toolkit convert_from_hf {path} <out_dir>`."
         )
+    if (path / "lora.json").is_file() and not is_checkpoint_dir(path):
+        run = path.parent if path.name == "final" else path
+        raise UserError(
+            f"{path} holds a LoRA adapter, not a whole model: merge it into its base first with "
+            f"`toolkit merge_lora {run}` and use the merged folder (`python -m extensions.lm_eval` takes the adapter as it is)."
+        )
     if not is_checkpoint_dir(path):
         raise UserError(
             f"{path} is not a toolkit checkpoint (expected {CONFIG_FILENAME} and {WEIGHTS_FILENAME} or "
