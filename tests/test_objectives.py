@@ -251,3 +251,17 @@ def test_a_batch_run_only_to_keep_the_ranks_in_step_adds_the_shapes_of_its_sums_
     assert skipped.normaliser.dtype == counted.normaliser.dtype == torch.float32  # a float total weight
     assert skipped.metrics.keys() == counted.metrics.keys() == {"accuracy"}
     assert skipped.loss.item() == skipped.normaliser.item() == skipped.metrics["accuracy"].item() == 0
+
+
+def test_an_objective_metric_named_like_the_loops_own_or_not_a_tensor_is_refused():
+    """A user objective that returned {"loss": n_targets} replaced the logged loss with its count."""
+    from toolkit.errors import UserError
+    from toolkit.training.objectives import ObjectiveOutput
+
+    loss, n = torch.tensor(3.0), torch.tensor(4)
+    for name in ("loss", "ppl"):
+        with pytest.raises(UserError, match=f"may not be named '{name}': the loop logs loss and ppl itself"):
+            ObjectiveOutput(loss_sum=loss, normaliser=n, metrics={name: torch.tensor(1.0)})
+    with pytest.raises(UserError, match="metric 'tokens' is a float; metrics are tensors"):
+        ObjectiveOutput(loss_sum=loss, normaliser=n, metrics={"tokens": 4.0})
+    assert ObjectiveOutput(loss_sum=loss, normaliser=n, metrics={"tokens": torch.tensor(4.0)}).metrics

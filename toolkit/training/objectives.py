@@ -48,6 +48,10 @@ from toolkit.errors import UserError
 from toolkit.models import IGNORE_INDEX
 
 
+# Metric names the loop gives its own values (train/loss, val/loss, val/ppl).
+RESERVED_METRICS = ("loss", "ppl")
+
+
 @dataclass
 class ObjectiveOutput:
     """What an objective gives for one micro-batch; every tensor is 0-dim."""
@@ -60,6 +64,15 @@ class ObjectiveOutput:
     # Summed over the same units, trained with the loss but logged apart (a mixture of experts'
     # router losses, `WithRouterLosses`): the gradient is that of loss_sum + penalty_sum.
     penalty_sum: Optional[torch.Tensor] = None
+
+    def __post_init__(self) -> None:
+        for name, value in self.metrics.items():
+            if name in RESERVED_METRICS:
+                raise UserError(f"An objective's metric may not be named {name!r}: the loop logs {' and '.join(RESERVED_METRICS)} "
+                                "itself (the loss over the normaliser, its exp); rename it")
+            if not isinstance(value, torch.Tensor):
+                raise UserError(f"The objective's metric {name!r} is a {type(value).__name__}; metrics are tensors "
+                                "(a sum over the micro-batch's units, as loss_sum is)")
 
     @property
     def trained_sum(self) -> torch.Tensor:
