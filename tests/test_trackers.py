@@ -182,6 +182,36 @@ def test_an_mlflow_file_store_is_refused_in_one_line_before_anything_starts(tmp_
     assert logger.tracking_uri.startswith("file:")
 
 
+def test_an_unreachable_server_and_a_resume_in_another_store_are_one_line(tmp_path, monkeypatch):
+    """A tracking server that refuses connections: MLflow's client retried for minutes, then a
+    traceback. A resumed run whose MLflow run is in another store than the one now named: 'Run not
+    found' and a stray database; unnamed, the resumed start logs where its run is."""
+    import json
+    import socket
+
+    from toolkit.args import LogArgs
+    from toolkit.errors import UserError
+    from toolkit.training.trackers import TRACKERS_FILE, make_loggers
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(UserError, match=f"MLflow cannot reach the tracking server http://127.0.0.1:{port}/ "):
+        make_loggers(tmp_path / "run", LogArgs(loggers=("mlflow",), tracking_uri=f"http://127.0.0.1:{port}/"), continue_runs=False)
+
+    run_dir = tmp_path / "resumed"
+    run_dir.mkdir()
+    recorded = f"sqlite:///{tmp_path / 'first.db'}"
+    (run_dir / TRACKERS_FILE).write_text(json.dumps({"mlflow": {"run_id": "abc", "experiment_id": "1", "tracking_uri": recorded}}))
+    other = f"sqlite:///{tmp_path / 'other.db'}"
+    with pytest.raises(UserError, match=f"is in the tracking store {recorded}, not {other}: pass --log.tracking_uri {recorded}"):
+        make_loggers(run_dir, LogArgs(loggers=("mlflow",), tracking_uri=other), continue_runs=True)
+    assert not (tmp_path / "other.db").exists()
+    (logger,) = make_loggers(run_dir, LogArgs(loggers=("mlflow",)), continue_runs=True)
+    assert logger.tracking_uri == recorded
+
+
 def test_the_cli_says_one_line_for_a_file_store(tmp_path, monkeypatch):
     import os
     import subprocess

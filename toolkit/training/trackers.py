@@ -112,6 +112,15 @@ def make_loggers(out_dir: Path, log, continue_runs: bool) -> list:
         from toolkit.training.tracker_loggers import MLflowRunLogger
 
         uri = mlflow_tracking_uri(log, out_dir)
+        recorded = previous.get("mlflow", {}).get("tracking_uri")
+        if recorded and recorded != uri:
+            if log.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI"):
+                raise UserError(
+                    f"This run's MLflow run {previous['mlflow'].get('run_id')} is in the tracking store {recorded}, not "
+                    f"{uri}: pass --log.tracking_uri {recorded} to continue it, or start a new --out_dir."
+                )
+            uri = recorded  # a resumed start logs where its run is, as it did when no store was named
+        _check_server_reachable(uri)
         try:
             loggers.append(MLflowRunLogger(
                 experiment_name=log.project or os.environ.get("MLFLOW_EXPERIMENT_NAME") or DEFAULT_PROJECT,
@@ -124,6 +133,24 @@ def make_loggers(out_dir: Path, log, continue_runs: bool) -> list:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             raise UserError(f"MLflow cannot use the tracking store {uri}: {reason[:300]}") from None
     return loggers
+
+
+def _check_server_reachable(uri: str, seconds: float = 5.0) -> None:
+    """An http(s) tracking server that does not accept a connection within `seconds` is one line:
+    MLflow's client retries each request for minutes before its own traceback."""
+    import socket
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        socket.create_connection((parts.hostname, port), timeout=seconds).close()
+    except (OSError, ValueError) as error:
+        reason = getattr(error, "strerror", None) or str(error) or type(error).__name__
+        raise UserError(f"MLflow cannot reach the tracking server {uri} ({reason}); start it, or pass another "
+                        "--log.tracking_uri (without one, runs are logged to a database in the run's folder).") from None
 
 
 def _mlflow_tags(tags: Sequence[str]) -> dict[str, str]:
