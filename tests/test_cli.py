@@ -323,7 +323,6 @@ def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_any_wor
     """NeoX's 50,277 tokens beside a 512-row embedding: ids past row 511 ended in an IndexError
     traceback mid-run (after fine-tuning had written its out_dir). generate and fine-tuning refuse it
     up front; conversion says so."""
-    import torch
 
     from toolkit.model_dir import save_checkpoint_files
     from toolkit.models.config import Config

@@ -164,7 +164,7 @@ def test_toolkit_help_lists_commands_without_importing_torch():
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
+def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path, capsys):
     """The real recipe (StreamMix of litdata streams) with local streams and a shrunken model."""
     from toolkit.data.streams import optimize_text_to_stream
     from toolkit.tokenizer import Tokenizer
@@ -188,6 +188,13 @@ def test_the_tinyllama_recipe_trains_on_locally_optimized_streams(tmp_path):
     assert json.loads((out / "summary.json").read_text())["step"] == 3
     losses = [float(r["train/loss"]) for r in logged_metrics(out) if r.get("train/loss")]
     assert losses and all(0 < x < 20 for x in losses)
+
+    # The same streams under a model of 512 tokens (its own tokenizer fits it): the streams' Llama-2
+    # ids are past its vocabulary, which ended in an IndexError inside the embedding.
+    small = ["--tokenizer_dir", str(ASSETS / "tokenizers" / "shakespeare-bpe-512"), "--out_dir", str(tmp_path / "small"),
+             "--model_overrides", "{n_layer: 1, n_embd: 64, n_head: 4, n_query_groups: 2, intermediate_size: 128, vocab_size: 512}"]
+    assert run([*args, *small]) == 1
+    assert "The training data holds token id" in capsys.readouterr().err
 
 
 def test_the_tinyllama_recipe_without_streams_says_what_to_pass(tmp_path):

@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional
 import torch
 
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
+from toolkit.errors import UserError
 from toolkit.parallel.fsdp import release_gathered
 from toolkit.training.objectives import CausalLM, Objective, ObjectiveOutput
 
@@ -58,6 +59,9 @@ class LoopHooks:
     # The preemption signals this process received (`toolkit.training.preemption.StopSignals`): the
     # ranks agree in each step's all-reduce and stop after that step; the loop sets `stop.agreed`.
     stop: Optional[Any] = None
+    # The model's vocabulary: the first step's token ids are checked against it (data tokenized with
+    # another, larger tokenizer would otherwise end in an IndexError inside the embedding).
+    vocab_size: Optional[int] = None
 
 
 def lr_at(step: int, args: TrainArgs, total_steps: Optional[int]) -> float:
@@ -112,6 +116,7 @@ def fit(
     compile_reported = False
     run_start = time.perf_counter() - state.train_seconds
     stop_reason = None
+    ids_checked = hooks.vocab_size is None
     model.train()
 
     while True:
@@ -130,6 +135,9 @@ def fit(
             stop_reason = f"end of data after {state.epoch} epoch(s)"
             break
         group = [fabric.to_device(b) for b in group or []]
+        if not ids_checked:  # the first step of each start (one host sync)
+            _check_token_ids(group, hooks.vocab_size)
+            ids_checked = True
         # The objective's units (target tokens) of this optimizer step over every micro-batch and
         # rank: the loss divisor, known before any backward pass.
         zero = torch.zeros((), dtype=torch.long, device=fabric.device)
@@ -297,6 +305,19 @@ def _take(batches: Iterator[dict], n: int) -> Optional[list[dict]]:
 def _divisor(count: torch.Tensor) -> torch.Tensor:
     """`count`, or 1 where it is 0: a step or window without units has a loss sum of 0 too."""
     return count.clamp(min=1) if not count.is_floating_point() else torch.where(count > 0, count, torch.ones_like(count))
+
+
+def _check_token_ids(group: list[dict], vocab_size: int) -> None:
+    """Refuse token ids past the model's vocabulary in these batches (any `*input_ids` tensor)."""
+    for batch in group:
+        for key, value in batch.items():
+            if key.endswith("input_ids") and isinstance(value, torch.Tensor) and value.numel():
+                largest = int(value.max())
+                if largest >= vocab_size:
+                    raise UserError(
+                        f"The training data holds token id {largest}, past the model's vocabulary ({vocab_size} tokens): "
+                        "it was tokenized with another tokenizer. Prepare it again with the model's tokenizer."
+                    )
 
 
 class _Sums:

@@ -381,6 +381,7 @@ class Session:
             device_peak_flops=peak,
             compile_seconds=compile_seconds if compiled else None,
             stop=self.stop_signals,
+            vocab_size=self.config.vocab_size,
         )
         stop = self.stop_signals
         if stop is not None:
