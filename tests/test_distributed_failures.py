@@ -121,7 +121,7 @@ def test_torchrun_with_another_process_count_than_devices_is_refused_by_every_pr
     # Each process that got that far says it (torchrun stops the other one when the first fails), then
     # torchrun prints its own summary of the failure, a ChildFailedError traceback of its code.
     ours = [line for line in result.stderr.splitlines() if line.startswith("toolkit pretrain")]
-    assert ours and set(ours) == {expected} and "/toolkit/" not in result.stderr, result.stderr[-3000:]
+    assert ours and set(ours) == {expected} and f"{REPO / 'toolkit'}/" not in result.stderr, result.stderr[-3000:]
     assert not out_dir.exists()
 
 

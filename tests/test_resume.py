@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 
 from conftest import kill_group_at_step, logged_metrics, run_in_process, tiny_pretrain_args
 
+from toolkit.cli import run
+
 STEPS = 8
 
 
@@ -95,7 +97,7 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(reference)
     _assert_same_weights(reference, out)
 
 
-def test_auto_refuses_when_no_checkpoint_is_usable_and_changes_nothing(reference):
+def test_auto_refuses_when_no_checkpoint_is_usable_and_changes_nothing(reference, capsys):
     """Every checkpoint damaged: starting fresh would write new checkpoints over them, so --resume
     auto refuses in one line naming each one's problem, and the folder is left byte for byte."""
     out = reference.parent / "all-damaged"
@@ -103,9 +105,8 @@ def test_auto_refuses_when_no_checkpoint_is_usable_and_changes_nothing(reference
     for meta in (out / "checkpoints").glob("step-*/meta.json"):
         meta.write_text('{"step": 8, "trunc')
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    result = subprocess.run(_pretrain_cmd(out), capture_output=True, text=True, env=_env(), timeout=600)
-    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
-    line = result.stderr.strip().splitlines()[-1]
+    assert run(_pretrain_args(out)) == 1  # (in this process: the refusal comes before any step)
+    line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("toolkit pretrain: error: --resume auto: none of the 3 checkpoint(s) in "), line
     assert "step-00000008: meta.json" in line and "nothing was changed" in line, line
     assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
@@ -144,20 +145,20 @@ def test_resuming_with_a_different_global_batch_is_refused(reference):
     assert "Traceback" not in result.stderr
 
 
-def test_resuming_with_another_seed_is_refused(reference):
+def test_resuming_with_another_seed_is_refused(reference, capsys):
     """The seed orders the data: the saved position (samples yielded) in another shuffle would repeat
     some samples of the epoch and skip others."""
-    result = subprocess.run(_pretrain_cmd(reference.parent / "reseeded", STEPS, "--resume", str(reference / "checkpoints" / "step-00000004"),
-                                          "--seed", "7"), capture_output=True, text=True, env=_env(), timeout=600)
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "Cannot resume" in result.stderr and "seed: checkpoint has 42, this run 7" in result.stderr, result.stderr[-2000:]
+    args = _pretrain_args(reference.parent / "reseeded", STEPS, "--resume", str(reference / "checkpoints" / "step-00000004"),
+                          "--seed", "7")
+    assert run(args) == 1  # (in this process: the refusal comes before any step)
+    err = capsys.readouterr().err
+    assert "Cannot resume" in err and "seed: checkpoint has 42, this run 7" in err, err[-2000:]
     assert not (reference.parent / "reseeded").exists()
 
 
 def test_resume_given_a_run_folder_or_nothing_says_what_it_takes(reference, capsys):
     """Two mistakes a user makes, each answered with what to give instead (in this process: the
     refusal comes before any work)."""
-    from toolkit.cli import run
 
     for value, expected in (
         (str(reference), f"it is a run's --out_dir, not one of its checkpoints; give one (its newest is "
@@ -183,8 +184,8 @@ def test_a_finished_run_started_again_keeps_pruning_its_history(reference):
     in the history, so a longer run afterwards still prunes down to keep_last (3)."""
     out = reference.parent / "again"
     shutil.copytree(reference, out)
-    _run(_pretrain_cmd(out))  # the same 8 steps: starts and stops at once, saving step 8 again
-    _run(_pretrain_cmd(out, 12))
+    run_in_process(_pretrain_args(out))  # the same 8 steps: starts and stops at once, saving step 8 again
+    run_in_process(_pretrain_args(out, 12))
     assert {p.name for p in (out / "checkpoints").iterdir()} == {"step-00000008", "step-00000010", "step-00000012"}
 
 
@@ -215,7 +216,6 @@ def test_resuming_an_older_checkpoint_prunes_by_history_and_auto_follows_the_new
     # Back to the abandoned step 8, whose parent was the step 6 that the new branch has since saved
     # again: pruning follows step 8's own history only, so the other branch's step 6 and 7 stay.
     abandoned = root / "step-00000008"
-    result = _run(_pretrain_cmd(out, 10, "--resume", str(abandoned), "--train.keep_last", "1"))
-    assert f"Resumed from {abandoned}" in result.stdout
+    assert f"Resumed from {abandoned}" in run_in_process(_pretrain_args(out, 10, "--resume", str(abandoned), "--train.keep_last", "1"))
     names = {p.name for p in root.iterdir()}
     assert names == {"step-00000006", "step-00000007", "step-00000008", "step-00000010"}, names
