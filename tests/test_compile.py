@@ -87,6 +87,10 @@ def test_compiled_blocks_match_eager_on_one_process(runs):
     assert out.count("s compiling up to step") == 1  # the compile time, printed once
     compile_rows = [r for r in logged_metrics(runs["compiled"]) if r.get("train/compile_seconds")]
     assert len(compile_rows) == 1 and float(compile_rows[0]["train/compile_seconds"]) > 0
+    # The time left is extrapolated from the steps' pace, not from the compilation (seconds here,
+    # against steps of milliseconds): every step line says well under a second is left.
+    step_lines = [line for line in out.splitlines() if line.startswith("step ")]
+    assert len(step_lines) == STEPS and all(line.endswith(", 0:00 left") for line in step_lines), step_lines
     # Each step logs its real input tokens (here every token is real: micro 2 x 2 accumulation x 32).
     assert [float(r["train/tokens_per_step"]) for r in logged_metrics(runs["compiled"]) if r.get("train/loss")] == [128.0] * STEPS
     _assert_close_runs(runs["compiled"], runs["eager"])

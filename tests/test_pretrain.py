@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
 from toolkit.cli import run
 
@@ -72,6 +73,9 @@ def test_max_tokens_stops_before_exceeding_the_budget(tmp_path, capsys):
     assert [line.split(" |")[0] for line in lines] == ["step 1/3", "step 2/3", "step 3/3"]
     assert all(re.search(r"\| \d+:\d\d elapsed, \d+:\d\d left$", line) for line in lines), lines
     assert lines[-1].endswith(", 0:00 left")
+    # Two warmup steps reach the peak, and the cosine decay ends at min_lr on the last step.
+    rates = [float(row["train/lr"]) for row in logged_metrics(out) if row.get("train/lr")]
+    assert rates == pytest.approx([0.005, 0.01, 0.001], rel=1e-9), rates
 
 
 def test_max_time_stops_at_a_step_boundary(tmp_path, capsys):

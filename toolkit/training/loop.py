@@ -65,15 +65,19 @@ class LoopHooks:
 
 
 def lr_at(step: int, args: TrainArgs, total_steps: Optional[int]) -> float:
-    """Linear warmup for `warmup_steps`, then cosine decay to `min_lr` at `total_steps`.
+    """Linear warmup for `warmup_steps`, then cosine decay to `min_lr` on the last step.
 
-    Without a known number of steps (only --train.max_time), the rate stays flat after warmup.
+    Steps count from 0: warmup step s runs at (s + 1) / warmup_steps of the peak, so the peak is
+    reached on step warmup_steps - 1 (step 0 without warmup) and the decay runs from there to step
+    total_steps - 1, which runs at `min_lr`. Without a known number of steps (only
+    --train.max_time), the rate stays flat after warmup.
     """
     if args.warmup_steps and step < args.warmup_steps:
         return args.learning_rate * (step + 1) / args.warmup_steps
     if args.lr_schedule == "constant" or not total_steps:
         return args.learning_rate
-    progress = min(1.0, (step - args.warmup_steps) / max(1, total_steps - args.warmup_steps))
+    peak_step = max(args.warmup_steps - 1, 0)
+    progress = min(1.0, (step - peak_step) / max(1, total_steps - 1 - peak_step))
     return args.min_lr + 0.5 * (args.learning_rate - args.min_lr) * (1 + math.cos(math.pi * progress))
 
 
@@ -115,6 +119,8 @@ def fit(
     compiled_before = hooks.compile_seconds() if hooks.compile_seconds else 0.0
     compile_reported = False
     run_start = time.perf_counter() - state.train_seconds
+    # This start's pace, compilation left out: what the time-left estimate extrapolates.
+    start_step, start_seconds, compiled_this_start = state.step, state.train_seconds, 0.0
     stop_reason = None
     ids_checked = hooks.vocab_size is None
     model.train()
@@ -193,11 +199,13 @@ def fit(
             if hooks.compile_seconds:
                 compiled_now = hooks.compile_seconds()
                 compiling, compiled_before = compiled_now - compiled_before, compiled_now
+                compiled_this_start += compiling
                 if compiling > 0 and not compile_reported:  # later ones (validation's graph): in the metrics only
                     fabric.print(f"torch.compile: {compiling:.1f} s compiling up to step {state.step}, left out of the step times")
                     compile_reported = True
+            seconds_per_step = (state.train_seconds - start_seconds - compiled_this_start) / (state.step - start_step)
             _log_step(fabric, state, lr, running, max(elapsed - compiling, 1e-3), window_steps,
-                      window_tokens, hooks, step_limit or total_steps, max_seconds, compiling)
+                      window_tokens, hooks, step_limit or total_steps, max_seconds, compiling, seconds_per_step)
             running = _Sums(fabric.device)
             window_start, window_steps, window_tokens = time.perf_counter(), 0, 0
 
@@ -360,10 +368,11 @@ class _Sums:
 
 
 def _log_step(fabric, state, lr, running: _Sums, elapsed, window_steps, window_tokens, hooks, step_limit,
-              max_seconds=None, compile_seconds=0.0):
+              max_seconds=None, compile_seconds=0.0, seconds_per_step=None):
     """Log the window of steps since the last log. `running`: the objective's sums over its
     micro-batches; `window_tokens`: real (non-padding) input tokens of its steps over all ranks;
-    `elapsed`: its wall time, compilation left out."""
+    `elapsed`: its wall time, compilation left out; `seconds_per_step`: this start's mean (validation
+    and checkpoints in, compilation out), for the time left."""
     means = running.means(fabric)  # at log steps only
     loss = means.pop("loss")
     tokens_per_sec = window_tokens / max(elapsed, 1e-9)
@@ -386,17 +395,19 @@ def _log_step(fabric, state, lr, running: _Sums, elapsed, window_steps, window_t
         mfu = hooks.flops_per_token * tokens_per_sec / (hooks.device_peak_flops * fabric.world_size)
         metrics["train/mfu"] = mfu
         line += f" | MFU {100 * mfu:.1f}%"
-    line += f" | {_duration(state.train_seconds)} elapsed" + _time_left(state, step_limit, max_seconds)
+    line += f" | {_duration(state.train_seconds)} elapsed" + _time_left(state, step_limit, max_seconds, seconds_per_step)
     fabric.log_dict(metrics, step=state.step)
     fabric.print(line)
 
 
-def _time_left(state: TrainState, step_limit: Optional[int], max_seconds: Optional[float]) -> str:
-    """", 12:05 left" when the run's length is known: from the mean time per step so far (validation
-    and checkpoints included), or the time limit, whichever ends first; "" otherwise."""
+def _time_left(state: TrainState, step_limit: Optional[int], max_seconds: Optional[float],
+               seconds_per_step: Optional[float]) -> str:
+    """", 12:05 left" when the run's length is known: from the mean time per step of this start
+    (validation and checkpoints included, compilation not: it happens once), or the time limit,
+    whichever ends first; "" otherwise."""
     estimates = []
-    if step_limit and state.step:
-        estimates.append(state.train_seconds / state.step * max(0, step_limit - state.step))
+    if step_limit and seconds_per_step is not None:
+        estimates.append(max(seconds_per_step, 0.0) * max(0, step_limit - state.step))
     if max_seconds is not None:
         estimates.append(max(0.0, max_seconds - state.train_seconds))
     return f", {_duration(min(estimates))} left" if estimates else ""
