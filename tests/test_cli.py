@@ -291,6 +291,19 @@ def test_a_checkpoint_given_before_the_recipe_wins_over_the_recipes(capsys, tmp_
         "--devices", "2", "--config", "r.yaml", "ckpt"]
 
 
+def test_print_config_shows_what_follows_the_recipe(tmp_path, capsys):
+    """--print_config anywhere shows the whole line's configuration: the checkpoint and options given
+    around a recipe included (jsonargparse alone prints on reaching a --config after it)."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("checkpoint_dir: checkpoints/from/recipe\nseed: 3\n")
+    mine = tmp_path / "mine"
+    for argv in (["finetune_lora", "--print_config", str(mine), "--config", str(recipe), "--seed", "77"],
+                 ["finetune_lora", str(mine), "--config", str(recipe), "--print_config", "--seed", "77"]):
+        assert run(argv) == 0
+        printed = capsys.readouterr().out
+        assert f"checkpoint_dir: {mine}" in printed and "seed: 77" in printed, printed
+
+
 def test_ctrl_c_raised_again_by_a_checkpoint_save_reads_as_interrupted(capsys):
     """Ctrl-C inside torch's distributed checkpoint save reaches the command as a CheckpointException
     holding each rank's failure, a KeyboardInterrupt among them (a user audit saw 227 lines of

@@ -117,6 +117,14 @@ def positional_after_config(argv: list[str]) -> list[str]:
     return options + positionals + argv[end:]
 
 
+def print_config_last(argv: list[str]) -> list[str]:
+    """`argv` with `--print_config` (or `--print_config=FLAGS`) moved to its end: jsonargparse prints
+    the configuration as soon as it reads a `--config` file given after it, so `--print_config
+    --config recipe.yaml --seed 7` would show neither the seed nor a checkpoint given on the line."""
+    flags = [word for word in argv if word == "--print_config" or word.startswith("--print_config=")]
+    return [word for word in argv if word not in flags] + flags
+
+
 def recipe_estimate_options(path: str) -> list[str]:
     """`toolkit estimate` options that describe a training recipe's step (`--recipe FILE`): its model,
     devices and nodes, micro-batch and sequence, precision, sharding, checkpointing, CPU offload,
@@ -430,7 +438,7 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
     """
     _show_toolkit_logs()
     parser = build_parser(prog, function, prog=prog)
-    argv = positional_after_config(class_names_in_their_case(function, argv))
+    argv = print_config_last(positional_after_config(class_names_in_their_case(function, argv)))
     try:
         cfg = parser.parse_args(argv)
     except SystemExit as exit_:  # --help
