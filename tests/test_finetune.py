@@ -45,7 +45,7 @@ def lora_run(base) -> dict:
     out = base["root"] / "lora"
     parser = build_parser("finetune_lora", finetune_lora)
     args = _args("finetune_lora", base["checkpoint"], out, "--train.learning_rate", "0.03",
-                 "--lora.targets", "[query, value, mlp, head]", "--lora.r", "4", "--lora.alpha", "8")[1:]
+                 "--lora.targets", "[query, value, mlp, head]", "--lora.r", "4", "--lora.alpha", "6.5")[1:]
     init = parser.instantiate(parser.parse_args(args))
     model = finetune_lora(**{k: v for k, v in init.items() if k != "config"})
     return {"out": out, "model": model}

@@ -94,6 +94,23 @@ def test_default_targets_adapt_attention_and_leave_router_and_experts_frozen():
     assert trainable and all(".lora_" in n and ".attn." in n for n in trainable)
 
 
+def test_a_rank_above_an_adapted_weight_narrower_side_is_noted(capsys):
+    """Rank 20 on tiny_moe: v_proj (16 x 32) and the experts' down_proj (X x 32 x 16) cannot use it
+    all; q_proj (32 x 32) and gate_up_proj (X x 32 x 32) can. Rank 16 fits every one."""
+    from toolkit.finetune.lora import _note_rank_above_width
+    from toolkit.models.adapters import LoRAArgs
+    from toolkit.models.gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(tiny_moe())
+    targets = ("query", "value", "experts")
+    _note_rank_above_width(model, LoRAArgs(r=20, alpha=40, dropout=0.0, targets=targets))
+    note = capsys.readouterr().out
+    assert note.startswith("Note: --lora.r 20 is above") and "(down_proj 16, v_proj 16)" in note, note
+    _note_rank_above_width(model, LoRAArgs(r=16, alpha=32, dropout=0.0, targets=targets))
+    assert capsys.readouterr().out == ""
+
+
 @pytest.mark.parametrize("backend", ["grouped", "loop"])
 def test_expert_adapters_equal_their_update_added_to_the_weights(backend):
     """peft's LoRA on the experts' (X, out, in) weights, through both expert kernels (the grouped one

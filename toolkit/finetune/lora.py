@@ -206,6 +206,7 @@ def finetune_lora(
                 f"--quantize {quantize} quantizes Linear layers only and would leave the experts of {config.name} "
                 "(most of its weights) in 16 bits: use --quantize nf4."
             )
+        _note_rank_above_width(meta_model, lora)
         if quantize == "nf4" and run_plan.shard_size > 1:
             from toolkit.parallel.nf4 import check_nf4_shardable
 
@@ -248,6 +249,32 @@ def finetune_lora(
         check_args=check_args, hparams=hparams, lora=lora, quantize=quantize, objective=objective,
     )
     return model
+
+
+def _note_rank_above_width(meta_model, lora: LoRAArgs) -> None:
+    """Say when --lora.r exceeds the narrower side of an adapted weight: an update B @ A of such a
+    weight has rank at most that side, so the rest of the rank adds parameters and work, not
+    capacity (the run goes on: a user may want one rank for every layer)."""
+    modules = set(lora.module_names())
+    parameters = {name.rsplit(".", 1)[1] for name in lora.parameter_names()}
+    narrowest = {}
+    for path, module in meta_model.named_modules():
+        kind = path.rsplit(".", 1)[-1]
+        if kind in modules and hasattr(module, "weight"):
+            narrowest[kind] = min(narrowest.get(kind, module.weight.shape[0]), *module.weight.shape[-2:])
+    for path, param in meta_model.named_parameters():
+        kind = path.rsplit(".", 1)[-1]
+        if kind in parameters and path.rsplit(".", 2)[-2] == "experts":
+            narrowest[kind] = min(narrowest.get(kind, param.shape[-1]), *param.shape[-2:])
+    above = {kind: width for kind, width in sorted(narrowest.items()) if width < lora.r}
+    if above:
+        from toolkit.training.session import print_before_launch
+
+        widths = ", ".join(f"{kind} {width}" for kind, width in above.items())
+        print_before_launch(
+            f"Note: --lora.r {lora.r} is above the narrower side of some adapted weights ({widths}): their "
+            "updates cannot use more rank than that side, and the rest of the rank only adds parameters."
+        )
 
 
 def unused_quantization_libraries(quantize: Optional[str]) -> list[str]:

@@ -38,7 +38,7 @@ class LoRAArgs:
     """The adapters: rank, scale, dropout and which projections get them."""
 
     r: int = 8  # rank of the update B @ A
-    alpha: int = 16  # the update is scaled by alpha / r
+    alpha: float = 16  # the update is scaled by alpha / r
     dropout: float = 0.05
     # any of: query, key, value, projection, mlp, head, experts (a mixture of experts' weights)
     targets: tuple[str, ...] = ("query", "value")

@@ -500,8 +500,13 @@ def check_fits_device(kind: str, config: Config, run_plan: RunPlan, lora: Any = 
     finetune = {"pretrain": None, "finetune_lora": "lora"}.get(kind, "full")
     line = check_run_fits(torch.cuda.get_device_properties(0).total_memory, config, run_plan, finetune, lora,
                           pairs=pairs, frozen_copy=frozen_copy)
-    # Before launch every process of the run gets here (Fabric re-runs the command per local rank,
-    # torchrun starts them all): the line that it fits is printed by the first one only.
+    print_before_launch(line)
+
+
+def print_before_launch(line: str) -> None:
+    """Print `line` once for the run from code that runs before launch: every process of the run
+    gets there (Fabric re-runs the command per local rank, torchrun starts them all), and only the
+    first one prints."""
     if os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")) == "0":
         print(line)
 
