@@ -4,7 +4,7 @@ before anything starts or is written."""
 from pathlib import Path
 
 import pytest
-from conftest import ASSETS
+from conftest import ASSETS, REPO
 
 from toolkit.cli import run
 
@@ -302,6 +302,25 @@ def test_print_config_shows_what_follows_the_recipe(tmp_path, capsys):
         assert run(argv) == 0
         printed = capsys.readouterr().out
         assert f"checkpoint_dir: {mine}" in printed and "seed: 77" in printed, printed
+
+
+def test_model_overrides_on_the_line_add_to_the_recipes(tmp_path, capsys):
+    """The MoE recipe's overrides (family, experts, router) stay when the line changes one key; later
+    keys win in line order, and null clears the recipe's."""
+    import yaml
+
+    recipe = REPO / "config_hub" / "pretrain" / "debug-moe.yaml"
+    assert run(["pretrain", "--config", str(recipe), "--model_overrides", "{n_expert_per_token: 1, n_layer: 2}",
+                "--model_overrides={n_layer: 3}", "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["model_overrides"]
+    assert printed == {"family": "mixtral", "n_expert": 8, "n_expert_per_token": 1, "moe_intermediate_size": 256,
+                       "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001, "n_layer": 3}, printed
+    # An option before the file is overridden by the file's keys, not dropped.
+    assert run(["pretrain", "--model_overrides", "{n_layer: 2, n_expert: 4}", "--config", str(recipe), "--print_config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)["model_overrides"]
+    assert printed["n_layer"] == 2 and printed["n_expert"] == 8, printed
+    assert run(["pretrain", "--config", str(recipe), "--model_overrides", "null", "--print_config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["model_overrides"] is None
 
 
 def test_ctrl_c_raised_again_by_a_checkpoint_save_reads_as_interrupted(capsys):

@@ -434,6 +434,8 @@ def test_nf4_on_many_devices_is_sharded():
         _quiet_estimate("llama-3.1-8b", devices=2, strategy="ddp", **kwargs)
     with pytest.raises(UserError, match=r"cannot split blocks\.0\.attn\.k_proj \(64 x 256\) over 2 shards"):
         _quiet_estimate("debug", devices=2, finetune="lora", quantize="nf4")
+    with pytest.raises(UserError, match=r"cannot quantize blocks\.0\.attn\.k_proj \(32 x 256\): NF4 takes whole groups"):
+        _quiet_estimate("debug", finetune="lora", quantize="nf4", model_overrides={"n_query_groups": 1, "head_size": 32, "n_head": 8})
 
 
 def test_cpu_offload_moves_the_shards_to_the_host():

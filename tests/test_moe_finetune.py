@@ -452,7 +452,17 @@ def test_moe_lora_refusals_are_one_clear_line(moe_checkpoint, base, tmp_path, ca
                "--lora.dropout 0")
     fails_with(_args(moe_checkpoint, tmp_path / "c", "--quantize", "bnb.nf4"), "--quantize nf4")
     fails_with(_args(base["checkpoint"], tmp_path / "d", "--lora.targets", "[query, experts]"), "has no mixture of experts")
-    assert not any((tmp_path / name).exists() for name in "abcd")
+    # Weights that do not match their model_config.json are refused before anything is read or
+    # written: not a traceback from the grouped product or a rank's shard copy.
+    edited = tmp_path / "edited"
+    shutil.copytree(moe_checkpoint, edited)
+    config = json.loads((edited / "model_config.json").read_text())
+    (edited / "model_config.json").write_text(json.dumps({**config, "n_expert": 2 * config["n_expert"]}))
+    fails_with(_args(edited, tmp_path / "e"), "weight 'blocks.0.mlp.router.weight' is 4 x 256, but its model_config.json "
+               "implies 8 x 256: the weights and the config do not match")
+    (edited / "model_config.json").write_text(json.dumps({**config, "n_layer": 1}))
+    fails_with(_args(edited, tmp_path / "f"), "holds weight 'blocks.1.")
+    assert not any((tmp_path / name).exists() for name in "abcdef")
 
 
 def test_read_expert_rows_reads_whole_experts_and_pieces_of_cut_ones():
@@ -499,3 +509,12 @@ def test_nf4_experts_split_by_rows_of_whole_groups_and_are_refused_otherwise():
     with pytest.raises(UserError, match=r"cannot split blocks\.0\.mlp\.experts\.gate_up_proj \(6 experts of 192 x 256\) over 4"):
         check_nf4_shardable(model, 4)  # 288 rows of 256: 4.5 groups
     assert nf4_unshardable(odd, 4) == "blocks.0.mlp.experts.gate_up_proj (6 x 192 x 256)"
+    # On one device each weight must still be whole groups: a clear line, not torchao's reshape error.
+    check_nf4_shardable(model, 1)
+    with torch.device("meta"):
+        narrow, narrow_experts = GPT(tiny_moe()), GPT(tiny_moe(n_embd=256, n_query_groups=4, head_size=64,
+                                                               moe_intermediate_size=8))
+    with pytest.raises(UserError, match=r"cannot quantize blocks\.0\.attn\.q_proj \(32 x 32\): NF4 takes whole groups of 16384 .*; use bnb\.nf4\.$"):
+        check_nf4_shardable(narrow, 1)
+    with pytest.raises(UserError, match=r"cannot quantize blocks\.0\.mlp\.experts\.down_proj \(4 experts of 256 x 8\).*no --quantize"):
+        check_nf4_shardable(narrow_experts, 1)

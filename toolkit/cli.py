@@ -117,6 +117,63 @@ def positional_after_config(argv: list[str]) -> list[str]:
     return options + positionals + argv[end:]
 
 
+def dict_options_merged(function: Callable, argv: list[str]) -> list[str]:
+    """`argv` where a dictionary option given on the line (`--model_overrides '{n_layer: 4}'`) adds
+    its keys to those of the same option in a `--config` file before it, instead of replacing them
+    all, which is what jsonargparse does: a recipe's `model_overrides: {n_expert: 8, ...}` and
+    `--model_overrides '{n_layer: 4}'` train 8 experts in 4 layers. Later keys win, in line order;
+    `--option null` clears what came before. The merged value is given once, at the end. A file or a
+    value that cannot be read is left for the parser to explain."""
+    import typing
+
+    import yaml
+
+    try:
+        hints = typing.get_type_hints(function)
+    except Exception:
+        return argv
+    options = {"--" + name for name, hint in hints.items()
+               if dict in (typing.get_origin(hint), *(typing.get_origin(a) or a for a in typing.get_args(hint)))}
+    for option in options:
+        merged: Optional[dict] = None
+        kept, given, value_next = [], False, None
+        for at, word in enumerate(argv):
+            name, equals, inline = word.partition("=")
+            if value_next is not None:
+                value_next, text = None, word
+            elif name == option and equals:
+                text = inline
+            elif word == option and at + 1 < len(argv):
+                value_next = word
+                continue
+            else:
+                if name == "--config" and (equals or at + 1 < len(argv)):
+                    try:
+                        with open(inline if equals else argv[at + 1]) as f:
+                            recipe = yaml.safe_load(f)
+                    except (OSError, yaml.YAMLError):
+                        return argv
+                    if isinstance(recipe, dict) and option[2:] in recipe:
+                        part = recipe[option[2:]]
+                        if not (part is None or isinstance(part, dict)):
+                            return argv
+                        merged = None if part is None else {**(merged or {}), **part}
+                kept.append(word)
+                continue
+            try:
+                part = yaml.safe_load(text)
+            except yaml.YAMLError:
+                return argv
+            if not (part is None or isinstance(part, dict)):
+                return argv
+            merged, given = (None if part is None else {**(merged or {}), **part}), True
+        if given:
+            import json
+
+            argv = kept + [option, "null" if merged is None else json.dumps(merged)]
+    return argv
+
+
 def print_config_last(argv: list[str]) -> list[str]:
     """`argv` with `--print_config` (or `--print_config=FLAGS`) moved to its end: jsonargparse prints
     the configuration as soon as it reads a `--config` file given after it, so `--print_config
@@ -438,7 +495,7 @@ def run_function(prog: str, function: Callable, argv: list[str]) -> int:
     """
     _show_toolkit_logs()
     parser = build_parser(prog, function, prog=prog)
-    argv = print_config_last(positional_after_config(class_names_in_their_case(function, argv)))
+    argv = print_config_last(positional_after_config(dict_options_merged(function, class_names_in_their_case(function, argv))))
     try:
         cfg = parser.parse_args(argv)
     except SystemExit as exit_:  # --help

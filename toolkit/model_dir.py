@@ -153,6 +153,30 @@ def load_state_dict(checkpoint_dir: Path | str, device: str = "cpu") -> dict:
 READ_CHUNK_BYTES = 16 << 20
 
 
+def check_weights_match(checkpoint_dir: Path | str, model) -> None:
+    """Refuse, before anything is read, a checkpoint whose weights are not those `model` (built on
+    the meta device from its model_config.json) has: one missing, one of another shape, or one the
+    model has no place for (a config edited by hand, weights of another size). Reads the headers."""
+    checkpoint_dir = Path(checkpoint_dir)
+    stored = open_checkpoint(checkpoint_dir).infos
+    tied = Config.from_file(checkpoint_dir).tie_embeddings
+    expected = {name: tuple(param.shape) for name, param in model.named_parameters()}
+    for name, shape in expected.items():
+        key = "embed.weight" if tied and name == "lm_head.weight" and name not in stored else name
+        if key not in stored:
+            raise UserError(f"{checkpoint_dir} has no weight {name!r}: the checkpoint does not match its {CONFIG_FILENAME}.")
+        if tuple(stored[key].shape) != shape:
+            raise UserError(
+                f"{checkpoint_dir}: weight {name!r} is {' x '.join(map(str, stored[key].shape))}, but its "
+                f"{CONFIG_FILENAME} implies {' x '.join(map(str, shape))}: the weights and the config do not match."
+            )
+    extra = sorted(set(stored) - set(expected) - ({"lm_head.weight"} if tied else set()))
+    if extra:
+        more = f" and {len(extra) - 1} more" if len(extra) > 1 else ""
+        raise UserError(f"{checkpoint_dir} holds weight {extra[0]!r}{more}, which its {CONFIG_FILENAME} has no place "
+                        "for: the weights and the config do not match.")
+
+
 def checkpoint_row_reader(checkpoint_dir: Path | str):
     """`read_rows(name, start, stop, out=None, inner=None)`: rows [start, stop) of weight `name` (of
     each, rows `inner` of dim 1), read memory-mapped (see `toolkit.training.model_setup.ReadRows`).

@@ -74,9 +74,17 @@ def pretrain(
     hparams = run_config(pretrain, locals())
     check_seed(seed)
     if initial_checkpoint_dir is not None:
-        from toolkit.model_dir import require_checkpoint_dir
+        import torch
 
+        from toolkit.model_dir import check_weights_match, require_checkpoint_dir
+        from toolkit.models.gpt import GPT
+
+        if model_overrides:
+            raise UserError(f"--model_overrides cannot change the model of --initial_checkpoint_dir {initial_checkpoint_dir}: "
+                            "its weights fix it; drop one of them.")
         config = Config.from_file(require_checkpoint_dir(initial_checkpoint_dir))
+        with torch.device("meta"):
+            check_weights_match(initial_checkpoint_dir, GPT(config))
     else:
         config = Config.from_name(model_name, **(model_overrides or {}))
     if data is None:
@@ -123,8 +131,9 @@ def pretrain(
         from toolkit.model_dir import export_dtype as resolve_export_dtype
 
         session.export_dtype = resolve_export_dtype(export_dtype, initial_checkpoint_dir)
-        model = session.build_model(weights=initial_checkpoint_dir if initial_checkpoint_dir is not None else "random")
-        optimizer = session.build_optimizer(model)
+        with session.remove_output_on_error():
+            model = session.build_model(weights=initial_checkpoint_dir if initial_checkpoint_dir is not None else "random")
+            optimizer = session.build_optimizer(model)
         total_steps = None
         if train.max_steps or train.max_tokens:
             total_steps = min(s for s in (train.max_steps, (train.max_tokens or 0) // tokens_per_step or None) if s)

@@ -67,7 +67,7 @@ def run_finetune(
     copy of `checkpoint_dir`, or log-probabilities precomputed with either).
     """
     from toolkit.model_dir import export_dtype as resolve_export_dtype
-    from toolkit.model_dir import require_checkpoint_dir
+    from toolkit.model_dir import check_weights_match, require_checkpoint_dir
     from toolkit.models.config import Config
     from toolkit.parallel.plan import plan_run
     from toolkit.tokenizer import Tokenizer, check_tokenizer_fits
@@ -89,6 +89,7 @@ def run_finetune(
 
     with torch.device("meta"):  # no memory: what check_args reads shapes from, and what build_model fills
         meta_model = GPT(config)
+    check_weights_match(checkpoint_dir, meta_model)
     if check_args is not None:
         check_args(config, run_plan, meta_model)
     # Read and tokenize the data before any process starts or anything is written: bad records fail here.
@@ -126,10 +127,10 @@ def run_finetune(
             f"padding {100 * stats.get('padding_fraction', 0.0):.1f}% of batch tokens"
         )
         prepare = None if prepare_model is None else (lambda model: prepare_model(model, run_plan))
-        model = session.build_model(weights=checkpoint_dir, prepare=prepare, prepare_on_meta=prepare_on_meta,
-                                    meta_model=meta_model)
-        optimizer = session.build_optimizer(model)
         with session.remove_output_on_error():
+            model = session.build_model(weights=checkpoint_dir, prepare=prepare, prepare_on_meta=prepare_on_meta,
+                                        meta_model=meta_model)
+            optimizer = session.build_optimizer(model)
             objective.prepare(ObjectiveSetup(
                 fabric=fabric, model=model, train_loader=train_loader, val_loader=val_loader, out_dir=session.out_dir,
                 precision=session.precision, micro_batch_size=train.micro_batch_size, frozen_base=frozen_base,

@@ -207,7 +207,7 @@ def finetune_lora(
                 "(most of its weights) in 16 bits: use --quantize nf4."
             )
         _note_rank_above_width(meta_model, lora)
-        if quantize == "nf4" and run_plan.shard_size > 1:
+        if quantize == "nf4":
             from toolkit.parallel.nf4 import check_nf4_shardable
 
             check_nf4_shardable(meta_model, run_plan.shard_size)  # shapes only, before any process is launched

@@ -437,14 +437,17 @@ def _resolve(
                     columns.append(make_column(s, devices, num_nodes))
                 if strategy == "auto" and sharding is None and quantize is None:
                     columns.append(make_column("DDP", devices, num_nodes))
-        if quantize == "nf4":
-            for col in columns:
-                weight = nf4_unshardable(config, col.shard_size)
-                if weight is not None:
-                    raise UserError(
-                        f"quantize nf4 cannot split {weight} over {col.shard_size} shards ({col.name}): each needs "
-                        "whole groups of 16384 values; use fewer devices or quantize bnb.nf4."
-                    )
+    if quantize == "nf4":
+        for col in columns:
+            weight = nf4_unshardable(config, col.shard_size)
+            if weight is not None and col.shard_size == 1:
+                raise UserError(f"quantize nf4 cannot quantize {weight}: NF4 takes whole groups of 16384 values; "
+                                "quantize bnb.nf4 (dense models) or none.")
+            if weight is not None:
+                raise UserError(
+                    f"quantize nf4 cannot split {weight} over {col.shard_size} shards ({col.name}): each needs "
+                    "whole groups of 16384 values; use fewer devices or quantize bnb.nf4."
+                )
     if cpu_offload and not any(col.kind == "fsdp" for col in columns):
         notes.append("cpu_offload applies to FSDP only (more than one device, not DDP): ignored.")
     if quantize is not None and expert_parallel != 1:

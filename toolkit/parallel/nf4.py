@@ -202,10 +202,20 @@ def quantize_blocks_nf4(model, dtype: Any, device: Any = "cpu") -> None:
 
 def check_nf4_shardable(model, shards: int) -> None:
     """Raise UserError unless every weight `quantize_blocks_nf4` quantizes splits into `shards` row
-    ranges of whole groups: a block Linear's (out, in) rows, a mixture's experts' (X * out, in) rows."""
+    ranges of whole groups: a block Linear's (out, in) rows, a mixture's experts' (X * out, in) rows.
+    With one shard: unless each weight is made of whole groups."""
     import torch.nn as nn
 
     from toolkit.models.moe import GroupedExperts, MoE
+
+    groups = f"whole groups of {ROW_ALIGN} values (NF4's {SCALER_BLOCK} blocks of {BLOCK})"
+
+    def refuse(weight: str, shape: str, experts: bool) -> None:
+        if shards == 1:
+            instead = "train the experts in 16 bits (no --quantize)" if experts else "use bnb.nf4"
+            raise UserError(f"--quantize nf4 cannot quantize {weight} ({shape}): NF4 takes {groups}; {instead}.")
+        raise UserError(f"--quantize nf4 cannot split {weight} ({shape}) over {shards} shards: each needs whole rows "
+                        f"making {groups}; use fewer devices{'' if experts else ' or bnb.nf4'}.")
 
     routers = {id(m.router) for m in model.modules() if isinstance(m, MoE)}
     for name, module in model.named_modules():
@@ -215,15 +225,8 @@ def check_nf4_shardable(model, shards: int) -> None:
             for leaf, p in module.named_parameters(recurse=False):
                 rows = p.shape[0] * p.shape[1] if p.ndim == 3 else 0
                 if rows and (rows % shards or (rows // shards) * p.shape[2] % ROW_ALIGN):
-                    raise UserError(
-                        f"--quantize nf4 cannot split {name}.{leaf} ({p.shape[0]} experts of {p.shape[1]} x {p.shape[2]}) "
-                        f"over {shards} shard(s): each needs whole rows making whole groups of {ROW_ALIGN} values "
-                        f"(NF4's {SCALER_BLOCK} blocks of {BLOCK}); use fewer devices."
-                    )
+                    refuse(f"{name}.{leaf}", f"{p.shape[0]} experts of {p.shape[1]} x {p.shape[2]}", experts=True)
         elif isinstance(module, nn.Linear) and id(module) not in routers:
             out, inp = module.weight.shape
             if out % shards or (out // shards) * inp % ROW_ALIGN:
-                raise UserError(
-                    f"--quantize nf4 cannot split {name} ({out} x {inp}) over {shards} shard(s): each needs whole groups "
-                    f"of {ROW_ALIGN} values (NF4's {SCALER_BLOCK} blocks of {BLOCK}); use fewer devices or bnb.nf4."
-                )
+                refuse(name, f"{out} x {inp}", experts=False)
