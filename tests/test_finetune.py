@@ -315,8 +315,13 @@ def test_merging_a_head_adapter_into_tied_embeddings_leaves_the_embeddings_alone
 
 
 def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
-    """tokens_seen, tokens/s and MFU of fine-tuning count the samples' tokens, not the padding of their batches."""
+    """tokens_seen, tokens/s and MFU of fine-tuning count the samples' tokens, not the padding of their
+    batches; where the fused head leaves out the rows without a label (here, on the CPU: the masked
+    prompts), MFU counts the head's FLOPs for the labelled rows only."""
+    import csv
+
     from lightning_fabric import Fabric
+    from lightning_fabric.loggers import CSVLogger
 
     from toolkit.data.instruct import Alpaca
     from toolkit.models.config import Config
@@ -335,7 +340,10 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     padded = sum(int(data._train.lengths[b].max()) * len(b) for b in batches)
     assert padded > real
 
-    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true")
+    labelled = sum(int((batch["labels"] != -100).sum()) for batch, _ in zip(data.train_dataloader(4, seed=0), batches))
+    assert labelled < real
+
+    fabric = Fabric(accelerator="cpu", devices=1, precision="32-true", loggers=CSVLogger(tmp_path, name="log"))
     torch.manual_seed(0)
     model = GPT(Config.from_name("debug", n_layer=1, vocab_size=32000))
     init_weights(model, 1)
@@ -344,10 +352,16 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     train = TrainArgs(micro_batch_size=4, global_batch_size=8, max_steps=steps, warmup_steps=0)
     plan = plan_batches(1, 1, 4, 8, 128)
     assert plan.gradient_accumulation_iters == accumulation
+    flops, head, peak = 1e6, 4e5, 1e12
+    hooks = LoopHooks(flops_per_token=flops, head_flops_per_row=head, device_peak_flops=peak)
     state = fit(fabric, model, optimizer, loader, None, plan, TrainState(), train, EvalArgs(final_validation=False),
-                LogArgs(interval=1, loggers=()), LoopHooks(), total_steps=steps, tokens_per_step=None)
+                LogArgs(interval=steps, loggers=()), hooks, total_steps=steps, tokens_per_step=None)
     assert state.step == steps
     assert state.tokens_seen == real
+    fabric.logger.save()
+    (row,) = [r for r in csv.DictReader(open(tmp_path / "log" / "version_0" / "metrics.csv")) if r.get("train/mfu")]
+    expected = float(row["train/tokens_per_sec"]) * (flops - head * (real - labelled) / real) / peak
+    assert float(row["train/mfu"]) == pytest.approx(expected, rel=1e-6)
 
 
 @pytest.mark.parametrize("precision, dtype", [("16-mixed", "float16"), ("bf16-mixed", "bfloat16"),

@@ -288,6 +288,11 @@ def flops_per_token(config: Config, seq_len: int, trainable_fraction: float = 1.
     return dense + attention
 
 
+def head_flops_per_row(config: Config, trainable_fraction: float = 1.0) -> float:
+    """The output head's share of `flops_per_token`: one row of logits, forward and backward."""
+    return (4 + 2 * trainable_fraction) * config.vocab_size * config.n_embd
+
+
 def _compiling() -> bool:
     compiler = getattr(torch, "compiler", None)
     return bool(compiler is not None and compiler.is_compiling())

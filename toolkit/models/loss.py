@@ -141,10 +141,14 @@ def _prepare(hidden, weight, labels, chunk_rows, skip_ignored):
     if chunk_rows is None:
         chunk_rows = max(1, LOSS_CHUNK_BYTES // (4 * weight.shape[0]))
     if skip_ignored is None:
-        skip_ignored = SETTINGS.skip_ignored
-    if skip_ignored is None:
-        skip_ignored = device_type == "cpu"
+        skip_ignored = skips_ignored_rows(device_type)
     return hidden, labels, dtype, chunk_rows, skip_ignored
+
+
+def skips_ignored_rows(device_type: str) -> bool:
+    """Whether the fused head and loss leave out rows labelled IGNORE_INDEX by default on this
+    device (`SETTINGS.skip_ignored`; unset: on a CPU)."""
+    return SETTINGS.skip_ignored if SETTINGS.skip_ignored is not None else device_type == "cpu"
 
 
 def _select_rows(labels: torch.Tensor, skip_ignored: bool) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

@@ -22,6 +22,7 @@ import torch
 
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.errors import UserError
+from toolkit.models import IGNORE_INDEX
 from toolkit.parallel.fsdp import release_gathered
 from toolkit.training.objectives import CausalLM, Objective, ObjectiveOutput
 
@@ -50,6 +51,9 @@ class LoopHooks:
     save_checkpoint: Optional[Callable[[TrainState], None]] = None
     # FLOPs per trained token for MFU (see toolkit.models.gpt.flops_per_token).
     flops_per_token: Optional[float] = None
+    # Set where the fused head and loss leave out rows without a label (on a CPU): the head's share
+    # of flops_per_token (`head_flops_per_row`), which MFU then counts for labelled rows only.
+    head_flops_per_row: Optional[float] = None
     # Peak FLOP/s of one device, for MFU; None means MFU is not reported.
     device_peak_flops: Optional[float] = None
     # Seconds spent compiling so far (`toolkit.parallel.compile.compile_seconds`); the time compiled
@@ -181,6 +185,8 @@ def fit(
                 output = objective(model, batch)
                 fabric.backward(output.trained_sum * scale)
             running.add(output)
+            if hooks.head_flops_per_row is not None:
+                running.add_head_rows(batch, objective)
             state.micro_step += 1
         optimizer_step(fabric, model, optimizer, train.max_norm)
         state.step += 1
@@ -336,6 +342,15 @@ class _Sums:
         self.loss = torch.zeros((), device=device)
         self.normaliser = torch.zeros((), dtype=torch.long, device=device)
         self.metrics: dict[str, torch.Tensor] = {}
+        # Rows the output head computed (`add_head_rows`); summed over ranks by `means`.
+        self.head_rows = torch.zeros((), dtype=torch.long, device=device)
+        self.summed_head_rows = 0.0
+
+    def add_head_rows(self, batch: dict, objective: Objective) -> None:
+        """Count the rows the fused head computes for `batch` where it leaves out unlabelled ones:
+        its labelled tokens (every input token of a batch without labels)."""
+        labels = batch.get("labels")
+        self.head_rows += (labels != IGNORE_INDEX).sum() if labels is not None else objective.real_tokens(batch)
 
     def add(self, output: ObjectiveOutput, counted: bool = True) -> None:
         """Add `output`'s sums; not `counted` (a batch run only so that the ranks run as many): only its
@@ -357,14 +372,19 @@ class _Sums:
         loss, normaliser = self.loss.clone(), self.normaliser.clone()
         names = sorted(self.metrics)  # every rank adds the same names: the objective returns them always (`add`)
         metrics = torch.stack([self.metrics[n] for n in names]) if names else None
+        # The loss travels with the head's row count, in float64: exact for counts up to 2**53.
+        loss_and_rows = torch.stack([loss.double(), self.head_rows.double()])
         if fabric.world_size > 1:
-            loss = fabric.all_reduce(loss, reduce_op="sum")
+            loss_and_rows = fabric.all_reduce(loss_and_rows, reduce_op="sum")
             normaliser = fabric.all_reduce(normaliser, reduce_op="sum")
             if metrics is not None:
                 metrics = fabric.all_reduce(metrics, reduce_op="sum")
+        loss, head_rows = loss_and_rows[0].float(), loss_and_rows[1]
         divisor = _divisor(normaliser)
-        values = torch.cat([(loss / divisor).reshape(1)] + ([metrics / divisor] if metrics is not None else []))
-        return dict(zip(["loss", *names], values.tolist()))  # the one host-device sync
+        values = torch.cat([(loss / divisor).reshape(1).double()]
+                           + ([(metrics / divisor).double()] if metrics is not None else []) + [head_rows.reshape(1)])
+        *means, self.summed_head_rows = values.tolist()  # the one host-device sync
+        return dict(zip(["loss", *names], means))
 
 
 def _log_step(fabric, state, lr, running: _Sums, elapsed, window_steps, window_tokens, hooks, step_limit,
@@ -392,7 +412,10 @@ def _log_step(fabric, state, lr, running: _Sums, elapsed, window_steps, window_t
     line += f" | loss {loss:.4f}" + "".join(f" | {name} {value:.4f}" for name, value in means.items())
     line += f" | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s | {elapsed / max(window_steps, 1):.2f} s/step"
     if hooks.flops_per_token and hooks.device_peak_flops:
-        mfu = hooks.flops_per_token * tokens_per_sec / (hooks.device_peak_flops * fabric.world_size)
+        flops = hooks.flops_per_token * window_tokens
+        if hooks.head_flops_per_row is not None:  # the head computed the labelled rows only
+            flops -= hooks.head_flops_per_row * max(0.0, window_tokens - running.summed_head_rows)
+        mfu = flops / max(elapsed, 1e-9) / (hooks.device_peak_flops * fabric.world_size)
         metrics["train/mfu"] = mfu
         line += f" | MFU {100 * mfu:.1f}%"
     line += f" | {_duration(state.train_seconds)} elapsed" + _time_left(state, step_limit, max_seconds, seconds_per_step)

@@ -315,7 +315,8 @@ class Session:
         """Resume if asked, run the loop, save a training checkpoint at every interval and at the end.
 
         `objective`: what the loop minimises and logs (`toolkit.training.objectives`); None is `CausalLM()`."""
-        from toolkit.models.gpt import flops_per_token
+        from toolkit.models.gpt import flops_per_token, head_flops_per_row
+        from toolkit.models.loss import skips_ignored_rows
         from toolkit.training import checkpoint
         from toolkit.parallel.compile import compile_blocks, compile_seconds, should_compile
         from toolkit.training.objectives import CausalLM, WithRouterLosses, with_router_losses
@@ -378,6 +379,8 @@ class Session:
         hooks = LoopHooks(
             save_checkpoint=save,
             flops_per_token=flops_per_token(self.config, self.plan.max_seq_length, _trainable_fraction(model)),
+            head_flops_per_row=(head_flops_per_row(self.config, _trainable_fraction(model))
+                                if skips_ignored_rows(self.fabric.device.type) else None),
             device_peak_flops=peak,
             compile_seconds=compile_seconds if compiled else None,
             stop=self.stop_signals,
