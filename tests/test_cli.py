@@ -105,6 +105,9 @@ def test_there_is_no_ignore_index_option(capsys, checkpoint):
         ("--data.val_fraction", "0", "val_fraction must be between 0 and 1"),
         ("--model_overrides", "{norm_eps: -1.0}", "norm_eps must be positive"),
         ("--model_overrides", "{rope_base: 0}", "rope_base must be positive"),
+        ("--train.router_aux_loss_coef", "0.1", "--train.router_aux_loss_coef set the losses of a mixture of experts' "
+         "router, and debug-neox is dense (no MoE layer): drop them."),
+        ("--train.router_aux_loss_per_layer", "true", "--train.router_aux_loss_per_layer set the losses"),
     ],
 )
 def test_pretraining_values_out_of_range_are_refused_up_front(capsys, tmp_path, text, option, value, fragment):

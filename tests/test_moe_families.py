@@ -174,6 +174,16 @@ def test_the_round_trip_is_bit_identical_and_loads_in_transformers(converted):
     assert_round_trip(hf, tmp, ids, name)
 
 
+def test_export_says_that_the_router_z_loss_coefficient_is_left_out(converted, tmp_path, capsys):
+    _, _, tmp, _ = converted
+    shutil.copytree(tmp / "toolkit", tmp_path / "z")
+    config = json.loads((tmp_path / "z" / "model_config.json").read_text())
+    (tmp_path / "z" / "model_config.json").write_text(json.dumps({**config, "router_z_loss_coef": 0.001}))
+    convert_to_hf(tmp_path / "z", tmp_path / "hf")
+    assert "Note: router_z_loss_coef 0.001 (a training setting) has no field" in capsys.readouterr().out
+    assert "router_z_loss_coef" not in json.loads((tmp_path / "hf" / "config.json").read_text())
+
+
 def test_bfloat16_checkpoints_keep_their_bits_and_logits_stay_close(converted):
     """In bf16 the two implementations round differently (the order of sums, the grouped products),
     and a token whose K-th and (K+1)-th experts score within rounding of each other may route
@@ -285,8 +295,12 @@ def test_a_missing_expert_and_a_doubly_given_one_are_named_in_one_line(converted
     name, hf, tmp, _ = converted
     stored = safetensors_in(tmp / "hf")
     lacking = next(key for key in stored if ".experts.1." in key)
+    fused = safetensors_in(_fused(hf, tmp))
+    lacking_fused = next(key for key in fused if ".experts." in key and not key.endswith("bias"))
     for folder, state, message in (
         ("lacking", {k: v for k, v in stored.items() if k != lacking}, f"lacks weight '{lacking}'"),
+        # in the fused layout, the fused tensor is named
+        ("lacking-fused", {k: v for k, v in fused.items() if k != lacking_fused}, f"lacks weight '{lacking_fused}'"),
         # the per-expert tensors and transformers' 3-D ones for the same layer
         ("both", {**stored, **{k: v for k, v in safetensors_in(_fused(hf, tmp)).items() if "experts.gate_up" in k}},
          "already provides"),

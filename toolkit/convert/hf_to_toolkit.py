@@ -397,7 +397,13 @@ def plan_from_hf(
         _check_expert_cover(name, parts, expected[name], family)
     missing = [name for name in expected if name not in planned]
     if missing:
-        hf_names = [_hf_name_of(family, n) for n in missing]
+        # A missing expert tensor is named in the layout the checkpoint's other experts are stored in.
+        fused = False
+        if any(weight_maps.expert_parts(family, n) for n in missing):
+            stored_names = {info.name for info in infos}
+            wholes = (weight_maps.hf_whole_expert_tensor(family, n) for n in expected)
+            fused = any(whole is not None and whole[0] in stored_names for whole in wholes)
+        hf_names = [_hf_name_of(family, n, fused) for n in missing]
         more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
         raise UserError(f"The checkpoint lacks weight {hf_names[0]!r}{more}, which config.json implies")
     return list(planned.values())
@@ -485,10 +491,14 @@ def _quantized_sources(infos: list[TensorInfo], family: str, dtype: str) -> dict
     return sources
 
 
-def _hf_name_of(family: str, name: str) -> str:
-    """The Hugging Face name of a toolkit tensor, for messages (an expert tensor: its first part's)."""
+def _hf_name_of(family: str, name: str, fused: bool = False) -> str:
+    """The Hugging Face name of a toolkit tensor, for messages (an expert tensor: its first part's,
+    or with `fused` the tensor holding every expert, where the family has one)."""
     from toolkit.convert import weight_maps
 
+    whole = weight_maps.hf_whole_expert_tensor(family, name) if fused else None
+    if whole is not None:
+        return whole[0]
     parts = weight_maps.expert_parts(family, name)
     if parts:
         return parts[0][0].replace("{e}", "0")

@@ -221,6 +221,10 @@ def convert_to_hf(
     hf_config.setdefault("pad_token_id", None)
     if not (checkpoint_dir / "tokenizer.json").is_file():
         print(f"Warning: {checkpoint_dir} has no tokenizer.json; the export will have no tokenizer.", file=sys.stderr)
+    if config.router_z_loss_coef and "router_z_loss_coef" not in hf_config:
+        print(f"Note: router_z_loss_coef {config.router_z_loss_coef:g} (a training setting) has no field in Hugging "
+              f"Face's {hf_config.get('model_type', config.family)} config and is left out; pass "
+              "--train.router_z_loss_coef to train the export with it again.")
 
     reader = TensorReader()
     try:

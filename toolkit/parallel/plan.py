@@ -495,6 +495,11 @@ def plan_run(
     devices = resolve_devices(devices, accelerator)
     precision = resolve_precision(precision, accelerator)
     quantized = None
+    router_options = [f"--train.{name}" for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_aux_loss_per_layer")
+                      if getattr(train, name) not in (None, False)]
+    if model is not None and not model.is_moe and router_options:
+        raise UserError(f"{' and '.join(router_options)} set the losses of a mixture of experts' router, and {model.name} "
+                        "is dense (no MoE layer): drop them.")
     if quantize is not None and distributed.expert_parallel != 1:
         raise UserError(f"--distributed.expert_parallel {distributed.expert_parallel} is not available with a quantized base "
                         f"(--quantize {quantize}) yet: drop one of them.")
