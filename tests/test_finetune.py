@@ -63,6 +63,11 @@ def test_lora_lowers_validation_loss_and_leaves_the_base_bit_identical(base, lor
         assert torch.equal(trained[name], tensor), name
     trainable = [n for n, p in lora_run["model"].named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
+    # The adapter files are readable as any new file is (the safetensors library makes them 0600).
+    from toolkit.safetensors_io import current_umask
+
+    for name in ("lora_adapter.safetensors", "adapter_model.safetensors"):
+        assert (lora_run["out"] / "final" / name).stat().st_mode & 0o777 == 0o666 & ~current_umask(), name
 
 
 def _adapted_logits(base, lora_run, tokens):

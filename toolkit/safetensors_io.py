@@ -297,10 +297,19 @@ def load_file(path: Path | str, device: str = "cpu") -> dict[str, "torch.Tensor"
 
 
 def save_file(tensors: Mapping[str, "torch.Tensor"], path: Path | str, metadata: Optional[dict[str, str]] = None) -> None:
-    """Write small tensors (adapters) into one file with the library; big ones go through `SafetensorsStream`."""
+    """Write small tensors (adapters) into one file with the library; big ones go through `SafetensorsStream`.
+    The file gets the permissions of any new file (the library creates it readable by its owner only)."""
     from safetensors.torch import save_file as save
 
     save({name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}, str(path), metadata=metadata)
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 # ---------------------------------------------------------------------------- writing

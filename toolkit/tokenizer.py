@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from toolkit.errors import UserError
+from toolkit.safetensors_io import current_umask
 
 if TYPE_CHECKING:
     import torch
@@ -263,12 +264,6 @@ def _check_text_file(path: Path) -> bool:
             offset += len(block)
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def check_tokenizer_fits(tokenizer: "Tokenizer", vocab_size: int, model: str) -> None:
     """Refuse a tokenizer with more tokens than the model has embeddings: its ids past the last row
     would fail inside the model (an IndexError) on the first text that uses them."""
@@ -328,7 +323,7 @@ def train_bpe_tokenizer(text_files: list[Path], vocab_size: int, out_dir: Path) 
     }
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    os.chmod(staging, 0o777 & ~_umask())  # mkdtemp makes 0700; give the final folder normal permissions
+    os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp makes 0700; give the final folder normal permissions
     try:
         tok.save(str(staging / "tokenizer.json"))
         (staging / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from toolkit.errors import UserError
+from toolkit.safetensors_io import current_umask
 
 if TYPE_CHECKING:
     import torch
@@ -633,9 +634,7 @@ def _staging_dir(parent: Path, prefix: str) -> Path:
 
 def _publish(staging: Path, final: Path) -> bool:
     """Rename `staging` to `final`. False (and `staging` removed) when another process got there first."""
-    mask = os.umask(0)
-    os.umask(mask)
-    os.chmod(staging, 0o777 & ~mask)  # mkdtemp makes 0700
+    os.chmod(staging, 0o777 & ~current_umask())  # mkdtemp makes 0700
     try:
         os.rename(staging, final)
         return True
