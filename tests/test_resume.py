@@ -171,6 +171,21 @@ def test_resume_given_a_run_folder_or_nothing_says_what_it_takes(reference, caps
         assert not out.exists()
 
 
+def test_a_run_resumed_with_a_limit_it_has_passed_is_refused_and_changes_nothing(reference, capsys):
+    """The 8-step run started again with --train.max_steps 4 or fewer tokens than it has seen: one
+    line, nothing saved over (a finished run at exactly its limit is the next test)."""
+    before = {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()}
+    tokens = (reference / "summary.json").read_text()
+    for option, value, says in (("--train.max_steps", "4", "is at step 8, past --train.max_steps 4"),
+                                ("--train.max_tokens", "300", "has seen 1,024 tokens, past --train.max_tokens 300")):
+        args = _pretrain_args(reference, STEPS, option, value)
+        assert run(args) == 1
+        err = capsys.readouterr().err
+        assert f"step-00000008 {says}" in err and "raise it to train on, or pass another --out_dir" in err, err[-2000:]
+    assert {p: p.stat().st_mtime_ns for p in reference.rglob("*") if p.is_file()} == before
+    assert (reference / "summary.json").read_text() == tokens
+
+
 def test_resume_true_without_a_checkpoint_is_an_error(tmp_path):
     cmd = _pretrain_cmd(tmp_path / "empty")
     cmd[cmd.index("--resume") + 1] = "true"

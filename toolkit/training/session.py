@@ -195,6 +195,20 @@ class Session:
                 shutil.rmtree(self.out_dir, ignore_errors=True)
             raise
 
+    def _check_not_past_the_limits(self, resume_from: Path) -> None:
+        """Refuse a checkpoint already past --train.max_steps or --train.max_tokens: the run would stop
+        at once, say it reached a limit it passed long ago, and save over its newest checkpoint
+        and final model. (One exactly at the limit is a finished run started again: it saves its
+        last step again and stops.)"""
+        from toolkit.checkpoint_files import read_meta
+
+        saved = (read_meta(resume_from) or {}).get("train_state", {})
+        for option, limit, key, where in (("max_steps", self.train.max_steps, "step", "is at step {:,}"),
+                                          ("max_tokens", self.train.max_tokens, "tokens_seen", "has seen {:,} tokens")):
+            if limit and saved.get(key, 0) > limit:
+                raise UserError(f"{resume_from} {where.format(saved[key])}, past --train.{option} {limit:,}: raise it to "
+                                "train on, or pass another --out_dir for a new run.")
+
     # ------------------------------------------------------------------ tokenizer
     def prepare_tokenizer(self, tokenizer_dir: Optional[Path], train_vocab: Optional[int], data) -> "Tokenizer":
         from toolkit.tokenizer import Tokenizer, train_bpe_tokenizer
@@ -332,6 +346,7 @@ class Session:
         if resume_from is not None:
             with self.remove_output_on_error():  # a refused resume into a new --out_dir leaves nothing
                 checkpoint.check_compatible(resume_from, run_shape)
+                self._check_not_past_the_limits(resume_from)
             state = TrainState(**checkpoint.load(self.fabric, resume_from, model, optimizer, train_loader))
             position = train_loader.state_dict() if hasattr(train_loader, "state_dict") else {}
             self.fabric.print(
