@@ -314,10 +314,11 @@ def test_model_overrides_on_the_line_add_to_the_recipes(tmp_path, capsys):
 
     recipe = REPO / "config_hub" / "pretrain" / "debug-moe.yaml"
     assert run(["pretrain", "--config", str(recipe), "--model_overrides", "{n_expert_per_token: 1, n_layer: 2}",
-                "--model_overrides={n_layer: 3}", "--print_config"]) == 0
+                "--model_overrides={n_layer: 3, norm_eps: 1e-5}", "--print_config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)["model_overrides"]
+    # (1e-5 stays a number: YAML 1.1, PyYAML's, reads it as text)
     assert printed == {"family": "mixtral", "n_expert": 8, "n_expert_per_token": 1, "moe_intermediate_size": 256,
-                       "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001, "n_layer": 3}, printed
+                       "router_aux_loss_coef": 0.01, "router_z_loss_coef": 0.001, "n_layer": 3, "norm_eps": 1e-5}, printed
     # An option before the file is overridden by the file's keys, not dropped.
     assert run(["pretrain", "--model_overrides", "{n_layer: 2, n_expert: 4}", "--config", str(recipe), "--print_config"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)["model_overrides"]

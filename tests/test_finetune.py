@@ -369,6 +369,30 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     assert float(row["train/mfu"]) == pytest.approx(expected, rel=1e-6)
 
 
+def test_mfu_counts_head_rows_where_the_fused_head_leaves_out_unlabelled_ones():
+    """Which rows an objective sends through the head, and whether the head is the fused one: with
+    LoRA on the head (a peft layer) every row's logits are computed, so none are left out."""
+    from peft import get_peft_model
+
+    from toolkit.models.adapters import LoRAArgs
+    from toolkit.models.config import Config
+    from toolkit.models.gpt import GPT
+    from toolkit.training.objectives import SFT
+    from toolkit.training.preference_objectives import DPO, ORPO
+    from toolkit.training.session import _fused_head
+
+    config = Config.from_name("debug", n_layer=1, vocab_size=64)
+    assert _fused_head(GPT(config))
+    assert not _fused_head(get_peft_model(GPT(config), LoRAArgs(targets=("query", "head")).peft_config()))
+    assert _fused_head(get_peft_model(GPT(config), LoRAArgs(targets=("query", "value")).peft_config()))
+    # a pair: chosen row (prompt of 3, response of 2, padding of 1), rejected row (prompt 3, response 1, padding 2)
+    ignore = -100
+    labels = torch.tensor([[ignore, ignore, ignore, 5, 6, ignore], [ignore, ignore, ignore, 7, ignore, ignore]])
+    batch = {"input_ids": torch.arange(12).view(2, 6), "labels": labels, "pair_ids": torch.tensor([0])}
+    assert int(SFT().head_rows(batch)) == int(DPO().head_rows(batch)) == 3
+    assert int(ORPO().head_rows(batch)) == 5 + 1  # the chosen row: every position up to its last target
+
+
 @pytest.mark.parametrize("precision, dtype", [("16-mixed", "float16"), ("bf16-mixed", "bfloat16"),
                                               ("bf16-true", "bfloat16"), ("32-true", "float32")])
 def test_quantized_layers_compute_in_the_dtype_of_the_precision(precision, dtype):

@@ -122,8 +122,10 @@ def dict_options_merged(function: Callable, argv: list[str]) -> list[str]:
     its keys to those of the same option in a `--config` file before it, instead of replacing them
     all, which is what jsonargparse does: a recipe's `model_overrides: {n_expert: 8, ...}` and
     `--model_overrides '{n_layer: 4}'` train 8 experts in 4 layers. Later keys win, in line order;
-    `--option null` clears what came before. The merged value is given once, at the end. A file or a
-    value that cannot be read is left for the parser to explain."""
+    `--option null` clears what came before. Where a file and the line both give the option, the
+    merged value is given once, at the end; otherwise `argv` is left as it is. A file or a value
+    that cannot be read is left for the parser to explain."""
+    import json
     import typing
 
     import yaml
@@ -134,9 +136,10 @@ def dict_options_merged(function: Callable, argv: list[str]) -> list[str]:
         return argv
     options = {"--" + name for name, hint in hints.items()
                if dict in (typing.get_origin(hint), *(typing.get_origin(a) or a for a in typing.get_args(hint)))}
+    loader = _yaml_loader()
     for option in options:
         merged: Optional[dict] = None
-        kept, given, value_next = [], False, None
+        kept, on_the_line, in_a_file, value_next = [], False, False, None
         for at, word in enumerate(argv):
             name, equals, inline = word.partition("=")
             if value_next is not None:
@@ -150,28 +153,42 @@ def dict_options_merged(function: Callable, argv: list[str]) -> list[str]:
                 if name == "--config" and (equals or at + 1 < len(argv)):
                     try:
                         with open(inline if equals else argv[at + 1]) as f:
-                            recipe = yaml.safe_load(f)
+                            recipe = yaml.load(f, Loader=loader)
                     except (OSError, yaml.YAMLError):
                         return argv
                     if isinstance(recipe, dict) and option[2:] in recipe:
                         part = recipe[option[2:]]
                         if not (part is None or isinstance(part, dict)):
                             return argv
-                        merged = None if part is None else {**(merged or {}), **part}
+                        merged, in_a_file = (None if part is None else {**(merged or {}), **part}), True
                 kept.append(word)
                 continue
             try:
-                part = yaml.safe_load(text)
+                part = yaml.load(text, Loader=loader)
             except yaml.YAMLError:
                 return argv
             if not (part is None or isinstance(part, dict)):
                 return argv
-            merged, given = (None if part is None else {**(merged or {}), **part}), True
-        if given:
-            import json
-
+            merged, on_the_line = (None if part is None else {**(merged or {}), **part}), True
+        if on_the_line and in_a_file:
             argv = kept + [option, "null" if merged is None else json.dumps(merged)]
     return argv
+
+
+def _yaml_loader():
+    """PyYAML's safe loader that also reads `1e-5` and `5e5` as numbers, as jsonargparse does (YAML
+    1.1 wants a dot in a float)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
+        list("-+0123456789."),
+    )
+    return Loader
 
 
 def print_config_last(argv: list[str]) -> list[str]:

@@ -306,8 +306,16 @@ def save_file(tensors: Mapping[str, "torch.Tensor"], path: Path | str, metadata:
 
 
 def current_umask() -> int:
-    """The process's umask (reading it means setting it: set back at once)."""
-    mask = os.umask(0)
+    """The process's umask: from /proc on Linux; elsewhere by setting it and setting it back, which
+    leaves an instant in which another thread's new file would get no mask."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 

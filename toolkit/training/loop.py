@@ -22,7 +22,6 @@ import torch
 
 from toolkit.args import EvalArgs, LogArgs, TrainArgs
 from toolkit.errors import UserError
-from toolkit.models import IGNORE_INDEX
 from toolkit.parallel.fsdp import release_gathered
 from toolkit.training.objectives import CausalLM, Objective, ObjectiveOutput
 
@@ -73,8 +72,9 @@ def lr_at(step: int, args: TrainArgs, total_steps: Optional[int]) -> float:
 
     Steps count from 0: warmup step s runs at (s + 1) / warmup_steps of the peak, so the peak is
     reached on step warmup_steps - 1 (step 0 without warmup) and the decay runs from there to step
-    total_steps - 1, which runs at `min_lr`. Without a known number of steps (only
-    --train.max_time), the rate stays flat after warmup.
+    total_steps - 1, which runs at `min_lr` (a run that ends within its warmup, or on the step of its
+    peak, ends there instead). Without a known number of steps (only --train.max_time), the rate
+    stays flat after warmup.
     """
     if args.warmup_steps and step < args.warmup_steps:
         return args.learning_rate * (step + 1) / args.warmup_steps
@@ -347,10 +347,10 @@ class _Sums:
         self.summed_head_rows = 0.0
 
     def add_head_rows(self, batch: dict, objective: Objective) -> None:
-        """Count the rows the fused head computes for `batch` where it leaves out unlabelled ones:
-        its labelled tokens (every input token of a batch without labels)."""
-        labels = batch.get("labels")
-        self.head_rows += (labels != IGNORE_INDEX).sum() if labels is not None else objective.real_tokens(batch)
+        """Count the rows the fused head computes for `batch` where it leaves out unlabelled ones
+        (`Objective.head_rows`; an objective that computes every row's logits: its real tokens)."""
+        rows = objective.head_rows(batch)
+        self.head_rows += rows if rows is not None else objective.real_tokens(batch)
 
     def add(self, output: ObjectiveOutput, counted: bool = True) -> None:
         """Add `output`'s sums; not `counted` (a batch run only so that the ranks run as many): only its
@@ -372,8 +372,10 @@ class _Sums:
         loss, normaliser = self.loss.clone(), self.normaliser.clone()
         names = sorted(self.metrics)  # every rank adds the same names: the objective returns them always (`add`)
         metrics = torch.stack([self.metrics[n] for n in names]) if names else None
-        # The loss travels with the head's row count, in float64: exact for counts up to 2**53.
-        loss_and_rows = torch.stack([loss.double(), self.head_rows.double()])
+        # The loss travels with the head's row count, in float64: exact for counts up to 2**53
+        # (float32 on Apple's MPS, which has no float64).
+        wide = torch.float32 if loss.device.type == "mps" else torch.float64
+        loss_and_rows = torch.stack([loss.to(wide), self.head_rows.to(wide)])
         if fabric.world_size > 1:
             loss_and_rows = fabric.all_reduce(loss_and_rows, reduce_op="sum")
             normaliser = fabric.all_reduce(normaliser, reduce_op="sum")
@@ -381,8 +383,8 @@ class _Sums:
                 metrics = fabric.all_reduce(metrics, reduce_op="sum")
         loss, head_rows = loss_and_rows[0].float(), loss_and_rows[1]
         divisor = _divisor(normaliser)
-        values = torch.cat([(loss / divisor).reshape(1).double()]
-                           + ([(metrics / divisor).double()] if metrics is not None else []) + [head_rows.reshape(1)])
+        values = torch.cat([(loss / divisor).reshape(1).to(wide)]
+                           + ([(metrics / divisor).to(wide)] if metrics is not None else []) + [head_rows.reshape(1)])
         *means, self.summed_head_rows = values.tolist()  # the one host-device sync
         return dict(zip(["loss", *names], means))
 

@@ -128,6 +128,13 @@ class Objective(ABC):
         ids = batch["input_ids"]
         return torch.full((), ids.numel(), dtype=torch.long, device=ids.device)
 
+    def head_rows(self, batch: dict[str, Any]) -> Optional[torch.Tensor]:
+        """How many rows of `batch` this objective sends through the model's fused output head
+        (`GPT.head_loss`), which leaves out rows without a label on a CPU: MFU counts the head's
+        FLOPs for these only. None (here): the objective computes logits for every input token
+        (through `model(input_ids)`, as a custom loss does)."""
+        return None
+
     def memory_profile(self, frozen_base: bool) -> dict[str, bool]:
         """What this objective adds to a training step's memory, as `toolkit.memory.check_run_fits`
         takes it: {"pairs": each sample is two rows with per-token log-probabilities, "frozen_copy":
@@ -176,6 +183,9 @@ class CausalLM(Objective):
 
     def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         return tokens_before_padding(batch["labels"])
+
+    def head_rows(self, batch: dict[str, Any]) -> torch.Tensor:
+        return (batch["labels"] != IGNORE_INDEX).sum()
 
     def prepare(self, setup: ObjectiveSetup) -> None:
         batch = peek_batch(setup.train_loader)
@@ -229,6 +239,9 @@ class WithRouterLosses(Objective):
 
     def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         return self.objective.real_tokens(batch)
+
+    def head_rows(self, batch: dict[str, Any]) -> Optional[torch.Tensor]:
+        return self.objective.head_rows(batch)
 
     def memory_profile(self, frozen_base: bool) -> dict[str, bool]:
         return self.objective.memory_profile(frozen_base)

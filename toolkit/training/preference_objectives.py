@@ -89,6 +89,11 @@ class PreferenceObjective(Objective, ABC):
     def real_tokens(self, batch: dict[str, Any]) -> torch.Tensor:
         return tokens_before_padding(batch["labels"])
 
+    def head_rows(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The trained model's rows: each pair's response tokens (the reference's are not counted
+        in MFU at all)."""
+        return (batch["labels"] != IGNORE_INDEX).sum()
+
     def loss(self, model, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         missing = [key for key in PAIR_KEYS if key not in batch]
         if missing:
@@ -250,6 +255,14 @@ class ORPO(PreferenceObjective):
     """
 
     uses_reference: ClassVar[bool] = False
+
+    def head_rows(self, batch: dict[str, Any]) -> torch.Tensor:
+        """The chosen rows' every token after the first (their language-modelling term), the
+        rejected rows' responses."""
+        labels = batch["labels"]
+        chosen_rows = labels.shape[0] // 2
+        full = full_sequence_labels(batch["input_ids"][:chosen_rows], labels[:chosen_rows])
+        return (full != IGNORE_INDEX).sum() + (labels[chosen_rows:] != IGNORE_INDEX).sum()
 
     def policy_log_probs(self, model, batch):
         labels = batch["labels"]

@@ -198,16 +198,19 @@ class Session:
     def _check_not_past_the_limits(self, resume_from: Path) -> None:
         """Refuse a checkpoint already past --train.max_steps or --train.max_tokens: the run would stop
         at once, say it reached a limit it passed long ago, and save over its newest checkpoint
-        and final model. (One exactly at the limit is a finished run started again: it saves its
-        last step again and stops.)"""
+        and final model. A finished run started again is not past them: it saves its last step
+        again and stops. (Fine-tuning's last step may overshoot max_tokens, its steps being of
+        different lengths: there only max_steps is checked.)"""
         from toolkit.checkpoint_files import read_meta
 
         saved = (read_meta(resume_from) or {}).get("train_state", {})
-        for option, limit, key, where in (("max_steps", self.train.max_steps, "step", "is at step {:,}"),
-                                          ("max_tokens", self.train.max_tokens, "tokens_seen", "has seen {:,} tokens")):
-            if limit and saved.get(key, 0) > limit:
-                raise UserError(f"{resume_from} {where.format(saved[key])}, past --train.{option} {limit:,}: raise it to "
-                                "train on, or pass another --out_dir for a new run.")
+        step, tokens = saved.get("step", 0), saved.get("tokens_seen", 0)
+        if self.train.max_steps and step > self.train.max_steps:
+            raise UserError(f"{resume_from} is at step {step:,}, past --train.max_steps {self.train.max_steps:,}: "
+                            "raise it to train on, or pass another --out_dir for a new run.")
+        if self.kind == "pretrain" and self.train.max_tokens and tokens > self.train.max_tokens:
+            raise UserError(f"{resume_from} has seen {tokens:,} tokens, past --train.max_tokens {self.train.max_tokens:,}: "
+                            "raise it to train on, or pass another --out_dir for a new run.")
 
     # ------------------------------------------------------------------ tokenizer
     def prepare_tokenizer(self, tokenizer_dir: Optional[Path], train_vocab: Optional[int], data) -> "Tokenizer":
@@ -395,7 +398,7 @@ class Session:
             save_checkpoint=save,
             flops_per_token=flops_per_token(self.config, self.plan.max_seq_length, _trainable_fraction(model)),
             head_flops_per_row=(head_flops_per_row(self.config, _trainable_fraction(model))
-                                if skips_ignored_rows(self.fabric.device.type) else None),
+                                if skips_ignored_rows(self.fabric.device.type) and _fused_head(model) else None),
             device_peak_flops=peak,
             compile_seconds=compile_seconds if compiled else None,
             stop=self.stop_signals,
@@ -519,6 +522,16 @@ def check_fits_device(kind: str, config: Config, run_plan: RunPlan, lora: Any = 
     line = check_run_fits(torch.cuda.get_device_properties(0).total_memory, config, run_plan, finetune, lora,
                           pairs=pairs, frozen_copy=frozen_copy)
     print_before_launch(line)
+
+
+def _fused_head(model) -> bool:
+    """Whether the model's output head is the toolkit's own (`OutputHead`, FSDP-wrapped or not),
+    which computes the loss fused and can leave out unlabelled rows; an adapter or a quantized
+    layer in its place computes every row (`GPT.head_loss`)."""
+    from toolkit.models.gpt import OutputHead
+
+    heads = [module for name, module in model.named_modules() if name.rsplit(".", 1)[-1] == "lm_head"]
+    return bool(heads) and all(isinstance(head, OutputHead) for head in heads)
 
 
 def print_before_launch(line: str) -> None:
