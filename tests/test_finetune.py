@@ -369,6 +369,20 @@ def test_fine_tuning_counts_real_tokens_not_padding(tmp_path):
     assert float(row["train/mfu"]) == pytest.approx(expected, rel=1e-6)
 
 
+def test_a_cpu_peak_measured_beside_other_work_rises_to_the_machine_rate_at_the_first_log_steps():
+    from toolkit.training.throughput import CpuPeak
+
+    peak = CpuPeak(torch.float32, size=256, seconds=0.02)
+    peak.fastest *= 4  # as if start-up had shared the cores: a quarter of the rate
+    low = peak.flops
+    assert peak.refresh() > 2 * low  # 10 ms more of products: the fastest is the machine's again
+    for _ in range(CpuPeak.REFRESHES - 1):
+        peak.refresh()
+    peak.fastest *= 4
+    stale = peak.flops
+    assert peak.refresh() == stale  # the refreshes are over: no more products are timed
+
+
 def test_mfu_counts_head_rows_where_the_fused_head_leaves_out_unlabelled_ones():
     """Which rows an objective sends through the head, and whether the head is the fused one: with
     LoRA on the head (a peft layer) every row's logits are computed, so none are left out."""

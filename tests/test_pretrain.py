@@ -31,7 +31,7 @@ def _pretrain_args(out_dir: Path, *extra: str) -> list[str]:
     ]
 
 
-def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp_path):
+def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp_path, capsys):
     out = tmp_path / "run"
     assert run(_pretrain_args(out, "--train.max_steps", "25", "--eval.interval", "25", "--eval.initial_validation", "true")) == 0
 
@@ -54,6 +54,14 @@ def test_pretraining_on_shakespeare_lowers_validation_loss_and_stops_exactly(tmp
                               "--eval.initial_validation", "true", "--eval.final_validation", "false")) == 0
     first_val = logged_val_losses(again)[0]
     assert abs(first_val - val[-1]) < 1e-3, (first_val, val[-1])
+    # Another preset named beside the checkpoint is refused, not silently replaced by the checkpoint's model.
+    capsys.readouterr()
+    other = _pretrain_args(tmp_path / "other", "--initial_checkpoint_dir", str(final), "--train.max_steps", "1")
+    other[1] = "pythia-14m"
+    assert run(other) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pythia-14m is not the model of --initial_checkpoint_dir" in err[0], err
+    assert not (tmp_path / "other").exists()
 
 
 def _step_lines(capsys) -> list[str]:

@@ -83,6 +83,7 @@ def pretrain(
             raise UserError(f"--model_overrides cannot change the model of --initial_checkpoint_dir {initial_checkpoint_dir}: "
                             "its weights fix it; drop one of them.")
         config = Config.from_file(require_checkpoint_dir(initial_checkpoint_dir))
+        _check_model_name_fits(model_name, config, initial_checkpoint_dir)
         with torch.device("meta"):
             check_weights_match(initial_checkpoint_dir, GPT(config))
     else:
@@ -140,3 +141,19 @@ def pretrain(
         session.fit(model, optimizer, train_loader, val_loader, total_steps=total_steps, tokens_per_step=tokens_per_step,
                     objective=CausalLM())
         session.export_final(model)
+
+
+def _check_model_name_fits(model_name: str, config: Config, checkpoint_dir: Path) -> None:
+    """The model trained from --initial_checkpoint_dir is the checkpoint's: a preset named beside it
+    with another architecture is refused rather than silently replaced (a name that is not a
+    preset, or the checkpoint's own, is taken as a label)."""
+    import dataclasses
+
+    try:
+        named = Config.from_name(model_name)
+    except UserError:  # not a preset
+        return
+    label = ("name", "hf_repo_id")
+    if dataclasses.replace(named, **{k: getattr(config, k) for k in label}) != config:
+        raise UserError(f"{model_name} is not the model of --initial_checkpoint_dir {checkpoint_dir} ({config.name}, "
+                        f"{config.n_layer} layers of {config.n_embd}): name that model, or leave out the checkpoint.")

@@ -53,8 +53,9 @@ class LoopHooks:
     # Set where the fused head and loss leave out rows without a label (on a CPU): the head's share
     # of flops_per_token (`head_flops_per_row`), which MFU then counts for labelled rows only.
     head_flops_per_row: Optional[float] = None
-    # Peak FLOP/s of one device, for MFU; None means MFU is not reported.
-    device_peak_flops: Optional[float] = None
+    # Peak FLOP/s of one device, for MFU: a figure, or one measured on this CPU that the loop
+    # refreshes at its first log steps (`toolkit.training.throughput.CpuPeak`); None: no MFU.
+    device_peak_flops: Optional[Any] = None
     # Seconds spent compiling so far (`toolkit.parallel.compile.compile_seconds`); the time compiled
     # within a logged window is left out of its step time and throughput and logged as
     # train/compile_seconds; the first compilation is also printed.
@@ -413,11 +414,14 @@ def _log_step(fabric, state, lr, running: _Sums, elapsed, window_steps, window_t
     line = f"step {state.step}" + (f"/{step_limit}" if step_limit else "")
     line += f" | loss {loss:.4f}" + "".join(f" | {name} {value:.4f}" for name, value in means.items())
     line += f" | lr {lr:.2e} | {tokens_per_sec:,.0f} tok/s | {elapsed / max(window_steps, 1):.2f} s/step"
-    if hooks.flops_per_token and hooks.device_peak_flops:
+    peak = hooks.device_peak_flops
+    if peak is not None and not isinstance(peak, (int, float)):
+        peak = peak.refresh()  # before the window's figure: the machine's rate as best measured yet
+    if hooks.flops_per_token and peak:
         flops = hooks.flops_per_token * window_tokens
         if hooks.head_flops_per_row is not None:  # the head computed the labelled rows only
             flops -= hooks.head_flops_per_row * max(0.0, window_tokens - running.summed_head_rows)
-        mfu = flops / max(elapsed, 1e-9) / (hooks.device_peak_flops * fabric.world_size)
+        mfu = flops / max(elapsed, 1e-9) / (peak * fabric.world_size)
         metrics["train/mfu"] = mfu
         line += f" | MFU {100 * mfu:.1f}%"
     line += f" | {_duration(state.train_seconds)} elapsed" + _time_left(state, step_limit, max_seconds, seconds_per_step)

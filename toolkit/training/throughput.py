@@ -45,25 +45,46 @@ def gpu_peak_flops(device_name: str, precision: str) -> Optional[float]:
     return None
 
 
-def measure_cpu_flops(dtype: torch.dtype, size: int = 1024, seconds: float = 0.25) -> float:
-    """FLOP/s of a square matrix product on this CPU with the current thread count: the fastest of
-    the products timed one by one for `seconds`, so that a moment of load from another process
-    (which made a mean over the window half the machine's rate, and MFU above 100%) is left out."""
-    generator = torch.Generator().manual_seed(0)  # private: the training RNG stream is left untouched
-    a = torch.randn(size, size, generator=generator).to(dtype)
-    b = torch.randn(size, size, generator=generator).to(dtype)
-    a @ b  # warm-up
-    fastest, start = math.inf, time.perf_counter()
-    while True:
-        before = time.perf_counter()
-        a @ b
-        after = time.perf_counter()
-        fastest = min(fastest, after - before)
-        if after - start >= seconds:
-            return 2 * size**3 / max(fastest, 1e-9)
+class CpuPeak:
+    """This CPU's matrix-product rate for MFU, measured at start-up and measured again, briefly, at
+    the first REFRESHES log steps (`refresh`), the fastest product winning: a start-up measurement
+    that overlapped with other work (a data loader's workers starting) read as low as half."""
+
+    REFRESHES = 10
+
+    def __init__(self, dtype: torch.dtype, size: int = 1024, seconds: float = 0.25) -> None:
+        generator = torch.Generator().manual_seed(0)  # private: the training RNG stream is left untouched
+        self.a = torch.randn(size, size, generator=generator).to(dtype)
+        self.b = torch.randn(size, size, generator=generator).to(dtype)
+        self.a @ self.b  # warm-up
+        self.fastest, self.refreshes = math.inf, 0
+        self._time(seconds)
+
+    @property
+    def flops(self) -> float:
+        return 2 * self.a.shape[0] ** 3 / max(self.fastest, 1e-9)
+
+    def _time(self, seconds: float) -> None:
+        start = time.perf_counter()
+        while True:
+            before = time.perf_counter()
+            self.a @ self.b
+            after = time.perf_counter()
+            self.fastest = min(self.fastest, after - before)
+            if after - start >= seconds:
+                return
+
+    def refresh(self) -> float:
+        """The rate after timing a few more products (about 10 ms), at the first REFRESHES calls."""
+        if self.refreshes < self.REFRESHES:
+            self.refreshes += 1
+            self._time(0.01)
+        return self.flops
 
 
-def device_peak_flops(device: torch.device, precision_plugin, user_peak: Optional[float]) -> Optional[float]:
+def device_peak_flops(device: torch.device, precision_plugin, user_peak: Optional[float]) -> "Optional[float | CpuPeak]":
+    """Peak FLOP/s of one device for MFU: the user's figure, a GPU's from the table, or a CPU's
+    measured (a `CpuPeak`, which the loop refreshes); None where unknown."""
     if user_peak:
         return user_peak
     precision = str(getattr(precision_plugin, "precision", "32-true"))
@@ -71,5 +92,5 @@ def device_peak_flops(device: torch.device, precision_plugin, user_peak: Optiona
         return gpu_peak_flops(torch.cuda.get_device_name(device), precision)
     if device.type == "cpu":
         dtype = torch.bfloat16 if precision_kind(precision) == "bf16" else torch.float32
-        return measure_cpu_flops(dtype)
+        return CpuPeak(dtype)
     return None
