@@ -205,7 +205,9 @@ def test_a_second_signal_or_ctrl_c_stops_a_process_stuck_in_a_collective_at_once
                               stderr=subprocess.PIPE, text=True, env=env) for rank in (0, 1)]
     try:
         assert ranks[0].stdout.readline().strip() == "waiting"
-        time.sleep(1)  # into the all-reduce: before it, Ctrl-C's KeyboardInterrupt is raised in Python
+        # Into the all-reduce: before it, Ctrl-C's KeyboardInterrupt is raised in Python (and on a
+        # busy machine a second may not take the main thread from the print to the wait).
+        _wait_until_the_main_thread_sleeps(ranks[0].pid)
         ranks[0].send_signal(getattr(signal, signals[0]))
         if len(signals) > 1:
             report = _read_line(ranks[0].stderr, 30)
@@ -221,6 +223,21 @@ def test_a_second_signal_or_ctrl_c_stops_a_process_stuck_in_a_collective_at_once
     assert "returned" not in out and "Traceback" not in err
     expected = "stopped by SIGTERM after" if signals[0] == "SIGTERM" else "interrupted while inside one call for"
     assert err.strip().splitlines()[-1].startswith(f"toolkit: error: rank 0: {expected}"), err
+
+
+def _wait_until_the_main_thread_sleeps(pid: int, settled: float = 1.0, timeout: float = 60.0) -> None:
+    """Wait until process `pid`'s main thread has been asleep in the kernel (state S: waiting for
+    the all-reduce's peer) for `settled` seconds on end."""
+    start = asleep_since = time.monotonic()
+    while time.monotonic() - start < timeout:
+        state = Path(f"/proc/{pid}/task/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        now = time.monotonic()
+        if state != "S":
+            asleep_since = now
+        elif now - asleep_since >= settled:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid}'s main thread never settled into a wait")
 
 
 def test_a_process_that_makes_progress_through_native_calls_is_not_taken_for_stuck():
