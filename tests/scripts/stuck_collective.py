@@ -8,11 +8,16 @@ line, as a checkpoint written file after file does. The test signals rank 0.
     python stuck_collective.py MODE RANK PORT STUCK_SECONDS STUCK_REPORT_SECONDS
 """
 
+import signal
 import sys
 import time
 from datetime import timedelta
 
 from toolkit.training import preemption
+
+# Ctrl-C as a terminal's process has it: a test suite started in the background by a shell without
+# job control (as CI may be) passes SIGINT on ignored, and Python then leaves it ignored.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 mode, rank, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 preemption.STUCK_SECONDS, preemption.STUCK_REPORT_SECONDS = float(sys.argv[4]), float(sys.argv[5])

@@ -26,8 +26,7 @@ checkpoint (exit code as above, tracker runs killed, the node's other ranks with
   in a collective for as long as a peer's legitimate work takes (preparing data, compiling, saving);
 - after a second signal (one that comes `SAME_SIGNAL_SECONDS` or more after the first: launchers
   that forward a scheduler's signal deliver it twice at once) or Ctrl-C (SIGINT, exit code 130),
-  once the call has lasted `SECOND_SIGNAL_SECONDS`, until that signal has reached Python, and
-  `AFTER_SECOND_SIGNAL_SECONDS` after (clean-up at exit can wait for a collective that never ends).
+  once the call has lasted `SECOND_SIGNAL_SECONDS`, until that signal has reached Python.
 """
 
 from __future__ import annotations
@@ -57,11 +56,6 @@ STUCK_REPORT_SECONDS = 10.0
 # After a second signal, or Ctrl-C (which saves nothing), a main thread inside one call this long
 # is stopped.
 SECOND_SIGNAL_SECONDS = 3.0
-# Once such a signal has reached Python (its exception unwinds the program), a main thread inside
-# one call this long is stopped too: the exception may have left a collective's work queued, which
-# the process group's clean-up at exit then waits for with no end (a Ctrl-C that landed between
-# queueing an all-reduce and waiting for it).
-AFTER_SECOND_SIGNAL_SECONDS = 10.0
 # Signals closer together than this are one request (torchrun forwards the SIGTERM that srun also
 # sends to each worker).
 SAME_SIGNAL_SECONDS = 1.0
@@ -166,7 +160,6 @@ class StopSignals:
         first: Optional[str] = None  # the first watched signal's name
         first_at = 0.0
         urgent_at: Optional[float] = None  # a second signal or Ctrl-C that has not reached Python yet
-        urgent_reached = False  # one that has
         probe, reported = _MainThreadProbe(), False
         try:
             while True:
@@ -184,18 +177,13 @@ class StopSignals:
                 if first is None:
                     continue
                 if urgent_at is not None and probe.answered_at >= urgent_at:
-                    urgent_at, urgent_reached = None, True  # it reached Python: its handler acts, clean-up takes its time
+                    urgent_at = None  # it reached Python: its handler acts, and clean-up takes its time
                 inside = probe.unanswered_for()
                 if inside == 0.0:
                     reported = False
                     probe.ask()
                     continue
-                if urgent_at is not None:
-                    limit: Optional[float] = SECOND_SIGNAL_SECONDS
-                elif urgent_reached:
-                    limit = AFTER_SECOND_SIGNAL_SECONDS
-                else:
-                    limit = self.stuck_limit() if self._armed() else None
+                limit = SECOND_SIGNAL_SECONDS if urgent_at is not None else self.stuck_limit() if self._armed() else None
                 if limit is not None and inside >= limit:
                     self._stop_stuck(first, inside, _describe_position(main_ident))
                     return
